@@ -1,0 +1,89 @@
+"""Typed records that passes write into ``node.meta`` (never loose dict keys).
+
+The IR goes through these states, each printable (``autopar.explain``):
+
+1. **captured** — an ATen-level ``torch.fx`` graph from ``torch.export`` (``autopar.capture``);
+   every node carries a FakeTensor ``val``.
+2. **annotated** — ``node.meta["autopar.tensor"]`` (:class:`TensorInfo`: shape, dtype, module,
+   whether a gradient flows), ``node.meta["autopar.cost"]`` (:class:`NodeCost`: FLOPs, bytes,
+   roofline time on one device) and ``node.meta["autopar.strategies"]`` (:class:`NodeStrategies`:
+   the N-D strategies the solver may pick from, each with its per-device cost).
+3. **planned** — a :class:`autopar.plan.Plan`: one strategy per node, the reshards between them.
+4. **lowered** — per-rank graph with local shapes and collectives as nodes (``passes.lower``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.placement import Spec
+
+__all__ = ["TENSOR", "COST", "STRATEGIES", "NodeCost", "NodeStrategies", "Strategy", "TensorInfo"]
+
+TENSOR = "autopar.tensor"
+COST = "autopar.cost"
+STRATEGIES = "autopar.strategies"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Shape and provenance of a node's (first) tensor output."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    module: str
+    """FQN of the innermost ``nn.Module`` the op was called in ("" at top level)."""
+    layer: str
+    """``module`` with layer indices replaced by ``*`` (``transformer.h.*.attn``): repeated
+    layers share it."""
+    requires_grad: bool
+    """A gradient flows into this value in training (it depends on a parameter)."""
+    kind: str
+    """``"param"``, ``"buffer"``, ``"input"``, ``"op"`` or ``"output"``."""
+    fqn: str = ""
+    """For parameters, buffers and inputs: the model's name for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """Cost of a node on one device with no sharding (global shapes)."""
+
+    fwd_flops: float
+    bwd_flops: float
+    bytes_moved: float
+    """Bytes read and written by the forward op."""
+    output_bytes: float
+    saved_bytes: float
+    """Bytes kept for backward: the output if consumers save it, plus the op's own extras."""
+    fwd_time: float
+    bwd_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run a node on the whole mesh: a spec per tensor input and output."""
+
+    inputs: tuple[Spec | None, ...]
+    outputs: tuple[Spec, ...]
+    rewrites: tuple[str, ...] = ()
+    """Per mesh axis: the lowering rewrite the axis needs ("" for none)."""
+    comms: tuple[str, ...] = ()
+    """Per mesh axis: collectives inside the op ("" for none)."""
+    split: tuple[bool, ...] = ()
+    """Per mesh axis: the axis's devices share the work (so replicated inputs get partial
+    gradients that must be all-reduced: Megatron-LM's ``f``)."""
+    compute_time: float = field(default=0.0, compare=False)
+    """Forward + backward seconds on one device, local shapes."""
+    comm_time: float = field(default=0.0, compare=False)
+    """Seconds of collectives inside the op (forward + backward)."""
+    memory: float = field(default=0.0, compare=False)
+    """Bytes one device holds for this node: saved activations, or parameter training state."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStrategies:
+    strategies: tuple[Strategy, ...]
+    follows: str = ""
+    """Name of the node whose choice this one follows (cheap pointwise/view ops), or ""."""
+    follow_map: tuple[int, ...] = ()
+    """For a follower: ``follow_map[k]`` is this node's strategy when the leader picks ``k``."""

@@ -1,0 +1,192 @@
+"""Hand-written layouts as constrained plans: the baselines autopar is compared against.
+
+``megatron`` fixes the weights to Megatron-LM's tensor-parallel pattern (Shoeybi et al., arXiv
+1909.08053 §3) and lets the solver place everything else, so the result is a point of the same
+search space ``autopar.plan`` explores — the auto plan can only match or beat it.
+
+The pattern is recognised by structure, not by names. Walking the graph in order, every matmul
+whose weight is a parameter is
+
+* **row-parallel** (weight split along its input features, output ``Partial``, one all-reduce
+  after it) when every nearest upstream parameter matmul is column-parallel and the path from
+  them passes no normalization — the second matmul of an MLP, the attention output projection;
+* **column-parallel** (weight split along its output features) otherwise — QKV, MLP up/gate, and
+  the LM head, which is thereby vocabulary-parallel.
+
+Embedding tables are vocabulary-parallel (split along rows). GPT-2's ``Conv1D`` stores weights as
+``[in, out]`` (``addmm``), ``nn.Linear`` as ``[out, in]`` (``linear``): the split dimension follows
+the op, so both come out right. With ``sequence_parallel=True`` normalizations and the residual
+stream run split along the sequence on the tensor axis (Korthikanti et al., arXiv 2205.05198);
+without it they run replicated there, as in the original Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+from autopar.capture import Captured, capture
+from autopar.cluster import Cluster
+from autopar.ir import TENSOR, Strategy
+from autopar.passes import PassContext, run_passes
+from autopar.passes.annotate import annotate_tensors, op_name
+from autopar.placement import Partial, Replicate, Shard
+from autopar.plan import Plan
+from autopar.rules import tensor_inputs
+from autopar.planner import plan_captured
+
+__all__ = ["megatron", "megatron_weight_roles"]
+
+_MATMUL = {"linear", "addmm", "mm", "matmul"}
+_NORM = {"layer_norm", "rms_norm", "native_layer_norm", "group_norm", "batch_norm", "rsqrt"}
+
+
+def _weight_of(node: Node) -> tuple[Node | None, Node | None, int, int]:
+    """(weight, bias, out-feature dim, in-feature dim) of a matmul with a parameter weight."""
+    name = op_name(node)
+    a = node.args
+    if name == "linear":
+        w, b, out_d, in_d = a[1], (a[2] if len(a) > 2 else None), 0, 1
+    elif name == "addmm":
+        w, b, out_d, in_d = a[2], a[0], 1, 0
+    else:
+        w, b, out_d, in_d = a[1], None, 1, 0
+    info = w.meta.get(TENSOR) if isinstance(w, Node) else None
+    if info is None or info.kind != "param" or len(info.shape) != 2:
+        return None, None, 0, 0
+    binfo = b.meta.get(TENSOR) if isinstance(b, Node) else None
+    return w, (b if binfo is not None and binfo.kind == "param" else None), out_d, in_d
+
+
+def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:
+    """``{param_fqn: "col" | "row" | "col_bias" | "vocab"}`` by the structural rule above."""
+    role_of_matmul: dict[Node, str] = {}
+    # For each node: set of nearest upstream param-matmuls, and whether a norm lies on the way.
+    upstream: dict[Node, tuple[frozenset, bool]] = {}
+    roles: dict[str, str] = {}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            upstream[n] = (frozenset(), False)
+            continue
+        ups: set[Node] = set()
+        norm = False
+        for i in n.all_input_nodes:
+            u, nm = upstream.get(i, (frozenset(), False))
+            ups |= u
+            norm |= nm
+        name = op_name(n)
+        if name in _NORM:
+            norm = True
+        w, b, out_d, in_d = _weight_of(n) if name in _MATMUL else (None, None, 0, 0)
+        if w is not None:
+            x = n.args[1] if name == "addmm" else n.args[0]
+            xu, xnorm = upstream.get(x, (frozenset(), False))
+            is_row = bool(xu) and not xnorm and all(role_of_matmul.get(m) == "col" for m in xu)
+            role = "row" if is_row else "col"
+            role_of_matmul[n] = role
+            fqn = w.meta[TENSOR].fqn
+            roles[fqn] = f"{role}:{out_d if role == 'col' else in_d}"
+            if b is not None:
+                roles[b.meta[TENSOR].fqn] = "col_bias" if role == "col" else "row_bias"
+            upstream[n] = (frozenset({n}), False)
+            continue
+        if name == "embedding":
+            w = n.args[0]
+            info = w.meta.get(TENSOR) if isinstance(w, Node) else None
+            if info is not None and info.kind == "param" and info.fqn not in roles:
+                # Position embeddings (indexed by positions, not tokens) stay to the solver.
+                idx = n.args[1]
+                iinfo = idx.meta.get(TENSOR) if isinstance(idx, Node) else None
+                if iinfo is not None and iinfo.kind == "input":
+                    roles[info.fqn] = "vocab"
+        upstream[n] = (frozenset(ups), norm)
+    return roles
+
+
+def megatron(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    tp: int,
+    dp: int | None = None,
+    sequence_parallel: bool = False,
+    *,
+    memory_budget: float | None = None,
+    captured: Captured | None = None,
+    time_limit: float = 60.0,
+) -> Plan:
+    """The Megatron-LM layout with tensor-parallel size ``tp`` and data-parallel size ``dp``.
+
+    ``dp`` defaults to ``world_size / tp``. The mesh is ``(dp, tp)`` (``(tp,)`` when ``dp == 1``),
+    the tensor axis innermost so it stays inside a node.
+    """
+    world = cluster.world_size
+    if dp is None:
+        if world % tp:
+            raise ValueError(f"tp={tp} does not divide the world size {world}")
+        dp = world // tp
+    if dp * tp != world:
+        raise ValueError(f"tp({tp}) × dp({dp}) = {tp * dp} ≠ world size {world}")
+    cap = captured if captured is not None else capture(model, example_inputs)
+    ctx = PassContext(captured=cap, cluster=cluster)
+    run_passes(cap.gm, ctx, [annotate_tensors])
+    roles = megatron_weight_roles(cap.gm.graph)
+    mesh = (dp, tp) if dp > 1 else (tp,)
+    t_axis = len(mesh) - 1
+    fixed: dict[str, tuple[str, ...]] = {}
+    for fqn, role in roles.items():
+        if role.startswith(("col:", "row:")):
+            tp_p = f"S({role.split(':')[1]})"
+        elif role == "col_bias":
+            tp_p = "S(0)"
+        elif role == "vocab":
+            tp_p = "S(0)"
+        else:  # row_bias
+            tp_p = "R"
+        fixed[fqn] = ("R", tp_p) if dp > 1 else (tp_p,)
+
+    fixed_tp = {fqn: spec[t_axis] for fqn, spec in fixed.items()}
+
+    def megatron_execution(node: Node, s: Strategy) -> bool:
+        """Weights are used where they lie (no gathering); norms as Megatron runs them."""
+        if node.op != "call_function":
+            return True
+        for j, i in enumerate(tensor_inputs(node)):
+            info = i.meta.get(TENSOR)
+            if info is not None and info.kind == "param" and info.fqn in fixed_tp and s.inputs[j] is not None:
+                want = fixed_tp[info.fqn]
+                got = s.inputs[j][t_axis]
+                if want == "R" and not isinstance(got, (Replicate, Partial)):
+                    return False
+                if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
+                    return False
+        if op_name(node) not in ("layer_norm", "rms_norm", "native_layer_norm", "mean"):
+            return True
+        if op_name(node) == "mean" and not _is_rms_mean(node):
+            return True
+        p = s.outputs[0][t_axis]
+        if sequence_parallel:
+            return isinstance(p, Shard) and p.dim == 1
+        return isinstance(p, Replicate)
+
+    name = f"megatron(tp={tp}, dp={dp}{', sequence_parallel' if sequence_parallel else ''})"
+    return plan_captured(
+        cap,
+        cluster,
+        memory_budget=memory_budget,
+        mesh_shape=mesh,
+        fixed=fixed,
+        node_constraint=megatron_execution,
+        time_limit=time_limit,
+        layout=name,
+        mixed_precision=any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()),
+    )
+
+
+def _is_rms_mean(node: Node) -> bool:
+    """The mean of an RMSNorm: over the last dim of a pow(x, 2)."""
+    src = node.args[0]
+    return isinstance(src, Node) and op_name(src) == "pow"

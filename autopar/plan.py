@@ -1,0 +1,281 @@
+"""The Plan: everything codegen needs to run a model in parallel, and a person needs to read it.
+
+A Plan records the mesh (shape and axis names), for every graph node the strategy chosen (the spec
+of each tensor input and output, per-axis rewrites and in-op collectives), the placement of every
+parameter and user input, every reshard between nodes with its collectives, and the predicted
+step time, memory and communication. It is pure data: JSON out (``save``), JSON in (``load``),
+an exact round trip, and loading needs neither OR-Tools nor the model.
+
+Specs are written one string per mesh axis: ``"R"``, ``"P"``, ``"S(d)"`` (``"S(d)xk"`` when a
+fused weight is sharded block by block; see ``autopar.placement``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.placement import Spec, format_spec, parse_spec
+
+__all__ = ["NodePlan", "Plan", "Predicted", "ReshardPlan"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """The strategy chosen for one graph node."""
+
+    name: str
+    op: str
+    module: str
+    kind: str
+    """``param``, ``buffer``, ``input`` or ``op``."""
+    fqn: str
+    inputs: tuple[tuple[str, ...] | None, ...]
+    """Spec each tensor input must arrive in (``tensor_inputs`` order)."""
+    input_names: tuple[str, ...]
+    outputs: tuple[tuple[str, ...], ...]
+    rewrites: tuple[str, ...]
+    comms: tuple[str, ...]
+    split: tuple[bool, ...]
+    shape: tuple[int, ...]
+    compute_time: float
+    comm_time: float
+    memory: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardPlan:
+    """A producer's output turned into the spec a consumer wants."""
+
+    producer: str
+    consumer: str
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    collectives: tuple[str, ...]
+    """e.g. ``("all_gather(axis=1, dim=2)",)``; empty for a gradient sync only."""
+    grad_sync_axes: tuple[int, ...]
+    """Axes whose backward all-reduces (or reduce-scatters) the gradient (Megatron's ``f``)."""
+    time: float
+    """Forward + backward seconds."""
+    bytes_per_axis: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """What the cost model predicts for one training step."""
+
+    step_time: float
+    compute_time: float
+    comm_time: float
+    memory_per_device: float
+    """Bytes, the largest over devices (all devices hold equal shards)."""
+    comm_bytes_per_axis: tuple[float, ...]
+    optimal: bool
+    """CP-SAT proved the plan optimal for the cost model."""
+
+
+@dataclass
+class Plan:
+    """A parallel execution plan (see module docstring)."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    nodes: list[NodePlan]
+    params: dict[str, tuple[str, ...]]
+    """Parameter FQN (first name) -> spec."""
+    param_aliases: dict[str, list[str]]
+    inputs: dict[str, tuple[str, ...]]
+    """User input path (``"input_ids"``, ``"args[0]"``) -> spec."""
+    reshards: list[ReshardPlan]
+    predicted: Predicted
+    cluster: dict[str, Any]
+    fingerprint: str
+    """Hash of the captured graph the plan was made for."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Provenance: solver statistics, candidate meshes tried, planning time, layout name."""
+
+    # ------------------------------------------------------------------ queries
+    def param_placements(self, detailed: bool = False) -> dict[str, tuple[str, ...]]:
+        """Every parameter's spec, keyed by all its ``model.named_parameters()`` names.
+
+        One entry per mesh axis, ``"R"`` or ``"S(d)"``; ``detailed=True`` keeps block counts of
+        fused weights (``"S(1)x3"``)."""
+        out = {}
+        for fqn, spec in self.params.items():
+            s = spec if detailed else tuple(x.split("x")[0] for x in spec)
+            for alias in self.param_aliases.get(fqn, [fqn]):
+                out[alias] = s
+        return out
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node {name!r} in the plan")
+
+    def param_spec(self, fqn: str) -> Spec:
+        return parse_spec(self.params[fqn])
+
+    def sharded_fraction(self, min_dims: int = 2) -> float:
+        """Fraction of weight-matrix elements (params with ``min_dims``+ dims) that are sharded."""
+        total = sharded = 0
+        for n in self.nodes:
+            if n.kind == "param" and len(n.shape) >= min_dims:
+                numel = math.prod(n.shape)
+                total += numel
+                if any(p.startswith("S") for p in n.outputs[0]):
+                    sharded += numel
+        return sharded / total if total else 0.0
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "mesh_shape": list(self.mesh_shape),
+            "mesh_axes": list(self.mesh_axes),
+            "nodes": [asdict(n) for n in self.nodes],
+            "params": {k: list(v) for k, v in self.params.items()},
+            "param_aliases": self.param_aliases,
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "reshards": [asdict(r) for r in self.reshards],
+            "predicted": asdict(self.predicted),
+            "cluster": self.cluster,
+            "fingerprint": self.fingerprint,
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("format") != FORMAT_VERSION:
+            raise ValueError(f"plan format {d.get('format')} is not supported (expected {FORMAT_VERSION})")
+
+        def tup(x: Any) -> Any:
+            if isinstance(x, list):
+                return tuple(tup(v) for v in x)
+            return x
+
+        nodes = [
+            NodePlan(**{k: (tup(v) if isinstance(v, list) else v) for k, v in n.items()}) for n in d["nodes"]
+        ]
+        reshards = [ReshardPlan(**{k: (tup(v) if isinstance(v, list) else v) for k, v in r.items()}) for r in d["reshards"]]
+        pred = d["predicted"]
+        pred = Predicted(**{k: (tup(v) if isinstance(v, list) else v) for k, v in pred.items()})
+        return cls(
+            mesh_shape=tuple(d["mesh_shape"]),
+            mesh_axes=tuple(d["mesh_axes"]),
+            nodes=nodes,
+            params={k: tuple(v) for k, v in d["params"].items()},
+            param_aliases={k: list(v) for k, v in d["param_aliases"].items()},
+            inputs={k: tuple(v) for k, v in d["inputs"].items()},
+            reshards=reshards,
+            predicted=pred,
+            cluster=d["cluster"],
+            fingerprint=d["fingerprint"],
+            info=d.get("info", {}),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self.to_dict() == other.to_dict()
+
+    # ------------------------------------------------------------------ display
+    def summary(self) -> str:
+        p = self.predicted
+        mesh = " × ".join(f"{a}={n}" for a, n in zip(self.mesh_axes, self.mesh_shape))
+        comm = ", ".join(f"{a}: {_fmt_bytes(b)}" for a, b in zip(self.mesh_axes, p.comm_bytes_per_axis))
+        lines = [
+            f"Plan on mesh {mesh}  ({self.info.get('cluster_desc', '')})",
+            f"  predicted step time {_fmt_time(p.step_time)} = compute {_fmt_time(p.compute_time)} + "
+            f"communication {_fmt_time(p.comm_time)}   ({'optimal' if p.optimal else 'best found'})",
+            f"  memory per device {_fmt_bytes(p.memory_per_device)}; communication per step {comm}",
+        ]
+        if "layout" in self.info:
+            lines.append(f"  layout: {self.info['layout']}")
+        return "\n".join(lines)
+
+    def table(self, max_rows: int | None = None) -> str:
+        """Per module: the ops, their placements, compute and communication time."""
+        rows: dict[str, dict[str, Any]] = {}
+        order: list[str] = []
+        comm_by_consumer: dict[str, float] = defaultdict(float)
+        coll_by_consumer: dict[str, list[str]] = defaultdict(list)
+        for r in self.reshards:
+            comm_by_consumer[r.consumer] += r.time
+            coll_by_consumer[r.consumer].extend(c.split("(")[0] for c in r.collectives)
+            if r.grad_sync_axes:
+                coll_by_consumer[r.consumer].append("grad-sync")
+        for n in self.nodes:
+            if n.kind != "op" and n.kind != "param":
+                continue
+            mod = n.module if n.kind == "op" else n.fqn.rsplit(".", 1)[0]
+            if mod not in rows:
+                rows[mod] = {"ops": [], "compute": 0.0, "comm": 0.0, "colls": []}
+                order.append(mod)
+            r = rows[mod]
+            if n.kind == "param":
+                r["ops"].append(f"{n.fqn.rsplit('.', 1)[-1]}:{','.join(n.outputs[0])}")
+            elif n.op not in ("getitem", "_assert_tensor_metadata"):
+                r["ops"].append(f"{n.op}→{','.join(n.outputs[0])}" if n.outputs else n.op)
+            r["compute"] += n.compute_time
+            r["comm"] += comm_by_consumer.get(n.name, 0.0) + n.comm_time
+            r["colls"].extend(coll_by_consumer.get(n.name, []))
+        lines = [self.summary(), "", f"{'module':<40} {'compute':>10} {'comm':>10}  placements / collectives"]
+        for i, mod in enumerate(order):
+            if max_rows is not None and i >= max_rows:
+                lines.append(f"... {len(order) - max_rows} more modules")
+                break
+            r = rows[mod]
+            ops = _compress(r["ops"])
+            colls = _compress(r["colls"])
+            lines.append(
+                f"{(mod or '<top>')[:40]:<40} {_fmt_time(r['compute']):>10} {_fmt_time(r['comm']):>10}  {ops}"
+                + (f"  [{colls}]" if colls else "")
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"<autopar.Plan mesh={self.mesh_shape} step={_fmt_time(self.predicted.step_time)} mem={_fmt_bytes(self.predicted.memory_per_device)}>"
+
+
+def _compress(items: list[str], limit: int = 8) -> str:
+    counts: dict[str, int] = {}
+    for it in items:
+        counts[it] = counts.get(it, 0) + 1
+    parts = [f"{k}×{v}" if v > 1 else k for k, v in counts.items()]
+    if len(parts) > limit:
+        parts = [*parts[:limit], f"+{len(parts) - limit}"]
+    return " ".join(parts)
+
+
+def _fmt_time(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t * 1e6:.1f} µs"
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def spec_str(spec: Spec) -> tuple[str, ...]:
+    return format_spec(spec)

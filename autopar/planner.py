@@ -1,0 +1,387 @@
+"""``autopar.plan``: model + example batch + cluster -> Plan.
+
+The pipeline (each stage inspectable, see ``autopar.ir``):
+
+1. ``capture`` the model with ``torch.export`` (once);
+2. ``annotate_tensors`` and ``annotate_cost`` (once: costs of the unsharded ops);
+3. for each candidate mesh shape: ``annotate_strategies`` then ``solve`` (CP-SAT);
+4. keep the mesh with the smallest predicted step time and write the Plan.
+
+Candidate meshes for N devices (when ``mesh_shape`` is not given): the 1-D mesh ``(N,)`` and every
+``(N/t, t)`` with ``t`` dividing the devices of a node, so the inner (tensor-parallel) axis stays
+on NVLink.
+
+Determinism: CP-SAT runs with a fixed seed and one worker, so every rank computing the plan gets
+the same one; ``autopar.parallelize`` nevertheless plans on rank 0 and broadcasts the JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+from autopar.capture import Captured, capture
+from autopar.cluster import Cluster
+from autopar.ir import STRATEGIES, TENSOR, Strategy
+from autopar.passes import PassContext, run_passes
+from autopar.passes.annotate import annotate_cost, annotate_tensors, op_name
+from autopar.passes.strategies import annotate_strategies
+from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec
+from autopar.plan import NodePlan, Plan, Predicted, ReshardPlan
+from autopar.reshard import edge_cost, reshard_steps, step_cost
+from autopar.rules import tensor_inputs
+
+__all__ = ["candidate_meshes", "plan", "plan_captured"]
+
+NodeConstraint = Callable[[Node, Strategy], bool]
+
+
+def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
+    n = cluster.world_size
+    out: list[tuple[int, ...]] = [(n,)]
+    for t in range(2, cluster.gpus_per_node + 1):
+        if cluster.gpus_per_node % t == 0 and n % t == 0 and t < n:
+            out.append((n // t, t))
+    return out
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    memory_budget: float | None = None,
+    mesh_shape: Sequence[int] | None = None,
+    fixed: dict[str, Sequence[str] | str] | None = None,
+    *,
+    optimizer: str = "adamw",
+    mixed_precision: bool | None = None,
+    time_limit: float = 60.0,
+) -> Plan:
+    """Plan ``model`` on ``cluster``; ``example_inputs`` is one global batch.
+
+    ``memory_budget``: bytes per device (default: the device's memory). ``mesh_shape``: fix the
+    mesh instead of trying the candidates. ``fixed``: ``{param_fqn: spec}``, e.g.
+    ``{"lm_head.weight": ("S(0)",)}``, honored exactly.
+    """
+    cap = capture(model, example_inputs)
+    if mixed_precision is None:
+        mixed_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    return plan_captured(
+        cap,
+        cluster,
+        memory_budget=memory_budget,
+        mesh_shape=mesh_shape,
+        fixed=fixed,
+        optimizer=optimizer,
+        mixed_precision=mixed_precision,
+        time_limit=time_limit,
+    )
+
+
+def _parse_fixed(cap: Captured, fixed: dict[str, Sequence[str] | str] | None, n_axes: int) -> dict[str, Spec]:
+    if not fixed:
+        return {}
+    alias_to_first = {a: first for first, names in cap.param_aliases.items() for a in names}
+    known = set(cap.params.values())
+    out = {}
+    for name, spec in fixed.items():
+        first = alias_to_first.get(name, name)
+        if first not in known:
+            close = [k for k in known if k.endswith(name.split(".")[-1])][:3]
+            raise ValueError(f"fixed names parameter {name!r}, which the model does not have (similar: {close})")
+        parsed = parse_spec(spec)
+        if len(parsed) != n_axes:
+            raise ValueError(
+                f"fixed spec for {name!r} has {len(parsed)} entries but the mesh has {n_axes} axes; give one "
+                f"placement per mesh axis"
+            )
+        out[first] = parsed
+    return out
+
+
+def plan_captured(
+    cap: Captured,
+    cluster: Cluster,
+    *,
+    memory_budget: float | None = None,
+    mesh_shape: Sequence[int] | None = None,
+    fixed: dict[str, Sequence[str] | str] | None = None,
+    node_constraint: NodeConstraint | None = None,
+    optimizer: str = "adamw",
+    mixed_precision: bool = False,
+    time_limit: float = 60.0,
+    layout: str = "",
+) -> Plan:
+    """``plan`` on an already captured program (used by ``autopar.layouts`` and benchmarks)."""
+    from autopar.solver import InfeasibleError, SolverConfig, solve
+
+    t_start = time.perf_counter()
+    budget = float(memory_budget if memory_budget is not None else cluster.device.memory)
+    if budget <= 0:
+        raise ValueError(f"memory_budget must be positive, got {budget}")
+    if mesh_shape is not None:
+        meshes = [tuple(int(x) for x in mesh_shape)]
+        cluster.validate_mesh(meshes[0])
+    else:
+        meshes = candidate_meshes(cluster)
+    ctx = PassContext(captured=cap, cluster=cluster, optimizer=optimizer, mixed_precision=mixed_precision)
+    gm = run_passes(cap.gm, ctx, [annotate_tensors, annotate_cost])
+    best = None
+    tried = []
+    errors = []
+    for mesh in meshes:
+        mctx = PassContext(
+            captured=cap, cluster=cluster, mesh_shape=mesh, optimizer=optimizer, mixed_precision=mixed_precision
+        )
+        t0 = time.perf_counter()
+        run_passes(gm, mctx, [annotate_strategies])
+        t_strat = time.perf_counter() - t0
+        fixed_specs = _parse_fixed(cap, fixed, len(mesh))
+        if node_constraint is not None:
+            _apply_node_constraint(gm, node_constraint)
+        try:
+            sol = solve(gm, mctx, memory_budget=budget, fixed=fixed_specs, config=SolverConfig(time_limit=time_limit))
+        except InfeasibleError as e:
+            errors.append(e)
+            tried.append({"mesh": list(mesh), "feasible": False})
+            continue
+        tried.append(
+            {
+                "mesh": list(mesh),
+                "feasible": True,
+                "objective": sol.objective,
+                "optimal": sol.optimal,
+                "strategy_time": t_strat,
+                "solve_time": sol.solve_time,
+                "classes": sol.num_classes,
+                "edge_vars": sol.num_edge_vars,
+            }
+        )
+        if best is None or sol.objective < best[1].objective * (1 - 1e-9):
+            best = (mesh, sol, _snapshot(gm))
+    if best is None:
+        if len(errors) == 1:
+            raise errors[0]
+        raise InfeasibleError(
+            "no mesh shape fits the memory budget:\n  " + "\n  ".join(f"{m}: {e}" for m, e in zip(meshes, errors))
+        )
+    mesh, sol, snap = best
+    _restore(gm, snap)
+    p = _build_plan(gm, cap, cluster, mesh, sol)
+    p.info.update(
+        {
+            "meshes_tried": tried,
+            "planning_time": time.perf_counter() - t_start,
+            "pass_timings": dict(ctx.timings),
+            "cluster_desc": cluster.describe(),
+            "unruled_ops": gm.meta.get("autopar.unruled_ops", []),
+            "memory_budget": budget,
+        }
+    )
+    if layout:
+        p.info["layout"] = layout
+    return p
+
+
+def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    return {n.name: (n.meta.get(STRATEGIES), n.meta.get("autopar.tie")) for n in gm.graph.nodes}
+
+
+def _restore(gm: torch.fx.GraphModule, snap: dict[str, Any]) -> None:
+    for n in gm.graph.nodes:
+        s, t = snap.get(n.name, (None, None))
+        if s is not None:
+            n.meta[STRATEGIES] = s
+        if t is not None:
+            n.meta["autopar.tie"] = t
+
+
+def _apply_node_constraint(gm: torch.fx.GraphModule, pred: NodeConstraint) -> None:
+    """Drop strategies a layout forbids (e.g. Megatron: norms replicated on the tensor axis).
+
+    Leaders keep the strategies ``pred`` accepts (tied nodes keep sharing one tuple, so repeated
+    layers stay tied); followers are re-derived against their leader's remaining strategies.
+    """
+    from dataclasses import replace
+
+    from autopar.ir import NodeStrategies
+    from autopar.passes.strategies import _with_follow, getitem_strategies
+
+    memo: dict[tuple[int, str], tuple[Strategy, ...]] = {}
+    for n in gm.graph.nodes:
+        ns = n.meta.get(STRATEGIES)
+        if ns is None:
+            continue
+        if ns.follows and op_name(n) == "getitem":
+            n.meta[STRATEGIES] = getitem_strategies(n)
+            continue
+        key = (id(ns.strategies), op_name(n))
+        if key not in memo:
+            memo[key] = tuple(s for s in ns.strategies if pred(n, s)) or ns.strategies
+        kept = memo[key]
+        if ns.follows:
+            n.meta[STRATEGIES] = _with_follow(n, NodeStrategies(kept))
+        elif len(kept) != len(ns.strategies):
+            n.meta[STRATEGIES] = replace(ns, strategies=kept)
+
+
+def _axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
+    """Name each axis by what the matmuls do along it, weighted by their FLOPs: ``dp`` when they
+    split the batch, ``tp`` when they split the weights, ``sp`` when they split the sequence;
+    an axis where nothing is split is ``rep``."""
+    from autopar.cost.compute import MATMUL_OPS
+    from autopar.ir import COST
+
+    votes = [{"dp": 0.0, "tp": 0.0, "sp": 0.0} for _ in mesh]
+    for n in gm.graph.nodes:
+        ns = n.meta.get(STRATEGIES)
+        if ns is None or n.op != "call_function" or op_name(n) not in MATMUL_OPS:
+            continue
+        s = ns.strategies[choice[n.name]]
+        flops = n.meta[COST].fwd_flops if COST in n.meta else 1.0
+        ins = tensor_inputs(n)
+        for a in range(len(mesh)):
+            weight_split = any(
+                i.meta.get(TENSOR) is not None and i.meta[TENSOR].kind == "param" and not isinstance(sp[a], Replicate)
+                for i, sp in zip(ins, s.inputs)
+                if sp is not None
+            )
+            out = s.outputs[0][a]
+            if weight_split:
+                votes[a]["tp"] += flops
+            elif isinstance(out, Shard) and out.dim == 0:
+                votes[a]["dp"] += flops
+            elif isinstance(out, Shard):
+                votes[a]["sp"] += flops
+    names = [max(v, key=v.get) if max(v.values()) > 0 else "rep" for v in votes]
+    if len(set(names)) != len(names):
+        names = [f"{n}{i}" for i, n in enumerate(names)]
+    return tuple(names)
+
+
+def _build_plan(gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh: tuple[int, ...], sol) -> Plan:
+    choice = sol.choice
+    nodes: list[NodePlan] = []
+    chosen: dict[Node, Strategy] = {}
+    for n in gm.graph.nodes:
+        ns = n.meta.get(STRATEGIES)
+        info = n.meta.get(TENSOR)
+        if ns is None or info is None:
+            continue
+        s = ns.strategies[choice[n.name]]
+        chosen[n] = s
+        nodes.append(
+            NodePlan(
+                name=n.name,
+                op=op_name(n) if n.op == "call_function" else n.op,
+                module=info.module,
+                kind=info.kind,
+                fqn=info.fqn,
+                inputs=tuple(None if sp is None else format_spec(sp) for sp in s.inputs),
+                input_names=tuple(i.name for i in tensor_inputs(n)),
+                outputs=tuple(format_spec(sp) for sp in s.outputs),
+                rewrites=s.rewrites,
+                comms=s.comms,
+                split=s.split,
+                shape=info.shape,
+                compute_time=s.compute_time,
+                comm_time=s.comm_time,
+                memory=s.memory,
+            )
+        )
+    reshards: list[ReshardPlan] = []
+    comm_bytes = [0.0] * len(mesh)
+    comm_time = sum(s.comm_time for s in chosen.values())
+    for c, s in chosen.items():
+        for j, i in enumerate(tensor_inputs(c)):
+            if i not in chosen or s.inputs[j] is None:
+                continue
+            src = chosen[i].outputs[_out_index(i, c)]
+            dst = s.inputs[j]
+            info = i.meta[TENSOR]
+            grad_axes = tuple(
+                a for a in range(len(mesh)) if s.split[a] and isinstance(dst[a], Replicate) and info.requires_grad
+            )
+            if src == dst and not grad_axes:
+                continue
+            val = i.meta["val"] if isinstance(i.meta["val"], torch.Tensor) else None
+            if val is None:
+                continue
+            shape, itemsize = tuple(val.shape), val.element_size()
+            steps = reshard_steps(shape, src, dst, mesh)
+            t = edge_cost(
+                shape, itemsize, src, dst, s.split, info.requires_grad, mesh, cluster, bucketed_sync=info.kind == "param"
+            )
+            per_axis = [0.0] * len(mesh)
+            for st in steps:
+                b = math.prod(st.out_shape if st.kind == "all_gather" else st.in_shape) * itemsize
+                if step_cost(st, itemsize, mesh, cluster) > 0:
+                    per_axis[st.axis] += b
+            for a in grad_axes:
+                from autopar.placement import local_shape
+
+                per_axis[a] += math.prod(local_shape(shape, dst, mesh)) * itemsize
+            for a in range(len(mesh)):
+                comm_bytes[a] += per_axis[a]
+            comm_time += t
+            reshards.append(
+                ReshardPlan(
+                    producer=i.name,
+                    consumer=c.name,
+                    src=format_spec(src),
+                    dst=format_spec(dst),
+                    collectives=tuple(_step_str(st) for st in steps),
+                    grad_sync_axes=grad_axes,
+                    time=t,
+                    bytes_per_axis=tuple(per_axis),
+                )
+            )
+    compute = sum(s.compute_time for s in chosen.values())
+    params = {}
+    inputs = {}
+    for n, s in chosen.items():
+        info = n.meta[TENSOR]
+        if info.kind == "param":
+            params[info.fqn] = format_spec(s.outputs[0])
+        elif info.kind == "input":
+            inputs[info.fqn] = format_spec(s.outputs[0])
+    mesh_axes = _axis_names(mesh, gm, choice)
+    return Plan(
+        mesh_shape=tuple(mesh),
+        mesh_axes=mesh_axes,
+        nodes=nodes,
+        params=params,
+        param_aliases={k: list(v) for k, v in cap.param_aliases.items() if k in params},
+        inputs=inputs,
+        reshards=reshards,
+        predicted=Predicted(
+            step_time=compute + comm_time,
+            compute_time=compute,
+            comm_time=comm_time,
+            memory_per_device=sol.memory,
+            comm_bytes_per_axis=tuple(comm_bytes),
+            optimal=sol.optimal,
+        ),
+        cluster=cluster.to_dict(),
+        fingerprint=cap.fingerprint,
+        info={"solver": {"objective": sol.objective, "solve_time": sol.solve_time, **sol.stats}},
+    )
+
+
+def _out_index(producer: Node, consumer: Node) -> int:
+    return 0
+
+
+def _step_str(st) -> str:
+    if st.kind in ("all_reduce", "to_partial"):
+        return f"{st.kind}(axis={st.axis})"
+    if st.kind == "all_to_all":
+        return f"all_to_all(axis={st.axis}, {st.dim}->{st.dim2})"
+    b = f"x{st.blocks}" if st.blocks > 1 else ""
+    return f"{st.kind}(axis={st.axis}, dim={st.dim}{b})"

@@ -1,0 +1,77 @@
+"""Graph passes: every pass is ``pass(gm, ctx) -> gm``, and a pipeline is a plain list of them.
+
+A pass writes typed records (``autopar.ir``) into ``node.meta`` or returns a changed graph, and
+says what it did through ``logging`` (``autopar.passes`` logger) — ``run_passes`` times each pass
+and logs the op-count difference before/after, like torchtitan's graph trainer. A pass can be
+turned off by name (``disable=("annotate_cost",)``) since the pipeline is data.
+
+The context (``PassContext``) carries what a pass may need beyond the graph: the cluster, the
+mesh shape, and the captured program's placeholder roles. It is passed explicitly, never global.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.capture import Captured
+from autopar.cluster import Cluster
+
+__all__ = ["Pass", "PassContext", "run_passes"]
+
+log = logging.getLogger("autopar.passes")
+
+
+@dataclass(kw_only=True, slots=True)
+class PassContext:
+    """What passes read besides the graph."""
+
+    captured: Captured
+    """The captured program (placeholder roles, parameter names)."""
+    cluster: Cluster
+    """Devices and links the costs are computed for."""
+    mesh_shape: tuple[int, ...] = (1,)
+    """The device mesh strategies are enumerated for."""
+    optimizer: str = "adamw"
+    """Optimizer whose state is counted in parameter memory (``autopar.cost.memory``)."""
+    mixed_precision: bool = False
+    """Count an fp32 master copy of each parameter (ZeRO's 16 bytes/parameter accounting)."""
+    max_strategies: int = 64
+    """Cap on strategies per node (the cheapest kept; replicated always kept)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds each pass took, filled by ``run_passes``."""
+
+
+Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
+
+
+def _op_counts(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def run_passes(
+    gm: torch.fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], disable: Sequence[str] = ()
+) -> torch.fx.GraphModule:
+    """Run ``passes`` in order, skipping those named in ``disable``; log time and op-count diffs."""
+    for p in passes:
+        name = getattr(p, "__name__", repr(p))
+        if name in disable:
+            log.info("pass %s: disabled", name)
+            continue
+        before = _op_counts(gm) if log.isEnabledFor(logging.DEBUG) else None
+        t0 = time.perf_counter()
+        gm = p(gm, ctx)
+        dt = time.perf_counter() - t0
+        ctx.timings[name] = ctx.timings.get(name, 0.0) + dt
+        if before is not None:
+            after = _op_counts(gm)
+            diff = {k: after[k] - before[k] for k in set(before) | set(after) if after[k] != before[k]}
+            log.debug("pass %s took %.1f ms; op-count change %s", name, dt * 1e3, diff or "none")
+        else:
+            log.info("pass %s took %.1f ms", name, dt * 1e3)
+    return gm

@@ -1,0 +1,302 @@
+"""Strategy enumeration: the N-D strategies of every node, each with its per-device cost.
+
+For a mesh with axes ``0..A-1`` a node's N-D strategies are the products of its one-axis
+strategies (``autopar.rules``), kept when every tensor it touches divides evenly. Each carries
+
+* ``compute_time`` — roofline forward + backward time of the local op: FLOPs divided by the number
+  of devices sharing the work, bytes from the local shapes;
+* ``comm_time`` — collectives inside the op (vocabulary-parallel cross-entropy);
+* ``memory`` — bytes per device: for a parameter its training state (weight, gradient, optimizer
+  state; ``autopar.cost.memory``), for an input its local batch, for an op the activations saved
+  for backward (local shapes).
+
+Two reductions keep the solver small (``NodeStrategies``):
+
+* **followers** — a cheap op (pointwise with one tensor input, view, cast, ``getitem``) whose
+  strategy is fully determined by its producer's (no reshard between them) *follows* it: the solver
+  gives it no variable of its own (Alpa's "follow" trick).
+* **repeated layers** — nodes at the same position of repeated modules (``h.0``, ``h.1``, …) with
+  the same op and shapes get one strategy list computed once; the solver ties them
+  (``autopar.solver``), so solve time barely grows with depth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar.cost.comm import all_reduce_cost
+from autopar.cost.compute import roofline_time
+from autopar.cost.memory import training_state_bytes
+from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
+from autopar.passes import PassContext
+from autopar.passes.annotate import extra_saved_bytes, op_name, value_is_saved
+from autopar.placement import Shard, Spec, divides, local_shape
+from autopar.rules import AxisStrategy, axis_strategies, block_hints, tensor_inputs, tensor_outputs
+
+__all__ = ["FOLLOW_OPS", "annotate_strategies", "tie_key"]
+
+FOLLOW_OPS = frozenset(
+    {
+        "getitem", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "permute", "t",
+        "to", "_to_copy", "clone", "contiguous", "alias", "detach", "neg", "dropout", "gelu", "silu", "relu",
+        "tanh", "sigmoid", "rsqrt", "sqrt", "exp", "pow", "expand", "flatten", "type_as", "erf", "abs",
+    }
+)
+
+
+def tie_key(node: Node, ordinal: dict[Node, int]) -> tuple | None:
+    """Nodes with equal keys sit at the same place of repeated layers and can share a choice."""
+    info = node.meta.get(TENSOR)
+    if info is None or "*" not in info.layer:
+        if info is not None and info.kind == "param" and "*" in _pattern(info.fqn):
+            return ("param", _pattern(info.fqn), info.shape, info.dtype)
+        return None
+    shapes = tuple(tuple(i.meta["val"].shape) for i in tensor_inputs(node))
+    target = str(node.target) if node.op == "call_function" else node.op
+    return (_outer_pattern(info.module), ordinal[node], target, info.shape, shapes)
+
+
+def _pattern(path: str) -> str:
+    import re
+
+    return re.sub(r"\.(\d+)(?=\.|$)", ".*", path)
+
+
+def _outer_instance(path: str) -> str:
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
+
+
+def _outer_pattern(path: str) -> str:
+    inst = _outer_instance(path)
+    return _pattern(inst)
+
+
+def _combine(
+    node: Node, axis_lists: list[list[AxisStrategy]], mesh_shape: tuple[int, ...]
+) -> list[tuple[tuple[AxisStrategy, ...], Strategy]]:
+    ins = tensor_inputs(node)
+    outs = tensor_outputs(node)
+    in_shapes = [tuple(i.meta["val"].shape) for i in ins]
+    out_shapes = [tuple(o.shape) for o in outs]
+    result = []
+    for combo in itertools.product(*axis_lists):
+        in_specs = tuple(
+            None if combo[0].inputs[j] is None else tuple(c.inputs[j] for c in combo) for j in range(len(ins))
+        )
+        out_specs = tuple(tuple(c.outputs[j] for c in combo) for j in range(len(outs)))
+        ok = all(s is None or _valid(sh, s, mesh_shape) for sh, s in zip(in_shapes, in_specs)) and all(
+            _valid(sh, s, mesh_shape) for sh, s in zip(out_shapes, out_specs)
+        )
+        if not ok:
+            continue
+        result.append(
+            (
+                combo,
+                Strategy(
+                    inputs=in_specs,
+                    outputs=out_specs,
+                    rewrites=tuple(c.rewrite for c in combo),
+                    comms=tuple(c.comm for c in combo),
+                    split=tuple(c.split for c in combo),
+                ),
+            )
+        )
+    return result
+
+
+def _valid(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> bool:
+    if not divides(shape, spec, mesh_shape):
+        return False
+    blocked = [p.dim for p in spec if isinstance(p, Shard) and p.blocks > 1]
+    sharded = [p.dim for p in spec if isinstance(p, Shard)]
+    # A block-sharded dim is sharded on one axis only (keeps the local layout simple).
+    return all(sharded.count(d) == 1 for d in blocked)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> float:
+    return float(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
+    mesh = ctx.mesh_shape
+    info = node.meta[TENSOR]
+    outs = tensor_outputs(node)
+    if node.op == "placeholder":
+        val = node.meta["val"]
+        local = local_shape(tuple(val.shape), s.outputs[0], mesh)
+        if info.kind == "param":
+            numel = float(math.prod(local))
+            mem = training_state_bytes(
+                numel, val.element_size(), optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision
+            ) if info.requires_grad else numel * val.element_size()
+        else:
+            mem = _nbytes(local, val.dtype)
+        return Strategy(s.inputs, s.outputs, s.rewrites, s.comms, s.split, 0.0, 0.0, mem)
+    cost = node.meta.get(COST)
+    if cost is None:
+        return s
+    divisor = math.prod(n for n, sp in zip(mesh, s.split) if sp)
+    ins = tensor_inputs(node)
+    moved = 0.0
+    for i, spec in zip(ins, s.inputs):
+        v = i.meta["val"]
+        moved += _nbytes(local_shape(tuple(v.shape), spec, mesh) if spec is not None else tuple(v.shape), v.dtype)
+    for o, spec in zip(outs, s.outputs):
+        moved += _nbytes(local_shape(tuple(o.shape), spec, mesh), o.dtype)
+    dev = ctx.cluster.device
+    fwd = roofline_time(cost.fwd_flops / divisor, moved, dev, info.dtype)
+    bwd = roofline_time(cost.bwd_flops / divisor, 2 * moved, dev, info.dtype) if info.requires_grad else 0.0
+    comm = 0.0
+    for a, c in enumerate(s.comms):
+        if c.startswith("all_reduce:"):
+            count = int(c.split(":")[1])
+            rows = math.prod(local_shape(tuple(outs[0].shape), s.outputs[0], mesh)) if outs[0].dim() else 1
+            x_local = local_shape(tuple(ins[0].meta["val"].shape), s.inputs[0], mesh)
+            rows = x_local[0] if x_local else rows
+            link = ctx.cluster.axis_link(mesh, a)
+            comm += count * all_reduce_cost(rows * 4.0, mesh[a], link)
+    mem = 0.0
+    if value_is_saved(node):
+        mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
+    mem += extra_saved_bytes(node) / divisor
+    return Strategy(s.inputs, s.outputs, s.rewrites, s.comms, s.split, fwd + bwd, comm, mem)
+
+
+def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Write ``NodeStrategies`` on every tensor-producing node (see module docstring)."""
+    mesh = ctx.mesh_shape
+    hints = block_hints(gm.graph)
+    # Ordinal of each node inside its outermost repeated-layer instance.
+    counters: dict[str, int] = defaultdict(int)
+    ordinal: dict[Node, int] = {}
+    for node in gm.graph.nodes:
+        info = node.meta.get(TENSOR)
+        if info is not None and info.module:
+            inst = _outer_instance(info.module)
+            ordinal[node] = counters[inst]
+            counters[inst] += 1
+    cache: dict[tuple, NodeStrategies] = {}
+    axis_cache: dict[Node, list[AxisStrategy]] = {}
+    warned: set[str] = set()
+    for node in gm.graph.nodes:
+        info = node.meta.get(TENSOR)
+        if info is None:
+            continue
+        if node.op == "call_function" and op_name(node) == "getitem":
+            if node.args[0].meta.get(STRATEGIES) is not None:
+                node.meta[STRATEGIES] = getitem_strategies(node)
+            continue
+        key = tie_key(node, ordinal)
+        hkey = tuple(sorted(hints.get(node, ())))
+        if key is not None and (key, hkey) in cache:
+            ns = cache[(key, hkey)]
+        else:
+            axis = axis_strategies(node, hints)
+            axis_cache[node] = axis
+            if node.op == "call_function" and len(axis) == 1 and op_name(node) not in warned:
+                from autopar.rules import has_rule
+
+                if not has_rule(node) and tensor_outputs(node):
+                    warned.add(op_name(node))
+            combos = _combine(node, [axis] * len(mesh), mesh)
+            strategies = [_cost_strategy(node, s, ctx) for _, s in combos]
+            if len(strategies) > ctx.max_strategies:
+                head, rest = strategies[:1], sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time)
+                strategies = head + rest[: ctx.max_strategies - 1]
+            ns = NodeStrategies(tuple(strategies))
+            if key is not None:
+                cache[(key, hkey)] = ns
+        node.meta[STRATEGIES] = _with_follow(node, ns)
+        if key is not None:
+            node.meta["autopar.tie"] = (key, hkey)
+    if warned:
+        import warnings
+
+        warnings.warn(
+            f"autopar: no sharding rule for {', '.join(sorted(warned))}; these ops run replicated "
+            f"(correct, possibly slower)",
+            stacklevel=2,
+        )
+    ctx.timings.setdefault("unruled_ops", 0.0)
+    gm.meta["autopar.unruled_ops"] = sorted(warned)
+    return gm
+
+
+def getitem_strategies(node: Node) -> NodeStrategies:
+    """``getitem`` of a multi-output op: one strategy per producer strategy, passing its output on."""
+    src = node.args[0]
+    ns = src.meta[STRATEGIES]
+    out_i = _output_position(src, node.args[1])
+    n_axes = len(ns.strategies[0].split) if ns.strategies else 0
+    strategies = tuple(
+        Strategy(
+            inputs=(s.outputs[out_i],),
+            outputs=(s.outputs[out_i],),
+            rewrites=("",) * n_axes,
+            comms=("",) * n_axes,
+            split=(False,) * n_axes,
+        )
+        for s in ns.strategies
+    )
+    return NodeStrategies(strategies, follows=src.name, follow_map=tuple(range(len(strategies))))
+
+
+def _output_position(src: Node, idx: int) -> int:
+    val = src.meta.get("val")
+    pos = 0
+    for i, v in enumerate(val):
+        if i == idx:
+            return pos
+        if isinstance(v, torch.Tensor):
+            pos += 1
+    return pos
+
+
+def _with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
+    """Make a cheap one-input op follow its producer: its choice becomes a function of the producer's.
+
+    For each producer
+    strategy the follower takes the cheapest of its strategies that reads that producer's output
+    as it is (no reshard on that edge); when some producer strategy has no such match the node
+    keeps its own variables. Alpa's "follow" heuristic; other inputs keep ordinary edges.
+    """
+    if node.op != "call_function" or len(ns.strategies) <= 1:
+        return ns
+    name = op_name(node)
+    if name not in FOLLOW_OPS:
+        return ns
+    ins = tensor_inputs(node)
+    candidates = [
+        (j, i) for j, i in enumerate(ins)
+        if i.meta.get(STRATEGIES) is not None and i.meta[TENSOR].kind not in ("param", "input", "buffer")
+    ]
+    if not candidates or len(ins) != 1:
+        return ns
+    j, producer = max(candidates, key=lambda ji: math.prod(ji[1].meta[TENSOR].shape))
+    pns = producer.meta[STRATEGIES]
+    fmap = []
+    for ps in pns.strategies:
+        src = ps.outputs[0]
+        best, best_cost = None, math.inf
+        for k, s in enumerate(ns.strategies):
+            dst = s.inputs[j]
+            if dst is None:
+                continue
+            if dst != src:
+                continue
+            c = s.compute_time + s.comm_time
+            if c < best_cost:
+                best, best_cost = k, c
+        if best is None:
+            return ns
+        fmap.append(best)
+    return NodeStrategies(ns.strategies, follows=producer.name, follow_map=tuple(fmap))
