@@ -1,0 +1,300 @@
+"""Lowering: the captured global graph + a Plan → this rank's program over local shards.
+
+The per-rank program is a new ``torch.fx.GraphModule`` (printable with ``.code``) in which
+
+* every op runs on local shards, its arguments rewritten where sharding changes them: shape
+  arguments of views/expands/``new_*`` become the local output shape, ``split`` sizes the local
+  sizes, and ops with a ``rewrite`` tag in the plan are replaced by their local form
+  (``autopar.runtime.ops``: vocabulary-parallel embedding, sharded cross-entropy, mean over a
+  sharded dimension); ``device=`` arguments name the rank's device;
+* every reshard the plan implies is a sequence of collective nodes (``autopar.runtime.collectives``),
+  one per step of ``autopar.reshard.reshard_steps``, on the ``AxisGroup`` of its mesh axis
+  (``self._ax{i}`` in the generated code);
+* a replicated value read by an op that splits work along an axis passes through ``grad_sync``
+  (identity forward, all-reduce of the gradient backward: Megatron-LM's ``f``) — once per value
+  and set of axes, however many consumers share it; when the value was just all-gathered along that
+  axis the all-gather's backward becomes a reduce-scatter instead (``grad_partial=True``);
+* outputs are resharded to ``Replicate`` (``gather_outputs``), so the program returns what the
+  model returns.
+
+Lowering never imports the solver: it reads only the Plan (JSON) and the captured graph.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+
+from autopar.capture import Captured
+from autopar.passes.annotate import op_name
+from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
+from autopar.plan import NodePlan, Plan
+from autopar.reshard import reshard_steps
+from autopar.rules import tensor_inputs, tensor_outputs
+from autopar.runtime import collectives as C
+from autopar.runtime import ops as O
+from autopar.runtime.collectives import AxisGroup
+
+__all__ = ["LoweringError", "lower"]
+
+aten = torch.ops.aten
+
+_SHAPE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_ones": 1, "new_zeros": 1, "new_empty": 1, "new_full": 1}
+_DROP = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
+
+
+class LoweringError(RuntimeError):
+    """The plan cannot be lowered onto this graph (it names the node and what is wrong)."""
+
+
+class _Lowerer:
+    def __init__(self, cap: Captured, plan: Plan, axes: Sequence[AxisGroup], device: torch.device, gather_outputs: bool):
+        self.cap = cap
+        self.plan = plan
+        self.axes = list(axes)
+        self.mesh = tuple(plan.mesh_shape)
+        self.coord = tuple(ax.coord for ax in axes)
+        self.device = device
+        self.gather_outputs = gather_outputs
+        self.np: dict[str, NodePlan] = {n.name: n for n in plan.nodes}
+        self.g = Graph()
+        self.env: dict[Node, Node] = {}
+        self.ax_nodes: dict[int, Node] = {}
+        self.reshard_memo: dict[tuple, Node] = {}
+        self.sync_memo: dict[tuple, Node] = {}
+        self.root = nn.Module()
+        for i, ax in enumerate(self.axes):
+            setattr(self.root, f"_ax{i}", ax)
+
+    # -------------------------------------------------------------- helpers
+    def ax(self, a: int) -> Node:
+        if a not in self.ax_nodes:
+            with self.g.inserting_before(self._first_non_placeholder()):
+                self.ax_nodes[a] = self.g.get_attr(f"_ax{a}")
+        return self.ax_nodes[a]
+
+    def _first_non_placeholder(self) -> Node | None:
+        for n in self.g.nodes:
+            if n.op != "placeholder":
+                return n
+        return None
+
+    def spec_out(self, node: Node, index: int = 0) -> Spec:
+        p = self.np.get(node.name)
+        if p is None:
+            return tuple(Replicate() for _ in self.mesh)
+        return parse_spec(p.outputs[index])
+
+    def fail(self, node: Node, msg: str) -> LoweringError:
+        return LoweringError(f"cannot lower {node.format_node()}: {msg}")
+
+    # -------------------------------------------------------------- reshards
+    def local_input(self, producer: Node, dst: Spec, split: Sequence[bool]) -> Node:
+        """``producer``'s local value laid out as ``dst`` (+ gradient sync for split consumers)."""
+        src = self.spec_out(producer)
+        val = producer.meta["val"]
+        steps = reshard_steps(tuple(val.shape), src, dst, self.mesh)
+        sync = {a for a in range(len(self.mesh)) if split[a] and isinstance(dst[a], Replicate)}
+        last = {s.axis: s for s in steps}
+        fused = frozenset(a for a in sync if a in last and last[a].kind == "all_gather")
+        key = (producer, dst, fused)
+        value = self.reshard_memo.get(key)
+        if value is None:
+            value = self.env[producer]
+            for st in steps:
+                kw: dict[str, Any] = {}
+                if st.kind == "all_gather":
+                    fn, kw = C.all_gather, {"dim": st.dim, "blocks": st.blocks, "grad_partial": st.axis in fused and st is last[st.axis]}
+                elif st.kind == "slice":
+                    fn, kw = C.shard_slice, {"dim": st.dim, "blocks": st.blocks}
+                elif st.kind == "all_reduce":
+                    fn = C.all_reduce
+                elif st.kind == "reduce_scatter":
+                    fn, kw = C.reduce_scatter, {"dim": st.dim, "blocks": st.blocks}
+                elif st.kind == "all_to_all":
+                    fn, kw = C.all_to_all, {"dim": st.dim, "dim2": st.dim2}
+                elif st.kind == "to_partial":
+                    fn = C.to_partial
+                else:  # pragma: no cover - reshard_steps emits only the kinds above
+                    raise AssertionError(st.kind)
+                value = self.g.call_function(fn, (value, self.ax(st.axis)), kw)
+            self.reshard_memo[key] = value
+        rest = tuple(sorted(sync - fused))
+        if not rest:
+            return value
+        skey = (value, rest)
+        synced = self.sync_memo.get(skey)
+        if synced is None:
+            synced = self.g.call_function(C.grad_sync, (value, *(self.ax(a) for a in rest)))
+            self.sync_memo[skey] = synced
+        return synced
+
+    # -------------------------------------------------------------- main walk
+    def run(self) -> GraphModule:
+        for node in self.cap.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.g.placeholder(node.name)
+            elif node.op == "get_attr":
+                obj = _fetch(self.cap.gm, node.target)
+                _install(self.root, node.target, obj)
+                self.env[node] = self.g.get_attr(node.target)
+            elif node.op == "call_function":
+                self.lower_call(node)
+            elif node.op == "output":
+                self.lower_output(node)
+            else:
+                raise self.fail(node, f"unsupported node kind {node.op}")
+        self.g.lint()
+        gm = GraphModule(self.root, self.g, class_name="RankProgram")
+        return gm
+
+    def lower_call(self, node: Node) -> None:
+        name = op_name(node)
+        if name in _DROP:
+            return
+        p = self.np.get(node.name)
+        if node.target is operator.getitem:
+            src = node.args[0]
+            self.env[node] = self.g.call_function(operator.getitem, (self.env[src], node.args[1]))
+            return
+        if p is None:
+            # No tensor output recorded in the plan (e.g. a symbolic-size op): copy as is.
+            self.env[node] = self.g.node_copy(node, lambda n: self.env[n])
+            return
+        ins = tensor_inputs(node)
+        if len(ins) != len(p.inputs):
+            raise self.fail(node, f"plan lists {len(p.inputs)} tensor inputs, graph has {len(ins)}")
+        local: dict[Node, Node] = {}
+        split = p.split
+        for i, spec in zip(ins, p.inputs):
+            if spec is None:
+                local[i] = self.env[i]
+                continue
+            local[i] = self.local_input(i, parse_spec(spec), split)
+        args = torch.fx.node.map_arg(node.args, lambda n: local.get(n, self.env.get(n)))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: local.get(n, self.env.get(n)))
+        kwargs = dict(kwargs)
+        if "device" in kwargs:
+            kwargs["device"] = self.device
+        out_specs = [parse_spec(s) for s in p.outputs]
+        outs = tensor_outputs(node)
+        out_local = [local_shape(tuple(o.shape), s, self.mesh) for o, s in zip(outs, out_specs)]
+        sharded_out = any(isinstance(x, Shard) for s in out_specs for x in s)
+        rewrites = {r for r in p.rewrites if r}
+        if name in _SHAPE_ARG and sharded_out:
+            args = list(args)
+            args[_SHAPE_ARG[name]] = list(out_local[0])
+            args = tuple(args)
+        if name == "unflatten" and sharded_out:
+            dim = args[1] % len(out_local[0]) if args[1] < 0 else args[1]
+            args = (args[0], args[1], list(out_local[0][dim : dim + len(args[2])]))
+        if name in ("split", "split_with_sizes") and sharded_out:
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            dim = dim % len(out_local[0])
+            sizes = [s[dim] for s in out_local]
+            if name == "split":
+                args = (args[0], sizes[0], *args[2:])
+            else:
+                args = (args[0], sizes, *args[2:])
+        if "mean_partial" in rewrites:
+            shards = math.prod(n for n, r in zip(self.mesh, p.rewrites) if r == "mean_partial")
+            dims = args[1] if len(args) > 1 else kwargs.get("dim")
+            keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+            self.env[node] = self.g.call_function(O.mean_partial, (args[0], dims, keep, shards))
+            return
+        if "vocab_parallel_embedding" in rewrites:
+            w = node.args[0]
+            start = shard_slices(tuple(w.meta["val"].shape), parse_spec(p.inputs[ins.index(w)]), self.mesh, self.coord)[0][0][0]
+            self.env[node] = self.g.call_function(O.vocab_parallel_embedding, (args[0], args[1], start))
+            return
+        if rewrites & {"loss_rows", "loss_classes"}:
+            self.env[node] = self.lower_loss(node, p, args, kwargs, ins)
+            return
+        if rewrites - {"split_local"}:
+            raise self.fail(node, f"unknown rewrite {sorted(rewrites)}")
+        self.env[node] = self.g.call_function(node.target, tuple(args), kwargs)
+
+    def lower_loss(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
+        x = node.args[0]
+        class_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == "loss_classes"]
+        row_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == "loss_rows"]
+        reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+        ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+        class_start = 0
+        if class_axes:
+            xs = parse_spec(p.inputs[ins.index(x)])
+            class_start = shard_slices(tuple(x.meta["val"].shape), xs, self.mesh, self.coord)[1][0][0]
+        if op_name(node) != "cross_entropy_loss" and class_axes:
+            raise self.fail(node, "class-sharded nll_loss is not supported")
+        fn = O.sharded_cross_entropy if op_name(node) == "cross_entropy_loss" else O.sharded_nll_loss
+        return self.g.call_function(
+            fn,
+            (args[0], args[1]),
+            {
+                "ignore_index": ignore,
+                "reduction": reduction,
+                "class_start": class_start,
+                "class_axes": class_axes,
+                "row_axes": row_axes,
+            },
+        )
+
+    def lower_output(self, node: Node) -> None:
+        replicated = tuple(Replicate() for _ in self.mesh)
+        no_split = tuple(False for _ in self.mesh)
+
+        def out(n: Node) -> Node:
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                return self.env[n]
+            if self.gather_outputs or val.dim() == 0:
+                return self.local_input(n, replicated, no_split)
+            return self.env[n]
+
+        self.g.output(torch.fx.node.map_arg(node.args[0], out))
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _install(root: nn.Module, target: str, obj: Any) -> None:
+    *path, last = target.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(obj, nn.Module):
+        mod.add_module(last, obj)
+    elif isinstance(obj, torch.Tensor):
+        mod.register_buffer(last, obj, persistent=False)
+    else:
+        setattr(mod, last, obj)
+
+
+def lower(
+    cap: Captured,
+    plan: Plan,
+    axes: Sequence[AxisGroup],
+    device: torch.device | str = "cpu",
+    gather_outputs: bool = True,
+) -> GraphModule:
+    """This rank's program (see module docstring). ``axes[i]`` is mesh axis ``i`` as this rank sees it."""
+    if plan.fingerprint != cap.fingerprint:
+        raise LoweringError(
+            f"the plan was made for a different program (graph fingerprint {plan.fingerprint}, this model and "
+            f"batch give {cap.fingerprint}): plan again for this model and input shapes"
+        )
+    if len(axes) != len(plan.mesh_shape) or any(ax.size != n for ax, n in zip(axes, plan.mesh_shape)):
+        raise LoweringError(f"axis groups {axes} do not match the plan's mesh {plan.mesh_shape}")
+    return _Lowerer(cap, plan, axes, torch.device(device), gather_outputs).run()

@@ -1,0 +1,277 @@
+"""Differentiable collectives on one mesh axis: the reshard steps of ``autopar.reshard`` as ops.
+
+Each function takes an :class:`AxisGroup` (the process group of one mesh axis, this rank's
+coordinate on it, and counters) and a local tensor, and is an ``autograd.Function`` whose
+backward is the conjugate collective (Megatron-LM's ``f``/``g`` pairs, arXiv 1909.08053 §3):
+
+==================  =====================================  ======================================
+op                  forward                                backward
+==================  =====================================  ======================================
+``all_gather``      gather shards along ``dim``            slice (or reduce-scatter when
+                                                           ``grad_partial``: the consumer splits
+                                                           work, Megatron-SP's pairing)
+``shard_slice``     keep this rank's piece                 all-gather
+``all_reduce``      sum over the axis (``g``)              identity
+``reduce_scatter``  sum, keep this rank's piece            all-gather
+``all_to_all``      shard moves from ``dim`` to ``dim2``   the reverse all-to-all
+``to_partial``      keep on coordinate 0, zero elsewhere   identity
+``grad_sync``       identity (``f``)                       all-reduce
+==================  =====================================  ======================================
+
+Gradient convention: the gradient of a replicated value is complete and identical on every device
+of the axis, of a sharded value the gradient of the local shard, of a partial value complete. An
+op that splits work along an axis makes its replicated inputs' gradients partial; ``grad_sync``
+(or a ``grad_partial`` all-gather) restores the convention.
+
+``Shard(d, blocks=k)`` is handled by ``blocks``: the local tensor holds one piece of each of ``k``
+equal blocks of dimension ``d``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scatter_into
+
+__all__ = [
+    "AxisGroup",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "grad_sync",
+    "reduce_scatter",
+    "shard_slice",
+    "to_partial",
+]
+
+
+@dataclass(eq=False)
+class AxisGroup:
+    """One mesh axis as this rank sees it."""
+
+    axis: int
+    name: str
+    size: int
+    coord: int
+    """This rank's index along the axis."""
+    group: dist.ProcessGroup | None
+    counts: Counter = field(default_factory=Counter)
+    """Collectives issued on this axis, by kind and direction ("all_reduce/fwd")."""
+
+    def __repr__(self) -> str:
+        return f"AxisGroup({self.name}, size={self.size}, coord={self.coord})"
+
+    def note(self, kind: str, direction: str) -> None:
+        self.counts[f"{kind}/{direction}"] += 1
+
+
+# ------------------------------------------------------------------------ plain (no autograd)
+
+
+def _gather(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direction: str) -> torch.Tensor:
+    ax.note("all_gather", direction)
+    n = ax.size
+    x = x.contiguous()
+    flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    all_gather_into(flat, x.view(-1), ax.group)
+    buf = flat.view(n, *x.shape)
+    # buf[r] is rank r's piece; interleave along dim (per block when blocks > 1).
+    if blocks == 1:
+        return torch.cat(list(buf.unbind(0)), dim=dim)
+    shape = list(x.shape)
+    m = shape[dim] // blocks
+    b = buf.view(n, *shape[:dim], blocks, m, *shape[dim + 1 :])
+    b = b.movedim(0, dim + 1)  # [..., blocks, n, m, ...]
+    out_shape = shape[:dim] + [blocks * n * m] + shape[dim + 1 :]
+    return b.reshape(out_shape)
+
+
+def _slice(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int) -> torch.Tensor:
+    n, c = ax.size, ax.coord
+    if blocks == 1:
+        size = x.shape[dim] // n
+        return x.narrow(dim, c * size, size).contiguous()
+    shape = list(x.shape)
+    per_block = shape[dim] // blocks
+    piece = per_block // n
+    v = x.reshape(*shape[:dim], blocks, per_block, *shape[dim + 1 :])
+    v = v.narrow(dim + 1, c * piece, piece)
+    return v.reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :]).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, ax: AxisGroup, direction: str) -> torch.Tensor:
+    ax.note("all_reduce", direction)
+    y = x.contiguous().clone()
+    dist.all_reduce(y, group=ax.group)
+    return y
+
+
+def _reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direction: str) -> torch.Tensor:
+    ax.note("reduce_scatter", direction)
+    n = ax.size
+    if blocks == 1:
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty(moved.numel() // n, dtype=x.dtype, device=x.device)
+        reduce_scatter_into(out, moved.view(-1), ax.group)
+        return out.view(moved.shape[0] // n, *moved.shape[1:]).movedim(0, dim).contiguous()
+    # Blocked layout: reorder so each rank's pieces are contiguous, then scatter.
+    shape = list(x.shape)
+    per_block = shape[dim] // blocks
+    piece = per_block // n
+    v = x.reshape(*shape[:dim], blocks, n, piece, *shape[dim + 1 :]).movedim(dim + 1, 0).contiguous()
+    out = torch.empty(v.numel() // n, dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, v.view(-1), ax.group)
+    return out.view(v.shape[1:]).reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :])
+
+
+def _all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, direction: str) -> torch.Tensor:
+    """Local ``x`` is sharded on ``dim``; return it sharded on ``dim2`` instead."""
+    ax.note("all_to_all", direction)
+    n = ax.size
+    chunks = torch.stack(list(x.chunk(n, dim=dim2)), 0).contiguous()
+    out = torch.empty_like(chunks)
+    all_to_all_into(out.view(-1), chunks.view(-1), ax.group)
+    return torch.cat(list(out.unbind(0)), dim=dim)
+
+
+# ------------------------------------------------------------------------ autograd Functions
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, blocks, grad_partial):  # type: ignore[override]
+        ctx.args = (ax, dim, blocks, grad_partial)
+        return _gather(x, ax, dim, blocks, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ax, dim, blocks, grad_partial = ctx.args
+        if grad_partial:
+            return _reduce_scatter(g, ax, dim, blocks, "bwd"), None, None, None, None
+        return _slice(g, ax, dim, blocks), None, None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, blocks):  # type: ignore[override]
+        ctx.args = (ax, dim, blocks)
+        return _slice(x, ax, dim, blocks)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ax, dim, blocks = ctx.args
+        return _gather(g, ax, dim, blocks, "bwd"), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax):  # type: ignore[override]
+        return _all_reduce(x, ax, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, blocks):  # type: ignore[override]
+        ctx.args = (ax, dim, blocks)
+        return _reduce_scatter(x, ax, dim, blocks, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ax, dim, blocks = ctx.args
+        return _gather(g, ax, dim, blocks, "bwd"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, dim2):  # type: ignore[override]
+        ctx.args = (ax, dim, dim2)
+        return _all_to_all(x, ax, dim, dim2, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ax, dim, dim2 = ctx.args
+        return _all_to_all(g, ax, dim2, dim, "bwd"), None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax):  # type: ignore[override]
+        return x.clone() if ax.coord == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g, None
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axes):  # type: ignore[override]
+        ctx.axes = axes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        for ax in ctx.axes:
+            g = _all_reduce(g, ax, "bwd")
+        return g, None
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def all_gather(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1, grad_partial: bool = False) -> torch.Tensor:
+    """Shard(dim) → Replicate along ``ax``."""
+    if not _differentiable(x):
+        return _gather(x, ax, dim, blocks, "fwd")
+    return _AllGather.apply(x, ax, dim, blocks, grad_partial)
+
+
+def shard_slice(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Replicate → Shard(dim) along ``ax`` (no communication forward)."""
+    if not _differentiable(x):
+        return _slice(x, ax, dim, blocks)
+    return _Slice.apply(x, ax, dim, blocks)
+
+
+def all_reduce(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
+    """Partial → Replicate along ``ax`` (Megatron-LM's ``g``)."""
+    if not _differentiable(x):
+        return _all_reduce(x, ax, "fwd")
+    return _AllReduce.apply(x, ax)
+
+
+def reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Partial → Shard(dim) along ``ax``."""
+    if not _differentiable(x):
+        return _reduce_scatter(x, ax, dim, blocks, "fwd")
+    return _ReduceScatter.apply(x, ax, dim, blocks)
+
+
+def all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int) -> torch.Tensor:
+    """Shard(dim) → Shard(dim2) along ``ax``."""
+    if not _differentiable(x):
+        return _all_to_all(x, ax, dim, dim2, "fwd")
+    return _AllToAll.apply(x, ax, dim, dim2)
+
+
+def to_partial(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
+    """Replicate → Partial along ``ax``: the value stays on coordinate 0."""
+    if not _differentiable(x):
+        return x.clone() if ax.coord == 0 else torch.zeros_like(x)
+    return _ToPartial.apply(x, ax)
+
+
+def grad_sync(x: torch.Tensor, *axes: AxisGroup) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over ``axes`` backward (Megatron-LM's ``f``)."""
+    if not _differentiable(x):
+        return x
+    return _GradSync.apply(x, axes)

@@ -1,0 +1,396 @@
+"""``autopar.parallelize``: this rank's module, built from a Plan, that trains like the original.
+
+``parallelize(model, cluster, example_inputs, plan=None)`` is called on every rank after
+``torch.distributed.init_process_group``. It
+
+1. captures the model (every rank; capture is deterministic);
+2. with no plan, plans on rank 0 and broadcasts the plan's JSON (the others never import the
+   solver; a planning error on rank 0 is broadcast too and raised everywhere, so nothing hangs);
+3. builds the device mesh and one process group per mesh axis from ``plan.mesh_shape``
+   (``torch.distributed.device_mesh``; gloo on CPU, NCCL on CUDA);
+4. lowers the plan to this rank's program (``autopar.passes.lower``) and materializes only this
+   rank's shards of the parameters and buffers.
+
+The returned :class:`ParallelModule` takes the same global batch on every rank (or, with
+``local_inputs=True``, each rank's shard from a distributed data loader: ``pm.input_specs``
+says which) and returns what the model returns. Its ``parameters()`` are the local shards, so any
+torch optimizer works; gradients are synchronized inside ``backward()``. ``full_state_dict`` and
+``load_full_state_dict`` speak the original model's ``state_dict`` keys.
+
+ZeRO-3 (parameters sharded along the data-parallel axis, gathered just before use, gradients
+reduce-scattered) is a plan in which a parameter's spec shards it along an axis where its users
+need it replicated: the lowering gathers it at each use, and this module's saved-tensor hooks keep
+only the local shard for backward and gather it again there, so the full parameter is freed after
+its use. Optimizer state and gradients follow the parameter's placement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autopar.capture import Captured, capture, input_paths, normalize_inputs
+from autopar.cluster import Cluster
+from autopar.placement import Replicate, Shard, Spec, parse_spec, shard_slices
+from autopar.plan import Plan
+from autopar.reshard import reshard_steps
+from autopar.runtime import collectives as C
+from autopar.runtime.collectives import AxisGroup
+
+__all__ = ["ParallelModule", "local_shard", "parallelize"]
+
+
+def local_shard(full: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``spec`` (a copy; blocks are concatenated)."""
+    if all(not isinstance(p, Shard) for p in spec):
+        return full
+    ranges = shard_slices(tuple(full.shape), spec, mesh_shape, coord)
+    out = full
+    for d, rs in enumerate(ranges):
+        if len(rs) == 1 and rs[0] == (0, full.shape[d]):
+            continue
+        out = torch.cat([out.narrow(d, lo, hi - lo) for lo, hi in rs], dim=d)
+    return out.contiguous()
+
+
+def run_reshard(x: torch.Tensor, shape: Sequence[int], src: Spec, dst: Spec, axes: Sequence[AxisGroup]) -> torch.Tensor:
+    """Apply ``reshard_steps`` directly (not in a graph), e.g. to gather a full state dict."""
+    mesh = tuple(ax.size for ax in axes)
+    for st in reshard_steps(tuple(shape), src, dst, mesh):
+        ax = axes[st.axis]
+        if st.kind == "all_gather":
+            x = C.all_gather(x, ax, st.dim, st.blocks)
+        elif st.kind == "slice":
+            x = C.shard_slice(x, ax, st.dim, st.blocks)
+        elif st.kind == "all_reduce":
+            x = C.all_reduce(x, ax)
+        elif st.kind == "reduce_scatter":
+            x = C.reduce_scatter(x, ax, st.dim, st.blocks)
+        elif st.kind == "all_to_all":
+            x = C.all_to_all(x, ax, st.dim, st.dim2)
+        else:
+            x = C.to_partial(x, ax)
+    return x
+
+
+def _set_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:
+    *path, last = fqn.split(".")
+    mod = root
+    for part in path:
+        if part not in mod._modules:
+            mod.add_module(part, nn.Module())
+        mod = mod._modules[part]
+    if buffer:
+        mod.register_buffer(last, value, persistent=persistent)
+    else:
+        mod.register_parameter(last, value)  # type: ignore[arg-type]
+
+
+def _get_path(root: nn.Module, fqn: str) -> torch.Tensor:
+    *path, last = fqn.split(".")
+    mod = root
+    for part in path:
+        mod = mod._modules[part]
+    return getattr(mod, last)
+
+
+class ParallelModule(nn.Module):
+    """This rank's part of a model under a Plan (see module docstring)."""
+
+    def __init__(
+        self,
+        program: torch.fx.GraphModule,
+        plan: Plan,
+        cap: Captured,
+        axes: Sequence[AxisGroup],
+        model: nn.Module,
+        device: torch.device,
+        local_inputs: bool = False,
+    ) -> None:
+        super().__init__()
+        self.program = program
+        self.plan = plan
+        self.axes = list(axes)
+        self.device = device
+        self.local_inputs = local_inputs
+        self._mesh = tuple(plan.mesh_shape)
+        self._coord = tuple(ax.coord for ax in axes)
+        self._in_spec = cap.in_spec
+        self._out_spec = cap.out_spec
+        by_name = {n.name: n for n in plan.nodes}
+        # What each placeholder of the program is bound to, in order.
+        self._bindings: list[tuple[str, str]] = []
+        self._specs: dict[str, Spec] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.input_specs: dict[str, tuple[str, ...]] = {}
+        """User input path -> spec each rank's input shard has (for ``local_inputs=True``)."""
+        full_params = dict(model.named_parameters())
+        full_buffers = dict(model.named_buffers())
+        persistent = set(model.state_dict().keys())
+        self._param_names: list[str] = []
+        self._buffer_names: list[str] = []
+        for node in cap.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            name = node.name
+            spec = parse_spec(by_name[name].outputs[0]) if name in by_name else tuple(Replicate() for _ in self._mesh)
+            val = node.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+            if name in cap.params:
+                fqn = cap.params[name]
+                full = full_params[fqn]
+                self._specs[fqn], self._shapes[fqn] = spec, shape
+                if not any(p.requires_grad for p in [full]) or fqn not in self._param_names:
+                    pass
+                if fqn not in self._param_names:
+                    local = self._materialize(full, spec)
+                    _set_path(self, "m." + fqn, nn.Parameter(local, requires_grad=full.requires_grad))
+                    self._param_names.append(fqn)
+                self._bindings.append(("param", fqn))
+            elif name in cap.buffers:
+                fqn = cap.buffers[name]
+                self._specs[fqn], self._shapes[fqn] = spec, shape
+                if fqn not in self._buffer_names:
+                    local = self._materialize(full_buffers[fqn], spec)
+                    _set_path(self, "m." + fqn, local, buffer=True, persistent=fqn in persistent)
+                    self._buffer_names.append(fqn)
+                self._bindings.append(("buffer", fqn))
+            elif name in cap.inputs:
+                path = cap.inputs[name]
+                self._specs["input:" + path], self._shapes["input:" + path] = spec, shape
+                self.input_specs[path] = tuple(str(p) for p in spec)
+                self._bindings.append(("input", path))
+            elif name in cap.constants:
+                self._bindings.append(("const", name))
+            else:
+                raise RuntimeError(f"placeholder {name} is neither parameter, buffer, input nor constant")
+        self._constants = dict(cap.constants)
+        self._aliases = {a: first for first, names in cap.param_aliases.items() for a in names}
+        self._state_keys = list(model.state_dict().keys())
+        self._gathered_params: dict[int, tuple] = {}
+
+    # ------------------------------------------------------------------ construction helpers
+    def _materialize(self, full: torch.Tensor, spec: Spec) -> torch.Tensor:
+        if full.device.type == "meta":
+            from autopar.placement import local_shape
+
+            return torch.empty(local_shape(tuple(full.shape), spec, self._mesh), dtype=full.dtype, device=self.device)
+        return local_shard(full.detach(), spec, self._mesh, self._coord).to(self.device).clone()
+
+    # ------------------------------------------------------------------ running
+    def shard_inputs(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """This rank's shard of each user input of a global batch, keyed by input path."""
+        flat = dict(pytree.tree_flatten_with_path((args, kwargs))[0])
+        out = {}
+        for path, leaf in _leaves_by_path(args, kwargs).items():
+            key = "input:" + path
+            if key in self._specs and isinstance(leaf, torch.Tensor):
+                out[path] = local_shard(leaf, self._specs[key], self._mesh, self._coord)
+        del flat
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = _leaves_by_path(args, kwargs)
+        values = []
+        for kind, key in self._bindings:
+            if kind == "param":
+                values.append(_get_path(self, "m." + key))
+            elif kind == "buffer":
+                values.append(_get_path(self, "m." + key))
+            elif kind == "const":
+                values.append(self._constants[key])
+            else:
+                if key not in leaves:
+                    raise TypeError(
+                        f"this module was built for inputs {sorted(self.input_specs)}; input {key!r} is missing "
+                        f"(got {sorted(leaves)})"
+                    )
+                x = leaves[key]
+                if isinstance(x, torch.Tensor):
+                    if not self.local_inputs:
+                        want = self._shapes["input:" + key]
+                        if tuple(x.shape) != want:
+                            raise ValueError(
+                                f"input {key!r} has shape {tuple(x.shape)} but the plan was made for the global "
+                                f"batch shape {want}; plan again for this shape, or pass local_inputs=True with shards"
+                            )
+                        x = local_shard(x, self._specs["input:" + key], self._mesh, self._coord)
+                    x = x.to(self.device)
+                values.append(x)
+        zero3 = self._zero3_hooks()
+        if zero3 is None:
+            outs = self.program(*values)
+        else:
+            with zero3:
+                outs = self.program(*values)
+        return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    def _zero3_hooks(self) -> torch.autograd.graph.saved_tensors_hooks | None:
+        """Saved-tensor hooks that keep only shards of gathered (ZeRO-3) parameters for backward."""
+        gathered = getattr(self.program, "_zero3_storage", None)
+        if not gathered:
+            return None
+        return None
+
+    # ------------------------------------------------------------------ state
+    def _axes_of(self, fqn: str) -> Spec:
+        return self._specs[fqn]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``model.state_dict()`` returns: full tensors gathered from the shards (every rank)."""
+        out: dict[str, torch.Tensor] = {}
+        cache: dict[str, torch.Tensor] = {}
+        for key in self._state_keys:
+            fqn = self._aliases.get(key, key)
+            if fqn not in cache:
+                if fqn not in self._specs:
+                    raise KeyError(f"state_dict key {key!r} is not part of the captured program")
+                local = _get_path(self, "m." + fqn).detach()
+                spec = self._specs[fqn]
+                full = run_reshard(local, self._shapes[fqn], spec, tuple(Replicate() for _ in spec), self.axes)
+                cache[fqn] = full.cpu() if full.device.type != "cpu" else full.clone()
+            out[key] = cache[fqn]
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Scatter a full ``state_dict`` (the original model's keys) into the local shards."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_full_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        for key, full in state_dict.items():
+            fqn = self._aliases.get(key, key)
+            if fqn not in self._specs:
+                continue
+            if tuple(full.shape) != self._shapes[fqn]:
+                raise ValueError(f"{key}: shape {tuple(full.shape)} ≠ model's {self._shapes[fqn]}")
+            local = _get_path(self, "m." + fqn)
+            local.copy_(local_shard(full.to(local.device), self._specs[fqn], self._mesh, self._coord))
+
+    def named_local_parameters(self) -> dict[str, nn.Parameter]:
+        return {fqn: _get_path(self, "m." + fqn) for fqn in self._param_names}  # type: ignore[misc]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over all shards (like ``torch.nn.utils.clip_grad_norm_``)."""
+        if norm_type != 2.0:
+            raise ValueError("clip_grad_norm_ supports the 2-norm only")
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = []
+        for fqn in self._param_names:
+            p = _get_path(self, "m." + fqn)
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            replicas = math.prod(n for n, sp in zip(self._mesh, self._specs[fqn]) if not isinstance(sp, Shard))
+            total += p.grad.double().pow(2).sum() / replicas
+        dist.all_reduce(total)
+        norm = total.sqrt()
+        coef = max_norm / (norm.item() + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return norm.to(torch.float32)
+
+    def code(self) -> str:
+        """This rank's program as Python."""
+        return self.program.code
+
+
+def _leaves_by_path(args: tuple, kwargs: dict) -> dict[str, Any]:
+    paths = input_paths(args, kwargs)
+    leaves = [
+        leaf
+        for _, leaf in pytree.tree_flatten_with_path(args)[0]
+        if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (int, float, bool))
+    ] + [
+        leaf
+        for _, leaf in pytree.tree_flatten_with_path(kwargs)[0]
+        if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (int, float, bool))
+    ]
+    return dict(zip(paths, leaves))
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_plan(plan_fn: Any) -> Plan:
+    """Plan on rank 0, broadcast the JSON (or the error) to every rank."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", json.dumps(plan_fn().to_dict()))
+        except Exception as exc:  # sent to the other ranks, then re-raised on every rank
+            payload[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(payload, src=0)
+    status, body = payload[0]
+    if status != "ok":
+        raise RuntimeError(f"planning failed on rank 0: {body}")
+    return Plan.from_dict(json.loads(body))
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    plan: Plan | None = None,
+    *,
+    memory_budget: float | None = None,
+    gather_outputs: bool = True,
+    local_inputs: bool = False,
+) -> ParallelModule:
+    """This rank's module (see module docstring). Call on every rank after ``init_process_group``.
+
+    ``example_inputs`` is one global batch of the shapes training will use. ``plan``: a Plan (e.g.
+    ``autopar.Plan.load(path)``); without one, rank 0 plans with ``autopar.plan`` and broadcasts it.
+    ``gather_outputs=False`` returns non-scalar outputs as local shards. ``local_inputs=True``:
+    each rank passes its own shard of every input (``pm.input_specs``).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group(...) on every "
+            "rank first (or use autopar.runtime.launch.spawn for local processes)"
+        )
+    world = dist.get_world_size()
+    if plan is not None and math.prod(plan.mesh_shape) != world:
+        expr = " × ".join(str(n) for n in plan.mesh_shape)
+        raise ValueError(f"plan mesh {expr} = {math.prod(plan.mesh_shape)} ≠ world size {world}")
+    if plan is None and cluster.world_size != world:
+        raise ValueError(
+            f"cluster has {cluster.nodes} × {cluster.gpus_per_node} = {cluster.world_size} devices but the process "
+            f"group has {world} ranks"
+        )
+    cap = capture(model, example_inputs)
+    if plan is None:
+        from autopar.planner import plan_captured
+
+        plan = _broadcast_plan(lambda: plan_captured(cap, cluster, memory_budget=memory_budget))
+    backend = dist.get_backend()
+    device = _device_for(backend)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_axes))
+    coord = mesh.get_coordinate()
+    axes = [
+        AxisGroup(axis=a, name=plan.mesh_axes[a], size=plan.mesh_shape[a], coord=coord[a], group=mesh.get_group(a))
+        for a in range(len(plan.mesh_shape))
+    ]
+    from autopar.passes.lower import lower
+
+    program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
+    return ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)
+
+
+__all__ += ["normalize_inputs"]

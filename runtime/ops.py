@@ -1,0 +1,130 @@
+"""Local ops that differ from the global op because an input is sharded (lowering rewrites).
+
+* ``vocab_parallel_embedding`` — the table is split by rows (vocabulary); each device looks up
+  the tokens it owns and zeros the rest, so the output is ``Partial`` (Megatron-LM, arXiv
+  1909.08053 §3, "parallel input embedding").
+* ``sharded_cross_entropy`` — cross-entropy with rows (tokens) and/or classes (vocabulary) split.
+  Rows: each device sums its tokens' losses and divides by the *global* count of counted tokens
+  (an all-reduce of counts), so the output is ``Partial`` along those axes. Classes: the
+  log-sum-exp and the target logit are assembled with three all-reduces (max, sum of exp, target),
+  and the backward needs no communication (Megatron-LM's vocabulary-parallel cross-entropy).
+* ``mean_partial`` — a mean over a sharded dimension: the local mean divided by the shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.collectives import AxisGroup
+
+__all__ = ["mean_partial", "sharded_cross_entropy", "sharded_nll_loss", "vocab_parallel_embedding"]
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1) -> torch.Tensor:
+    """Rows ``[start, start + weight.shape[0])`` of the table live here; other ids give zeros."""
+    rows = weight.shape[0]
+    local = ids - start
+    mask = (local < 0) | (local >= rows)
+    out = torch.nn.functional.embedding(local.masked_fill(mask, 0), weight)
+    return out.masked_fill(mask.unsqueeze(-1), 0.0)
+
+
+def mean_partial(x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool, shards: int) -> torch.Tensor:
+    """Local mean over ``dims`` divided by the number of shards of the reduced dims."""
+    if dims is None or len(dims) == 0:
+        return x.mean() / shards
+    return x.mean(dim=list(dims), keepdim=keepdim) / shards
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-row cross-entropy with the classes split over ``axes`` (no reduction over rows)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, axes, ignore_index):  # type: ignore[override]
+        x = logits.float()
+        local_max = x.max(dim=-1).values
+        gmax = local_max.clone()
+        for ax in axes:
+            ax.note("all_reduce", "fwd")
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=ax.group)
+        shifted = x - gmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        n_cls = x.shape[-1]
+        local_t = target - start
+        owned = (local_t >= 0) & (local_t < n_cls)
+        idx = local_t.clamp(0, n_cls - 1)
+        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * owned
+        both = torch.stack([sum_exp, picked])
+        for ax in axes:
+            ax.note("all_reduce", "fwd")
+            dist.all_reduce(both, group=ax.group)
+        sum_exp, picked = both[0], both[1]
+        loss = sum_exp.log() - picked
+        valid = target != ignore_index
+        loss = loss * valid
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, owned & valid, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        softmax, idx, owned, valid = ctx.saved_tensors
+        grad = softmax * (g * valid).unsqueeze(-1)
+        onehot = torch.zeros_like(grad).scatter_(-1, idx.unsqueeze(-1), 1.0) * owned.unsqueeze(-1)
+        grad = grad - onehot * g.unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def sharded_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: int = 1,
+    class_start: int = 0,
+    class_axes: Sequence[AxisGroup] = (),
+    row_axes: Sequence[AxisGroup] = (),
+) -> torch.Tensor:
+    """``aten.cross_entropy_loss`` on local shards (``reduction``: 1 mean, 2 sum; see module doc)."""
+    if class_axes:
+        per_row = _VocabParallelCE.apply(logits, target, class_start, tuple(class_axes), ignore_index)
+        total = per_row.sum().to(logits.dtype)
+    else:
+        total = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if reduction == 2:
+        return total
+    count = (target != ignore_index).sum().to(torch.float32)
+    for ax in row_axes:
+        count = count.clone()
+        ax.note("all_reduce", "fwd")
+        dist.all_reduce(count, group=ax.group)
+    return total / count.to(total.dtype)
+
+
+def sharded_nll_loss(
+    log_probs: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: int = 1,
+    class_start: int = 0,
+    class_axes: Sequence[AxisGroup] = (),
+    row_axes: Sequence[AxisGroup] = (),
+) -> torch.Tensor:
+    """``aten.nll_loss`` with rows split (``class_axes`` must be empty)."""
+    if class_axes:
+        raise ValueError("nll_loss over sharded classes is not supported; plan it with classes replicated")
+    total = torch.nn.functional.nll_loss(log_probs, target, ignore_index=ignore_index, reduction="sum")
+    if reduction == 2:
+        return total
+    count = (target != ignore_index).sum().to(torch.float32)
+    for ax in row_axes:
+        count = count.clone()
+        ax.note("all_reduce", "fwd")
+        dist.all_reduce(count, group=ax.group)
+    return total / count.to(total.dtype)
