@@ -14,6 +14,7 @@ output structure from the graph's flat outputs.
 from __future__ import annotations
 
 import hashlib
+import linecache
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["CaptureError", "Captured", "capture", "normalize_inputs"]
+__all__ = ["CaptureError", "Captured", "capture", "input_paths", "normalize_inputs"]
 
 
 class CaptureError(RuntimeError):
@@ -85,23 +86,28 @@ def _explain_export_failure(model: nn.Module, exc: BaseException) -> str:
     """Name the module or op the exporter failed in, quote its reason, suggest a fix."""
     reason = str(exc).strip().splitlines()
     reason_text = "\n    ".join(reason[:8])
-    tb = traceback.extract_tb(exc.__traceback__)
     where = ""
-    # Find the innermost frame that belongs to the user's model code (not torch internals).
-    module_files = {}
-    for name, mod in model.named_modules():
-        f = getattr(type(mod).forward, "__code__", None)
-        if f is not None:
-            module_files.setdefault((f.co_filename, f.co_name), f"{name or '<root>'} ({type(mod).__name__})")
-    for fr in reversed(tb):
-        if "/torch/" in fr.filename and "site-packages/torch" in fr.filename:
+    # The innermost frame of the user's code, named by the module whose method it runs: a frame
+    # whose ``self`` is one of the model's submodules names that exact instance.
+    module_names = {id(mod): f"{name or '<root>'} ({type(mod).__name__})" for name, mod in model.named_modules()}
+    frames = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:  # the exception and what it was raised from
+        seen.add(id(e))
+        frames.extend(traceback.walk_tb(e.__traceback__))
+        e = e.__cause__ or e.__context__
+    for frame, lineno in reversed(frames):
+        filename = frame.f_code.co_filename
+        if "site-packages/torch" in filename:
             continue
-        key = (fr.filename, fr.name)
-        if key in module_files:
-            where = f"in module {module_files[key]} at {fr.filename}:{fr.lineno}: {fr.line}"
+        line = linecache.getline(filename, lineno).strip()
+        owner = module_names.get(id(frame.f_locals.get("self")))
+        if owner is not None:
+            where = f"in module {owner} at {filename}:{lineno}: {line}"
             break
         if not where:
-            where = f"at {fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
+            where = f"at {filename}:{lineno} in {frame.f_code.co_name}: {line}"
     op = re.search(r"(aten\.[\w.]+|torch\.ops\.[\w.]+)", str(exc))
     op_text = f" (op {op.group(1)})" if op else ""
     hint = (
@@ -124,7 +130,7 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     sig = ep.graph_signature
     gm = ep.graph_module
     params, buffers, inputs, constants = {}, {}, {}, {}
-    user_paths = _input_paths(args, kwargs)
+    user_paths = input_paths(args, kwargs)
     user_i = 0
     for spec in sig.input_specs:
         name = spec.arg.name if hasattr(spec.arg, "name") else None
@@ -143,9 +149,12 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
             raise CaptureError(f"unsupported graph input kind {kind} for {name}")
     aliases: dict[str, list[str]] = {}
     by_id: dict[int, str] = {}
+    first_of: dict[str, str] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         first = by_id.setdefault(id(p), fqn)
         aliases.setdefault(first, []).append(fqn)
+        first_of[fqn] = first
+    _merge_tied_placeholders(gm, params, first_of)
     # Constant tensors lifted by export become attributes so the graph module runs by itself.
     for name, value in constants.items():
         if isinstance(value, torch.Tensor):
@@ -164,12 +173,33 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     return cap
 
 
-def _input_paths(args: tuple, kwargs: dict) -> list[str]:
-    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+def _merge_tied_placeholders(gm: torch.fx.GraphModule, params: dict[str, str], first_of: dict[str, str]) -> None:
+    """Export lifts a tied parameter once per name; keep one placeholder per parameter (named by
+    its first name in ``named_parameters`` order) so it has one placement and is counted once."""
+    kept: dict[str, torch.fx.Node] = {}
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for ph_name, fqn in list(params.items()):
+        first = first_of.get(fqn, fqn)
+        node = by_name[ph_name]
+        if first not in kept:
+            kept[first] = node
+            params[ph_name] = first
+            continue
+        node.replace_all_uses_with(kept[first])
+        gm.graph.erase_node(node)
+        del params[ph_name]
+    gm.recompile()
+
+
+def input_paths(args: tuple, kwargs: dict) -> list[str]:
+    """Names of the user inputs in export's order: ``args[i]`` then keyword names."""
     out = []
-    for path, leaf in leaves:
-        if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (int, float, bool)):
-            out.append(pytree.keystr(path))
+    for prefix, tree in (("args", args), ("", kwargs)):
+        leaves, _ = pytree.tree_flatten_with_path(tree)
+        for path, leaf in leaves:
+            if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (int, float, bool)):
+                key = pytree.keystr(path)
+                out.append(f"args{key}" if prefix else key.strip("[]'\""))
     return out
 
 

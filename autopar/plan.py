@@ -113,6 +113,17 @@ class Plan:
                 out[alias] = s
         return out
 
+    def zero_stages(self) -> dict[str, int]:
+        """Parameters stored sharded and gathered for use, with their ZeRO stage (1, 2 or 3)."""
+        from autopar.rules import zero_stage_of
+
+        gathered = {r.producer for r in self.reshards if any(c.startswith("all_gather") for c in r.collectives)}
+        return {
+            n.fqn: zero_stage_of(n.rewrites)
+            for n in self.nodes
+            if n.kind == "param" and n.name in gathered and any(p.startswith("S") for p in n.outputs[0])
+        }
+
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
             if n.name == name:

@@ -34,8 +34,8 @@ from autopar.passes.annotate import annotate_cost, annotate_tensors, op_name
 from autopar.passes.strategies import annotate_strategies
 from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec
 from autopar.plan import NodePlan, Plan, Predicted, ReshardPlan
-from autopar.reshard import edge_cost, reshard_steps, step_cost
-from autopar.rules import tensor_inputs
+from autopar.reshard import bucketed_grad_sync, edge_cost, reshard_steps, step_cost
+from autopar.rules import tensor_inputs, zero_stage_of
 
 __all__ = ["candidate_meshes", "plan", "plan_captured"]
 
@@ -61,13 +61,17 @@ def plan(
     *,
     optimizer: str = "adamw",
     mixed_precision: bool | None = None,
+    zero_stage: int | None = None,
     time_limit: float = 60.0,
 ) -> Plan:
     """Plan ``model`` on ``cluster``; ``example_inputs`` is one global batch.
 
     ``memory_budget``: bytes per device (default: the device's memory). ``mesh_shape``: fix the
-    mesh instead of trying the candidates. ``fixed``: ``{param_fqn: spec}``, e.g.
-    ``{"lm_head.weight": ("S(0)",)}``, honored exactly.
+    mesh instead of trying the candidates. ``fixed``: ``{name: spec}`` for parameters (their
+    ``named_parameters`` names) or user inputs (``"input_ids"``, ``"args[0]"``: how a data loader
+    shards the batch), e.g. ``{"lm_head.weight": ("S(0)",)}``, honored exactly. ``zero_stage``:
+    how parameters stored sharded behave where they are gathered (1, 2 or 3, see
+    ``autopar.cost.memory``); by default the solver picks stage 2 or 3 per parameter.
     """
     cap = capture(model, example_inputs)
     if mixed_precision is None:
@@ -80,6 +84,7 @@ def plan(
         fixed=fixed,
         optimizer=optimizer,
         mixed_precision=mixed_precision,
+        zero_stage=zero_stage,
         time_limit=time_limit,
     )
 
@@ -88,13 +93,16 @@ def _parse_fixed(cap: Captured, fixed: dict[str, Sequence[str] | str] | None, n_
     if not fixed:
         return {}
     alias_to_first = {a: first for first, names in cap.param_aliases.items() for a in names}
-    known = set(cap.params.values())
+    known = set(cap.params.values()) | set(cap.inputs.values())
     out = {}
     for name, spec in fixed.items():
         first = alias_to_first.get(name, name)
         if first not in known:
             close = [k for k in known if k.endswith(name.split(".")[-1])][:3]
-            raise ValueError(f"fixed names parameter {name!r}, which the model does not have (similar: {close})")
+            raise ValueError(
+                f"fixed names {name!r}, which is neither a parameter nor an input of the model (inputs: "
+                f"{sorted(cap.inputs.values())}; similar parameters: {close})"
+            )
         parsed = parse_spec(spec)
         if len(parsed) != n_axes:
             raise ValueError(
@@ -115,6 +123,7 @@ def plan_captured(
     node_constraint: NodeConstraint | None = None,
     optimizer: str = "adamw",
     mixed_precision: bool = False,
+    zero_stage: int | None = None,
     time_limit: float = 60.0,
     layout: str = "",
 ) -> Plan:
@@ -123,6 +132,8 @@ def plan_captured(
 
     t_start = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory)
+    if zero_stage not in (None, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2, 3 or None (solver's choice), got {zero_stage!r}")
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive, got {budget}")
     if mesh_shape is not None:
@@ -137,7 +148,12 @@ def plan_captured(
     errors = []
     for mesh in meshes:
         mctx = PassContext(
-            captured=cap, cluster=cluster, mesh_shape=mesh, optimizer=optimizer, mixed_precision=mixed_precision
+            captured=cap,
+            cluster=cluster,
+            mesh_shape=mesh,
+            optimizer=optimizer,
+            mixed_precision=mixed_precision,
+            zero_stages=(2, 3) if zero_stage is None else (zero_stage,),
         )
         t0 = time.perf_counter()
         run_passes(gm, mctx, [annotate_strategies])
@@ -316,7 +332,16 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh:
             shape, itemsize = tuple(val.shape), val.element_size()
             steps = reshard_steps(shape, src, dst, mesh)
             t = edge_cost(
-                shape, itemsize, src, dst, s.split, info.requires_grad, mesh, cluster, bucketed_sync=info.kind == "param"
+                shape,
+                itemsize,
+                src,
+                dst,
+                s.split,
+                info.requires_grad,
+                mesh,
+                cluster,
+                bucketed_sync=bucketed_grad_sync(i),
+                zero_stage=zero_stage_of(chosen[i].rewrites) if info.kind == "param" and info.requires_grad else 0,
             )
             per_axis = [0.0] * len(mesh)
             for st in steps:

@@ -27,11 +27,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from torch.fx import Node
+
 from autopar.cluster import Cluster
 from autopar.cost.comm import all_gather_cost, all_reduce_cost, all_to_all_cost, reduce_scatter_cost
+from autopar.ir import TENSOR
 from autopar.placement import Partial, Replicate, Shard, Spec, local_shape
+from autopar.rules import tensor_inputs
 
-__all__ = ["ReshardStep", "edge_cost", "reshard_cost", "reshard_steps"]
+__all__ = ["ReshardStep", "bucketed_grad_sync", "edge_cost", "kept_gather_bytes", "reshard_cost", "reshard_steps"]
 
 R = Replicate()
 
@@ -165,6 +169,28 @@ def reshard_cost(
     return sum(step_cost(s, itemsize, mesh_shape, cluster) for s in reshard_steps(shape, src, dst, mesh_shape))
 
 
+def bucketed_grad_sync(node: Node) -> bool:
+    """True when a gradient all-reduce on ``node``'s value can be bucketed like a parameter's.
+
+    That holds for a parameter, and for a value computed from exactly one gradient-carrying input
+    that itself qualifies (a cast, view or embedding lookup of one weight, e.g. GPT-2's position
+    embedding): its gradient feeds nothing in backward but that parameter's gradient, so, like
+    DDP's bucketed gradient all-reduces, nothing waits on it and it pays no per-tensor latency.
+    """
+    while True:
+        info = node.meta.get(TENSOR)
+        if info is None:
+            return False
+        if info.kind == "param":
+            return True
+        if node.op != "call_function":
+            return False
+        grads = [i for i in tensor_inputs(node) if i.meta.get(TENSOR) is not None and i.meta[TENSOR].requires_grad]
+        if len(grads) != 1:
+            return False
+        node = grads[0]
+
+
 def edge_cost(
     shape: Sequence[int],
     itemsize: int,
@@ -175,8 +201,14 @@ def edge_cost(
     mesh_shape: Sequence[int],
     cluster: Cluster,
     bucketed_sync: bool = False,
+    zero_stage: int = 0,
 ) -> float:
     """Forward + backward seconds of a producer→consumer edge, gradient synchronization included.
+
+    ``zero_stage`` (1, 2, 3; 0 for values that are not parameters): how a parameter stored sharded
+    behaves where it is gathered (Rajbhandari et al., arXiv 1910.02054 §5): stage 3 frees the
+    gathered copy after use and gathers again for backward (all-gathers paid twice); stage 2 keeps
+    it, its gradient reduce-scattered; stage 1 keeps it and all-reduces the full gradient.
 
     ``bucketed_sync``: the gradient all-reduce is bucketed with others (parameters' gradients,
     as PyTorch DDP does, Li et al., VLDB 2020), so it pays bandwidth but no per-tensor latency.
@@ -191,17 +223,31 @@ def edge_cost(
         return fwd
     bwd = 0.0
     last_on_axis = {s.axis: s for s in steps}
+    fusable = zero_stage != 1
     for s in steps:
-        fused = s is last_on_axis[s.axis] and s.kind == "all_gather" and consumer_split[s.axis]
+        fused = fusable and s is last_on_axis[s.axis] and s.kind == "all_gather" and consumer_split[s.axis]
         bwd += step_backward_cost(s, itemsize, mesh_shape, cluster, fused)
+        if zero_stage == 3 and s.kind == "all_gather":
+            bwd += step_cost(s, itemsize, mesh_shape, cluster)
     local = local_shape(shape, dst, mesh_shape)
     for a, split in enumerate(consumer_split):
         if split and isinstance(dst[a], Replicate):
             last = last_on_axis.get(a)
-            if last is not None and last.kind == "all_gather":
+            if fusable and last is not None and last.kind == "all_gather":
                 continue  # fused into the all-gather's backward reduce-scatter
             link = cluster.axis_link(tuple(mesh_shape), a)
             if bucketed_sync:
                 link = replace(link, latency=0.0)
             bwd += all_reduce_cost(_bytes(local, itemsize), mesh_shape[a], link)
     return fwd + bwd
+
+
+def kept_gather_bytes(shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh_shape: Sequence[int], zero_stage: int) -> float:
+    """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) holds
+    from forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered."""
+    if zero_stage not in (1, 2):
+        return 0.0
+    if not any(s.kind == "all_gather" for s in reshard_steps(shape, src, dst, mesh_shape)):
+        return 0.0
+    full = _bytes(local_shape(shape, dst, mesh_shape), itemsize)
+    return full * (2 if zero_stage == 1 else 1)

@@ -40,10 +40,26 @@ from torch.fx import Node
 
 from autopar.placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["AxisStrategy", "axis_strategies", "has_rule", "tensor_inputs", "tensor_outputs"]
+__all__ = ["ZERO1", "ZERO2", "ZERO_TAGS", "AxisStrategy", "zero_stage_of", "axis_strategies", "has_rule", "tensor_inputs", "tensor_outputs"]
 
 aten = torch.ops.aten
 R = Replicate()
+ZERO1 = "zero1"
+"""Tag of a sharded parameter whose users gather it once and keep it; its gradient is all-reduced
+in full, then this device keeps its shard (ZeRO stage 1: only optimizer state is sharded)."""
+ZERO2 = "zero2"
+"""Tag of a sharded parameter gathered once and kept for backward, its gradient reduce-scattered
+(ZeRO stage 2: gradients and optimizer state sharded). Untagged sharded parameters that users
+gather are gathered again in backward and freed after each use (ZeRO stage 3)."""
+ZERO_TAGS = {ZERO1: 1, ZERO2: 2}
+
+
+def zero_stage_of(rewrites: Sequence[str]) -> int:
+    """The ZeRO stage a sharded parameter runs with, from its strategy's rewrite tags."""
+    for r in rewrites:
+        if r in ZERO_TAGS:
+            return ZERO_TAGS[r]
+    return 3
 P = Partial()
 
 
@@ -172,6 +188,16 @@ def _align(out_rank: int, in_shape: Sequence[int], out_dim: int) -> Placement:
     if d < 0 or in_shape[d] == 1:
         return R
     return Shard(d)
+
+
+def _arg(node: Node, name: str, default: object) -> object:
+    """Argument ``name`` of an aten call, whether it was passed by position or by keyword."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        for i, a in enumerate(schema.arguments):
+            if a.name == name and i < len(node.args):
+                return node.args[i]
+    return node.kwargs.get(name, default)
 
 
 def _norm_dim(d: int, rank: int) -> int:
@@ -667,7 +693,9 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
             s = for_dim(d)
             if s is not None:
                 out.append(s)
-    if _shape(q)[rank - 2] > 1 and len(outs) == 1 and not node.kwargs.get("is_causal", False):
+    # Queries' sequence split with keys/values whole: only without a causal mask (a causal mask
+    # built from local query positions would be misaligned).
+    if _shape(q)[rank - 2] > 1 and len(outs) == 1 and not _arg(node, "is_causal", False):
         s = for_dim(rank - 2, seq_q=True)
         if s is not None:
             out.append(s)

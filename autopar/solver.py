@@ -42,7 +42,8 @@ from torch.fx import GraphModule, Node
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.passes import PassContext
 from autopar.placement import Replicate, Spec, format_spec
-from autopar.reshard import edge_cost
+from autopar.reshard import bucketed_grad_sync, edge_cost, kept_gather_bytes
+from autopar.rules import zero_stage_of
 from autopar.rules import tensor_inputs
 
 __all__ = ["InfeasibleError", "Solution", "SolverConfig", "solve"]
@@ -144,7 +145,7 @@ def solve(
     fixed_of: dict[Node, Spec] = {}
     for n in nodes:
         info = n.meta[TENSOR]
-        if info.kind == "param" and info.fqn in fixed:
+        if info.kind in ("param", "input") and info.fqn in fixed:
             fixed_of[n] = fixed[info.fqn]
     classes: dict[object, _Class] = {}
     class_of: dict[Node, _Class] = {}
@@ -199,25 +200,32 @@ def solve(
             info = i.meta[TENSOR]
             val = i.meta["val"]
             shape, itemsize = tuple(val.shape), val.element_size()
-            src_groups = [i_strats[i_map[k]].outputs[0] for k in range(len(i_cls.strategies))]
+            src_groups = [_src_key(info, i_strats[i_map[k]]) for k in range(len(i_cls.strategies))]
             dst_groups = [_dst_key(c_strats[c_map[l]], j) for l in range(len(c_cls.strategies))]
-            bucketed = info.kind == "param"
+            bucketed = bucketed_grad_sync(i)
 
-            def cost(src: Spec, dst: tuple, shape=shape, itemsize=itemsize, rg=info.requires_grad, b=bucketed) -> float:
-                key = (shape, itemsize, src, dst, rg, b)
+            def cost(
+                src_key: tuple, dst: tuple, shape=shape, itemsize=itemsize, rg=info.requires_grad, b=bucketed
+            ) -> tuple[float, float]:
+                """(seconds, bytes kept) of carrying ``src_key`` into ``dst``."""
+                src, stage = src_key
+                key = (shape, itemsize, src_key, dst, rg, b)
                 v = edge_cache.get(key)
                 if v is None:
                     spec, split = dst
                     if spec is None:
-                        v = 0.0
+                        v = (0.0, 0.0)
                     else:
-                        v = edge_cost(shape, itemsize, src, spec, split, rg, mesh, ctx.cluster, bucketed_sync=b)
+                        t = edge_cost(shape, itemsize, src, spec, split, rg, mesh, ctx.cluster, bucketed_sync=b, zero_stage=stage)
+                        v = (t, kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
                     edge_cache[key] = v
                 return v
 
             if i_cls is c_cls:
                 for k in range(len(c_cls.strategies)):
-                    c_cls.unary[k] += cost(src_groups[k], dst_groups[k])
+                    t, m = cost(src_groups[k], dst_groups[k])
+                    c_cls.unary[k] += t
+                    c_cls.memory[k] += m
                 continue
             _add_edge(edges, i_cls, c_cls, src_groups, dst_groups, cost)
     # ---- Build the CP-SAT model.
@@ -240,6 +248,7 @@ def solve(
             if math.isfinite(u) and u > 0:
                 objective.append(round(u * SCALE) * v)
     n_edge_vars = 0
+    edge_mem_terms = []
     for (a, b, _), e in edges.items():
         sa, sb = s_vars[id(a)], s_vars[id(b)]
         g_members, h_members, matrix = e["g"], e["h"], e["C"]
@@ -254,6 +263,9 @@ def solve(
                 if c > 0:
                     objective.append(round(c * SCALE) * v)
         n_edge_vars += len(evars)
+        for (g, h), v in evars.items():
+            if e["M"][g][h] > 0:
+                edge_mem_terms.append((int(math.ceil(e["M"][g][h])), v))
         for g, ks in enumerate(g_members):  # (b)
             model.Add(sum(evars[(g, h)] for h in range(len(h_members)) if (g, h) in evars) == sum(sa[k] for k in ks))
         for h, ls in enumerate(h_members):  # (c)
@@ -264,7 +276,7 @@ def solve(
             if m > 0:
                 mem_terms.append(int(math.ceil(m)) * v)
     budget = int(memory_budget)
-    model.Add(sum(mem_terms) <= budget)  # (d)
+    model.Add(sum(mem_terms) + sum(c * v for c, v in edge_mem_terms) <= budget)  # (d)
     model.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = config.time_limit
@@ -277,8 +289,8 @@ def solve(
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         min_mem = _min_memory(cls_list)
         raise InfeasibleError(
-            f"no plan fits {memory_budget / 2**30:.2f} GiB per device on mesh {mesh}: the smallest reachable "
-            f"is {min_mem / 2**30:.2f} GiB per device (parameters, gradients and optimizer state fully "
+            f"no plan fits {_fmt_bytes(memory_budget)} per device on mesh {mesh}: the smallest reachable "
+            f"is {_fmt_bytes(min_mem)} per device (parameters, gradients and optimizer state fully "
             f"sharded, activations sharded as far as shapes allow). Use more devices, a larger "
             f"memory_budget, a smaller batch, or a cheaper optimizer."
         )
@@ -289,6 +301,7 @@ def solve(
         memory += cls.memory[k]
         for leader in cls.leaders:
             choice[leader.name] = k
+    memory += sum(coef * solver.Value(v) for coef, v in edge_mem_terms)
     for n in nodes:
         leader, fmap = roots[n]
         choice[n.name] = fmap[choice[leader.name]]
@@ -302,6 +315,13 @@ def solve(
         num_edge_vars=n_edge_vars,
         stats={"build_time": build_time, "cp_sat_time": solver.WallTime()},
     )
+
+
+def _src_key(info, s: Strategy) -> tuple:
+    """What an edge's cost depends on at the producer: its output spec, and for a trainable
+    parameter the ZeRO stage it runs with where it is gathered (0 for other values)."""
+    stage = zero_stage_of(s.rewrites) if info.kind == "param" and info.requires_grad else 0
+    return (s.outputs[0], stage)
 
 
 def _dst_key(s: Strategy, j: int) -> tuple:
@@ -321,10 +341,19 @@ def _add_edge(edges: dict, a: _Class, b: _Class, src_groups: list, dst_groups: l
     if e is None:
         g_members = [[k for k, s in enumerate(src_groups) if s == g] for g in g_keys]
         h_members = [[l for l, d in enumerate(dst_groups) if d == h] for h in h_keys]
-        e = edges[key] = {"g": g_members, "h": h_members, "C": [[0.0] * len(h_keys) for _ in g_keys], "gk": g_keys, "hk": h_keys}
+        e = edges[key] = {
+            "g": g_members,
+            "h": h_members,
+            "C": [[0.0] * len(h_keys) for _ in g_keys],
+            "M": [[0.0] * len(h_keys) for _ in g_keys],
+            "gk": g_keys,
+            "hk": h_keys,
+        }
     for gi, g in enumerate(e["gk"]):
         for hi, h in enumerate(e["hk"]):
-            e["C"][gi][hi] += cost(g, h)
+            t, m = cost(g, h)
+            e["C"][gi][hi] += t
+            e["M"][gi][hi] += m
 
 
 def _output_edges(out: Node, roots, class_of, edges, edge_cache, ctx) -> None:
@@ -343,6 +372,14 @@ def _output_edges(out: Node, roots, class_of, edges, edge_cache, ctx) -> None:
         for k in range(len(cls.strategies)):
             src = strats[fmap[k]].outputs[0]
             cls.unary[k] += edge_cost((), val.element_size(), src, target, tuple(False for _ in mesh), False, mesh, ctx.cluster) if src != target else 0.0
+
+
+def _fmt_bytes(b: float) -> str:
+    """Bytes in the largest binary unit that keeps the number readable (1 KiB budgets as well as 80 GiB)."""
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} B"
 
 
 def _min_memory(cls_list: list[_Class]) -> float:

@@ -41,6 +41,10 @@ class PassContext:
     """Optimizer whose state is counted in parameter memory (``autopar.cost.memory``)."""
     mixed_precision: bool = False
     """Count an fp32 master copy of each parameter (ZeRO's 16 bytes/parameter accounting)."""
+    zero_stages: tuple[int, ...] = (2, 3)
+    """ZeRO stages a sharded parameter may run with where it is gathered (``autopar.cost.memory``);
+    the solver picks per parameter. Stage 1 is dominated by stage 2 (same all-gather, a full
+    all-reduce instead of a reduce-scatter, a full gradient kept), so it is offered only on request."""
     max_strategies: int = 64
     """Cap on strategies per node (the cheapest kept; replicated always kept)."""
     timings: dict[str, float] = field(default_factory=dict)

@@ -36,7 +36,7 @@ from autopar.passes.annotate import op_name
 from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
 from autopar.plan import NodePlan, Plan
 from autopar.reshard import reshard_steps
-from autopar.rules import tensor_inputs, tensor_outputs
+from autopar.rules import tensor_inputs, tensor_outputs, zero_stage_of
 from autopar.runtime import collectives as C
 from autopar.runtime import ops as O
 from autopar.runtime.collectives import AxisGroup
@@ -71,6 +71,9 @@ class _Lowerer:
         self.root = nn.Module()
         for i, ax in enumerate(self.axes):
             setattr(self.root, f"_ax{i}", ax)
+        self.gathered = C.GatheredParams()
+        self.root._gathered_params = self.gathered
+        self.store_node: Node | None = None
 
     # -------------------------------------------------------------- helpers
     def ax(self, a: int) -> Node:
@@ -78,6 +81,12 @@ class _Lowerer:
             with self.g.inserting_before(self._first_non_placeholder()):
                 self.ax_nodes[a] = self.g.get_attr(f"_ax{a}")
         return self.ax_nodes[a]
+
+    def store(self) -> Node:
+        if self.store_node is None:
+            with self.g.inserting_before(self._first_non_placeholder()):
+                self.store_node = self.g.get_attr("_gathered_params")
+        return self.store_node
 
     def _first_non_placeholder(self) -> Node | None:
         for n in self.g.nodes:
@@ -100,17 +109,29 @@ class _Lowerer:
         src = self.spec_out(producer)
         val = producer.meta["val"]
         steps = reshard_steps(tuple(val.shape), src, dst, self.mesh)
-        sync = {a for a in range(len(self.mesh)) if split[a] and isinstance(dst[a], Replicate)}
+        pplan = self.np.get(producer.name)
+        stage = zero_stage_of(pplan.rewrites) if pplan is not None and pplan.kind == "param" else 0
+        sync: set[int] = set()
+        if val.is_floating_point():
+            sync = {a for a in range(len(self.mesh)) if split[a] and isinstance(dst[a], Replicate)}
         last = {s.axis: s for s in steps}
-        fused = frozenset(a for a in sync if a in last and last[a].kind == "all_gather")
+        # ZeRO-1 keeps full gradients: its gathers are not fused with the gradient all-reduce.
+        fused = frozenset(a for a in sync if a in last and last[a].kind == "all_gather" and stage != 1)
         key = (producer, dst, fused)
         value = self.reshard_memo.get(key)
         if value is None:
             value = self.env[producer]
-            for st in steps:
+            zero3 = stage == 3
+            for n_step, st in enumerate(steps):
                 kw: dict[str, Any] = {}
                 if st.kind == "all_gather":
-                    fn, kw = C.all_gather, {"dim": st.dim, "blocks": st.blocks, "grad_partial": st.axis in fused and st is last[st.axis]}
+                    kw = {"dim": st.dim, "blocks": st.blocks, "grad_partial": st.axis in fused and st is last[st.axis]}
+                    fn = C.all_gather
+                    if zero3 and n_step == 0:
+                        # The parameter's first gather: its full copy is freed after use (ZeRO-3).
+                        value = self.g.call_function(C.all_gather_param, (value, self.ax(st.axis), self.store()), kw)
+                        self.gathered.used = True
+                        continue
                 elif st.kind == "slice":
                     fn, kw = C.shard_slice, {"dim": st.dim, "blocks": st.blocks}
                 elif st.kind == "all_reduce":
@@ -152,6 +173,7 @@ class _Lowerer:
                 raise self.fail(node, f"unsupported node kind {node.op}")
         self.g.lint()
         gm = GraphModule(self.root, self.g, class_name="RankProgram")
+        gm._gathered_params = self.gathered  # read by ParallelModule even when no node uses it
         return gm
 
     def lower_call(self, node: Node) -> None:

@@ -36,7 +36,7 @@ from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.passes import PassContext
 from autopar.passes.annotate import extra_saved_bytes, op_name, value_is_saved
 from autopar.placement import Shard, Spec, divides, local_shape
-from autopar.rules import AxisStrategy, axis_strategies, block_hints, tensor_inputs, tensor_outputs
+from autopar.rules import ZERO_TAGS, AxisStrategy, axis_strategies, block_hints, tensor_inputs, tensor_outputs
 
 __all__ = ["FOLLOW_OPS", "annotate_strategies", "tie_key"]
 
@@ -111,6 +111,28 @@ def _combine(
             )
         )
     return result
+
+
+def _zero_variants(node: Node, strategies: list[Strategy], ctx: PassContext) -> list[tuple[None, Strategy]]:
+    """A trainable parameter's sharded layouts, once per allowed ZeRO stage (``ctx.zero_stages``).
+
+    The stage only matters where a user gathers the parameter; elsewhere the variants cost the same
+    and the solver keeps the first. Stage 3 is the untagged layout.
+    """
+    info = node.meta.get(TENSOR)
+    if node.op != "placeholder" or info is None or info.kind != "param" or not info.requires_grad:
+        return [(None, s) for s in strategies]
+    tag_of = {stage: tag for tag, stage in ZERO_TAGS.items()}
+    out = []
+    for s in strategies:
+        if not any(isinstance(p, Shard) for p in s.outputs[0]):
+            out.append((None, s))
+            continue
+        for stage in sorted(ctx.zero_stages, reverse=True):
+            tag = tag_of.get(stage, "")
+            rewrites = tuple(tag if isinstance(p, Shard) else r for p, r in zip(s.outputs[0], s.rewrites))
+            out.append((None, Strategy(s.inputs, s.outputs, rewrites, s.comms, s.split)))
+    return out
 
 
 def _valid(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> bool:
@@ -208,7 +230,7 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 if not has_rule(node) and tensor_outputs(node):
                     warned.add(op_name(node))
             combos = _combine(node, [axis] * len(mesh), mesh)
-            strategies = [_cost_strategy(node, s, ctx) for _, s in combos]
+            strategies = [_cost_strategy(node, s, ctx) for _, s in _zero_variants(node, [s for _, s in combos], ctx)]
             if len(strategies) > ctx.max_strategies:
                 head, rest = strategies[:1], sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time)
                 strategies = head + rest[: ctx.max_strategies - 1]

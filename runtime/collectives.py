@@ -29,6 +29,7 @@ equal blocks of dimension ``d``.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scat
 
 __all__ = [
     "AxisGroup",
+    "GatheredParams",
+    "all_gather_param",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -222,6 +225,66 @@ class _GradSync(torch.autograd.Function):
         for ax in ctx.axes:
             g = _all_reduce(g, ax, "bwd")
         return g, None
+
+
+class GatheredParams:
+    """ZeRO-3's "free after use": parameters gathered in forward are not kept for backward.
+
+    ``all_gather_param`` registers each gathered parameter here (a weak reference to the full
+    tensor, and the local shard it came from). While the program runs under
+    ``saved_tensors_hooks(self.pack, self.unpack)``, a tensor autograd wants to save that lives in
+    a gathered parameter's storage (the parameter or a view of it, e.g. its transpose) is saved as
+    a token holding only the shard; backward gathers it again (``unpack``). Everything else is
+    saved as usual. Registrations are cleared after each forward.
+    """
+
+    def __init__(self) -> None:
+        self.live: list[tuple[weakref.ref, torch.Tensor, AxisGroup, int, int]] = []
+        self.used = False
+
+    def register(self, full: torch.Tensor, shard: torch.Tensor, ax: AxisGroup, dim: int, blocks: int) -> None:
+        self.live.append((weakref.ref(full), shard, ax, dim, blocks))
+
+    def clear(self) -> None:
+        self.live.clear()
+
+    def pack(self, t: torch.Tensor) -> object:
+        if not self.live or t.layout != torch.strided:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        for ref, shard, ax, dim, blocks in self.live:
+            full = ref()
+            if full is not None and full.untyped_storage().data_ptr() == ptr:
+                return _GatheredToken(shard, ax, dim, blocks, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    @staticmethod
+    def unpack(obj: object) -> torch.Tensor:
+        if isinstance(obj, _GatheredToken):
+            full = _gather(obj.shard.detach(), obj.ax, obj.dim, obj.blocks, "bwd")
+            return full.as_strided(obj.size, obj.stride, obj.offset)
+        return obj  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _GatheredToken:
+    shard: torch.Tensor
+    ax: AxisGroup
+    dim: int
+    blocks: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def all_gather_param(
+    x: torch.Tensor, ax: AxisGroup, store: GatheredParams, dim: int, blocks: int = 1, grad_partial: bool = False
+) -> torch.Tensor:
+    """``all_gather`` of a parameter shard whose full copy backward re-gathers (ZeRO-3)."""
+    full = all_gather(x, ax, dim, blocks, grad_partial)
+    if _differentiable(x):
+        store.register(full, x, ax, dim, blocks)
+    return full
 
 
 def _differentiable(x: torch.Tensor) -> bool:

@@ -224,20 +224,16 @@ class ParallelModule(nn.Module):
                         x = local_shard(x, self._specs["input:" + key], self._mesh, self._coord)
                     x = x.to(self.device)
                 values.append(x)
-        zero3 = self._zero3_hooks()
-        if zero3 is None:
+        gathered: C.GatheredParams = self.program._gathered_params
+        if not gathered.used:
             outs = self.program(*values)
         else:
-            with zero3:
-                outs = self.program(*values)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
+                    outs = self.program(*values)
+            finally:
+                gathered.clear()
         return pytree.tree_unflatten(list(outs), self._out_spec)
-
-    def _zero3_hooks(self) -> torch.autograd.graph.saved_tensors_hooks | None:
-        """Saved-tensor hooks that keep only shards of gathered (ZeRO-3) parameters for backward."""
-        gathered = getattr(self.program, "_zero3_storage", None)
-        if not gathered:
-            return None
-        return None
 
     # ------------------------------------------------------------------ state
     def _axes_of(self, fqn: str) -> Spec:
