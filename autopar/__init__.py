@@ -34,15 +34,15 @@ __all__ = [
 ]
 
 
-def parallelize(*args, **kwargs):  # noqa: ANN002, ANN003 - re-exported with its full signature below
+def parallelize(*args, **kwargs):  # replaced below by the runtime's, with its full signature
     from autopar.runtime.module import parallelize as _parallelize
 
     return _parallelize(*args, **kwargs)
 
 
 try:  # give the lazy wrapper the real signature and docstring when the runtime imports cleanly
-    from autopar.runtime.module import parallelize as _p  # noqa: F401
+    from autopar.runtime.module import parallelize as _p
 
-    parallelize = _p  # type: ignore[assignment]  # noqa: F811
+    parallelize = _p  # type: ignore[assignment]
 except ImportError:  # the runtime is importable only once it exists; planning works without it
     pass

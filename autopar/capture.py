@@ -89,7 +89,9 @@ def _explain_export_failure(model: nn.Module, exc: BaseException) -> str:
     where = ""
     # The innermost frame of the user's code, named by the module whose method it runs: a frame
     # whose ``self`` is one of the model's submodules names that exact instance.
-    module_names = {id(mod): f"{name or '<root>'} ({type(mod).__name__})" for name, mod in model.named_modules()}
+    module_names = {
+        id(mod): f"{name or '<root>'} ({type(mod).__name__})" for name, mod in model.named_modules()
+    }
     frames = []
     seen: set[int] = set()
     e: BaseException | None = exc
@@ -173,7 +175,9 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     return cap
 
 
-def _merge_tied_placeholders(gm: torch.fx.GraphModule, params: dict[str, str], first_of: dict[str, str]) -> None:
+def _merge_tied_placeholders(
+    gm: torch.fx.GraphModule, params: dict[str, str], first_of: dict[str, str]
+) -> None:
     """Export lifts a tied parameter once per name; keep one placeholder per parameter (named by
     its first name in ``named_parameters`` order) so it has one placement and is counted once."""
     kept: dict[str, torch.fx.Node] = {}

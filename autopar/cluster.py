@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cluster", "DeviceSpec", "Link"]
+__all__ = ["Cluster", "DeviceSpec", "Link", "mesh_arithmetic"]
 
 TB = 1e12
 GB = 1e9
@@ -52,7 +52,10 @@ class DeviceSpec:
                 f"DeviceSpec {self.name!r}: memory_bandwidth ({self.memory_bandwidth}) and memory "
                 f"({self.memory}) must be positive"
             )
-        for what, v in (("compute_efficiency", self.compute_efficiency), ("memory_efficiency", self.memory_efficiency)):
+        for what, v in (
+            ("compute_efficiency", self.compute_efficiency),
+            ("memory_efficiency", self.memory_efficiency),
+        ):
             if not 0 < v <= 1:
                 raise ValueError(f"DeviceSpec {self.name!r}: {what} must be in (0, 1], got {v}")
 
@@ -71,10 +74,23 @@ class Link:
     """Bytes/s per device, one direction (the NCCL 'bus bandwidth' a ring reaches)."""
     latency: float
     """Seconds per message step (α)."""
+    measured: tuple[tuple[str, int, float, float], ...] = ()
+    """Measured costs that replace the ring formulas: ``(collective, n, α, β)`` rows meaning a
+    ``collective`` over ``n`` devices on an ``S``-byte buffer (sized as in ``autopar.cost.comm``)
+    takes ``α + β·S`` seconds. ``autopar.cost.profile.measure_local`` fills it for gloo."""
+
+    def measured_cost(self, collective: str, n: int) -> tuple[float, float] | None:
+        """``(α, β)`` measured for ``collective`` over ``n`` devices, if any."""
+        for c, m, a, b in self.measured:
+            if c == collective and m == n:
+                return a, b
+        return None
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0:
-            raise ValueError(f"Link {self.name!r}: bandwidth ({self.bandwidth}) must be > 0 and latency ({self.latency}) >= 0")
+            raise ValueError(
+                f"Link {self.name!r}: bandwidth ({self.bandwidth}) must be > 0 and latency ({self.latency}) >= 0"
+            )
 
 
 def _gpu(name: str, bf16: float, fp32: float, bw: float, mem: int) -> DeviceSpec:
@@ -187,7 +203,9 @@ class Cluster:
             memory_efficiency=1.0,
         )
         link = Link(name="gloo", bandwidth=link_bandwidth, latency=link_latency)
-        return cls(device=dev, gpus_per_node=world_size, nodes=1, intra_node=link, inter_node=link, backend="gloo")
+        return cls(
+            device=dev, gpus_per_node=world_size, nodes=1, intra_node=link, inter_node=link, backend="gloo"
+        )
 
     def with_device(self, **changes: Any) -> Cluster:
         return replace(self, device=replace(self.device, **changes))
@@ -198,9 +216,8 @@ class Cluster:
             raise ValueError(f"mesh_shape {mesh_shape} has an axis smaller than 1")
         total = math.prod(mesh_shape)
         if total != self.world_size:
-            expr = " × ".join(str(n) for n in mesh_shape)
             raise ValueError(
-                f"mesh_shape {expr} = {total} ≠ world size {self.world_size} "
+                f"mesh_shape {mesh_arithmetic(mesh_shape)} ≠ world size {self.world_size} "
                 f"({self.nodes} node(s) × {self.gpus_per_node} devices)"
             )
 
@@ -219,6 +236,11 @@ class Cluster:
 
     def describe(self) -> str:
         d = self.device
+        if self.backend == "gloo":
+            return (
+                f"{self.world_size} local processes ({d.flops_for('float32') / 1e9:.0f} GFLOP/s fp32 each, "
+                f"{self.intra_node.name} {self.intra_node.bandwidth / GB:.1f} GB/s)"
+            )
         return (
             f"{self.nodes} node(s) × {self.gpus_per_node} {d.name} "
             f"({d.flops_for('bfloat16') / TB:.0f} TFLOP/s bf16, {d.memory / GiB:.0f} GiB, "
@@ -239,8 +261,8 @@ class Cluster:
             },
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
-            "intra_node": {"name": self.intra_node.name, "bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
-            "inter_node": {"name": self.inter_node.name, "bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
+            "intra_node": _link_dict(self.intra_node),
+            "inter_node": _link_dict(self.inter_node),
             "backend": self.backend,
         }
 
@@ -250,7 +272,29 @@ class Cluster:
             device=DeviceSpec(**d["device"]),
             gpus_per_node=d["gpus_per_node"],
             nodes=d["nodes"],
-            intra_node=Link(**d["intra_node"]),
-            inter_node=Link(**d["inter_node"]),
+            intra_node=_link_from(d["intra_node"]),
+            inter_node=_link_from(d["inter_node"]),
             backend=d.get("backend", "nccl"),
         )
+
+
+def mesh_arithmetic(mesh_shape: tuple[int, ...]) -> str:
+    """``"4 × 3 = 12"`` for a 2-D mesh, ``"(16,) = 16 devices"`` for a 1-D one."""
+    total = math.prod(mesh_shape)
+    if len(mesh_shape) == 1:
+        return f"({mesh_shape[0]},) = {total} devices"
+    return " × ".join(str(n) for n in mesh_shape) + f" = {total}"
+
+
+def _link_dict(link: Link) -> dict[str, Any]:
+    return {
+        "name": link.name,
+        "bandwidth": link.bandwidth,
+        "latency": link.latency,
+        "measured": [list(row) for row in link.measured],
+    }
+
+
+def _link_from(d: dict[str, Any]) -> Link:
+    rows = tuple((str(c), int(n), float(a), float(b)) for c, n, a, b in d.get("measured", ()))
+    return Link(name=d["name"], bandwidth=d["bandwidth"], latency=d["latency"], measured=rows)

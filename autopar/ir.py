@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from autopar.placement import Spec
 
-__all__ = ["TENSOR", "COST", "STRATEGIES", "NodeCost", "NodeStrategies", "Strategy", "TensorInfo"]
+__all__ = ["COST", "STRATEGIES", "TENSOR", "NodeCost", "NodeStrategies", "Strategy", "TensorInfo"]
 
 TENSOR = "autopar.tensor"
 COST = "autopar.cost"

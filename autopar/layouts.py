@@ -35,8 +35,8 @@ from autopar.passes import PassContext, run_passes
 from autopar.passes.annotate import annotate_tensors, op_name
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plan import Plan
-from autopar.rules import tensor_inputs
 from autopar.planner import plan_captured
+from autopar.rules import tensor_inputs
 
 __all__ = ["megatron", "megatron_weight_roles"]
 
@@ -140,9 +140,7 @@ def megatron(
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
             tp_p = f"S({role.split(':')[1]})"
-        elif role == "col_bias":
-            tp_p = "S(0)"
-        elif role == "vocab":
+        elif role in ("col_bias", "vocab"):
             tp_p = "S(0)"
         else:  # row_bias
             tp_p = "R"

@@ -27,7 +27,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = [
     "Partial",
@@ -70,7 +69,7 @@ class Partial:
         return "P"
 
 
-Placement = Union[Replicate, Shard, Partial]
+Placement = Replicate | Shard | Partial
 Spec = tuple[Placement, ...]
 
 R = Replicate()
@@ -124,7 +123,9 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     for p, n in zip(spec, mesh_shape):
         if isinstance(p, Shard):
             if p.dim >= len(out) or out[p.dim] % (n * p.blocks) != 0:
-                raise ValueError(f"dimension {p.dim} of shape {tuple(shape)} does not divide into {n}x{p.blocks}")
+                raise ValueError(
+                    f"dimension {p.dim} of shape {tuple(shape)} does not divide into {n}x{p.blocks}"
+                )
             out[p.dim] //= n
     return tuple(out)
 

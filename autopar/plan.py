@@ -117,7 +117,9 @@ class Plan:
         """Parameters stored sharded and gathered for use, with their ZeRO stage (1, 2 or 3)."""
         from autopar.rules import zero_stage_of
 
-        gathered = {r.producer for r in self.reshards if any(c.startswith("all_gather") for c in r.collectives)}
+        gathered = {
+            r.producer for r in self.reshards if any(c.startswith("all_gather") for c in r.collectives)
+        }
         return {
             n.fqn: zero_stage_of(n.rewrites)
             for n in self.nodes
@@ -174,7 +176,10 @@ class Plan:
         nodes = [
             NodePlan(**{k: (tup(v) if isinstance(v, list) else v) for k, v in n.items()}) for n in d["nodes"]
         ]
-        reshards = [ReshardPlan(**{k: (tup(v) if isinstance(v, list) else v) for k, v in r.items()}) for r in d["reshards"]]
+        reshards = [
+            ReshardPlan(**{k: (tup(v) if isinstance(v, list) else v) for k, v in r.items()})
+            for r in d["reshards"]
+        ]
         pred = d["predicted"]
         pred = Predicted(**{k: (tup(v) if isinstance(v, list) else v) for k, v in pred.items()})
         return cls(

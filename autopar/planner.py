@@ -17,6 +17,7 @@ the same one; ``autopar.parallelize`` nevertheless plans on rank 0 and broadcast
 
 from __future__ import annotations
 
+import difflib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,7 @@ def _parse_fixed(cap: Captured, fixed: dict[str, Sequence[str] | str] | None, n_
     for name, spec in fixed.items():
         first = alias_to_first.get(name, name)
         if first not in known:
-            close = [k for k in known if k.endswith(name.split(".")[-1])][:3]
+            close = difflib.get_close_matches(name, sorted(cap.params.values()), n=3)
             raise ValueError(
                 f"fixed names {name!r}, which is neither a parameter nor an input of the model (inputs: "
                 f"{sorted(cap.inputs.values())}; similar parameters: {close})"
@@ -162,7 +163,9 @@ def plan_captured(
         if node_constraint is not None:
             _apply_node_constraint(gm, node_constraint)
         try:
-            sol = solve(gm, mctx, memory_budget=budget, fixed=fixed_specs, config=SolverConfig(time_limit=time_limit))
+            sol = solve(
+                gm, mctx, memory_budget=budget, fixed=fixed_specs, config=SolverConfig(time_limit=time_limit)
+            )
         except InfeasibleError as e:
             errors.append(e)
             tried.append({"mesh": list(mesh), "feasible": False})
@@ -185,7 +188,8 @@ def plan_captured(
         if len(errors) == 1:
             raise errors[0]
         raise InfeasibleError(
-            "no mesh shape fits the memory budget:\n  " + "\n  ".join(f"{m}: {e}" for m, e in zip(meshes, errors))
+            "no mesh shape fits the memory budget:\n  "
+            + "\n  ".join(f"{m}: {e}" for m, e in zip(meshes, errors))
         )
     mesh, sol, snap = best
     _restore(gm, snap)
@@ -264,7 +268,9 @@ def _axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[st
         ins = tensor_inputs(n)
         for a in range(len(mesh)):
             weight_split = any(
-                i.meta.get(TENSOR) is not None and i.meta[TENSOR].kind == "param" and not isinstance(sp[a], Replicate)
+                i.meta.get(TENSOR) is not None
+                and i.meta[TENSOR].kind == "param"
+                and not isinstance(sp[a], Replicate)
                 for i, sp in zip(ins, s.inputs)
                 if sp is not None
             )
@@ -281,7 +287,9 @@ def _axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[st
     return tuple(names)
 
 
-def _build_plan(gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh: tuple[int, ...], sol) -> Plan:
+def _build_plan(
+    gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh: tuple[int, ...], sol
+) -> Plan:
     choice = sol.choice
     nodes: list[NodePlan] = []
     chosen: dict[Node, Strategy] = {}
@@ -322,7 +330,9 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh:
             dst = s.inputs[j]
             info = i.meta[TENSOR]
             grad_axes = tuple(
-                a for a in range(len(mesh)) if s.split[a] and isinstance(dst[a], Replicate) and info.requires_grad
+                a
+                for a in range(len(mesh))
+                if s.split[a] and isinstance(dst[a], Replicate) and info.requires_grad
             )
             if src == dst and not grad_axes:
                 continue
@@ -341,7 +351,9 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh:
                 mesh,
                 cluster,
                 bucketed_sync=bucketed_grad_sync(i),
-                zero_stage=zero_stage_of(chosen[i].rewrites) if info.kind == "param" and info.requires_grad else 0,
+                zero_stage=zero_stage_of(chosen[i].rewrites)
+                if info.kind == "param" and info.requires_grad
+                else 0,
             )
             per_axis = [0.0] * len(mesh)
             for st in steps:

@@ -35,7 +35,14 @@ from autopar.ir import TENSOR
 from autopar.placement import Partial, Replicate, Shard, Spec, local_shape
 from autopar.rules import tensor_inputs
 
-__all__ = ["ReshardStep", "bucketed_grad_sync", "edge_cost", "kept_gather_bytes", "reshard_cost", "reshard_steps"]
+__all__ = [
+    "ReshardStep",
+    "bucketed_grad_sync",
+    "edge_cost",
+    "kept_gather_bytes",
+    "reshard_cost",
+    "reshard_steps",
+]
 
 R = Replicate()
 
@@ -109,7 +116,9 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
                 and q.dim != p.dim
                 and p.blocks == 1
                 and q.blocks == 1
-                and not any(shards_dim(cur[b], d) or shards_dim(dst[b], d) for b in others for d in (p.dim, q.dim))
+                and not any(
+                    shards_dim(cur[b], d) or shards_dim(dst[b], d) for b in others for d in (p.dim, q.dim)
+                )
             ):
                 emit("all_to_all", a, q, dim=p.dim, dim2=q.dim)
             else:
@@ -166,7 +175,9 @@ def reshard_cost(
     shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh_shape: Sequence[int], cluster: Cluster
 ) -> float:
     """Forward seconds to reshard (no backward)."""
-    return sum(step_cost(s, itemsize, mesh_shape, cluster) for s in reshard_steps(shape, src, dst, mesh_shape))
+    return sum(
+        step_cost(s, itemsize, mesh_shape, cluster) for s in reshard_steps(shape, src, dst, mesh_shape)
+    )
 
 
 def bucketed_grad_sync(node: Node) -> bool:
@@ -185,7 +196,9 @@ def bucketed_grad_sync(node: Node) -> bool:
             return True
         if node.op != "call_function":
             return False
-        grads = [i for i in tensor_inputs(node) if i.meta.get(TENSOR) is not None and i.meta[TENSOR].requires_grad]
+        grads = [
+            i for i in tensor_inputs(node) if i.meta.get(TENSOR) is not None and i.meta[TENSOR].requires_grad
+        ]
         if len(grads) != 1:
             return False
         node = grads[0]
@@ -237,12 +250,16 @@ def edge_cost(
                 continue  # fused into the all-gather's backward reduce-scatter
             link = cluster.axis_link(tuple(mesh_shape), a)
             if bucketed_sync:
-                link = replace(link, latency=0.0)
+                link = replace(
+                    link, latency=0.0, measured=tuple((c, m, 0.0, b) for c, m, _, b in link.measured)
+                )
             bwd += all_reduce_cost(_bytes(local, itemsize), mesh_shape[a], link)
     return fwd + bwd
 
 
-def kept_gather_bytes(shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh_shape: Sequence[int], zero_stage: int) -> float:
+def kept_gather_bytes(
+    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh_shape: Sequence[int], zero_stage: int
+) -> float:
     """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) holds
     from forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered."""
     if zero_stage not in (1, 2):

@@ -40,7 +40,17 @@ from torch.fx import Node
 
 from autopar.placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["ZERO1", "ZERO2", "ZERO_TAGS", "AxisStrategy", "zero_stage_of", "axis_strategies", "has_rule", "tensor_inputs", "tensor_outputs"]
+__all__ = [
+    "ZERO1",
+    "ZERO2",
+    "ZERO_TAGS",
+    "AxisStrategy",
+    "axis_strategies",
+    "has_rule",
+    "tensor_inputs",
+    "tensor_outputs",
+    "zero_stage_of",
+]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -60,6 +70,8 @@ def zero_stage_of(rewrites: Sequence[str]) -> int:
         if r in ZERO_TAGS:
             return ZERO_TAGS[r]
     return 3
+
+
 P = Partial()
 
 
@@ -212,17 +224,89 @@ def _shard_dim_of(p: Placement | None) -> int | None:
 # Pointwise
 
 _UNARY = [
-    aten.neg, aten.tanh, aten.silu, aten.gelu, aten.relu, aten.sigmoid, aten.exp, aten.log, aten.rsqrt,
-    aten.sqrt, aten.abs, aten.erf, aten.sin, aten.cos, aten.reciprocal, aten.square, aten.clamp,
-    aten.clamp_min, aten.clamp_max, aten.hardtanh, aten.leaky_relu, aten.softplus, aten.elu, aten.mish,
-    aten.hardswish, aten.hardsigmoid, aten.logical_not, aten.bitwise_not, aten.dropout, aten.native_dropout,
-    aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy, aten.type_as,
-    aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.rand_like, aten.isnan,
-    aten.isinf, aten.sign, aten.floor, aten.ceil, aten.round, aten.log1p, aten.expm1, aten.gelu_,
-    aten.relu_, aten.silu_, aten.masked_fill, aten.where, aten.pow, aten.add, aten.sub, aten.mul,
-    aten.div, aten.rsub, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__,
-    aten.bitwise_and, aten.bitwise_or, aten.logical_and, aten.logical_or, aten.maximum, aten.minimum,
-    aten.fmod, aten.remainder, aten.lerp, aten.addcmul, aten.addcdiv, aten.tril, aten.triu, aten.floor_divide,
+    aten.neg,
+    aten.tanh,
+    aten.silu,
+    aten.gelu,
+    aten.relu,
+    aten.sigmoid,
+    aten.exp,
+    aten.log,
+    aten.rsqrt,
+    aten.sqrt,
+    aten.abs,
+    aten.erf,
+    aten.sin,
+    aten.cos,
+    aten.reciprocal,
+    aten.square,
+    aten.clamp,
+    aten.clamp_min,
+    aten.clamp_max,
+    aten.hardtanh,
+    aten.leaky_relu,
+    aten.softplus,
+    aten.elu,
+    aten.mish,
+    aten.hardswish,
+    aten.hardsigmoid,
+    aten.logical_not,
+    aten.bitwise_not,
+    aten.dropout,
+    aten.native_dropout,
+    aten.clone,
+    aten.contiguous,
+    aten.alias,
+    aten.detach,
+    aten.to,
+    aten._to_copy,
+    aten.type_as,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.full_like,
+    aten.empty_like,
+    aten.rand_like,
+    aten.isnan,
+    aten.isinf,
+    aten.sign,
+    aten.floor,
+    aten.ceil,
+    aten.round,
+    aten.log1p,
+    aten.expm1,
+    aten.gelu_,
+    aten.relu_,
+    aten.silu_,
+    aten.masked_fill,
+    aten.where,
+    aten.pow,
+    aten.add,
+    aten.sub,
+    aten.mul,
+    aten.div,
+    aten.rsub,
+    aten.eq,
+    aten.ne,
+    aten.lt,
+    aten.le,
+    aten.gt,
+    aten.ge,
+    aten.__and__,
+    aten.__or__,
+    aten.bitwise_and,
+    aten.bitwise_or,
+    aten.logical_and,
+    aten.logical_or,
+    aten.maximum,
+    aten.minimum,
+    aten.fmod,
+    aten.remainder,
+    aten.lerp,
+    aten.addcmul,
+    aten.addcdiv,
+    aten.tril,
+    aten.triu,
+    aten.floor_divide,
 ]
 # Ops linear in each tensor input (so Partial passes through when all tensor inputs are Partial).
 _LINEAR_ALL = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.add, aten.sub}
@@ -244,9 +328,7 @@ def _pointwise(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     for d in range(rank):
         if out_shape[d] == 1 or d in banned:
             continue
-        strategies.append(
-            AxisStrategy(tuple(_align(rank, _shape(i), d) for i in ins), (Shard(d),))
-        )
+        strategies.append(AxisStrategy(tuple(_align(rank, _shape(i), d) for i in ins), (Shard(d),)))
     key = _key(node)
     tensor_args = [a for a in node.args if isinstance(a, Node)]
     if (
@@ -272,7 +354,9 @@ def _pointwise(node: Node, ins: list[Node]) -> list[AxisStrategy]:
 # Views and shape ops
 
 
-def _view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
+def _view_groups(
+    in_shape: Sequence[int], out_shape: Sequence[int]
+) -> list[tuple[list[int], list[int]]] | None:
     """Pair up runs of input and output dims with equal products (the reshape's dim mapping)."""
     groups = []
     i = j = 0
@@ -340,9 +424,9 @@ def _view_like(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy]:
     return out
 
 
-_register(aten.view, aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.flatten, aten.unflatten)(
-    _with_hints(_view_like)
-)
+_register(
+    aten.view, aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.flatten, aten.unflatten
+)(_with_hints(_view_like))
 
 
 @_register(aten.expand)
@@ -417,12 +501,26 @@ def _split(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy]:
     sizes = {int(o.shape[dim]) for o in outs} if key is not aten.unbind else set()
     if len(sizes) == 1 and len(outs) > 1:
         # Equal parts along a block-sharded dim: each part comes out plainly sharded.
-        out.append(AxisStrategy((Shard(dim, len(outs)),), tuple(Shard(dim) for _ in outs), rewrite="split_local"))
+        out.append(
+            AxisStrategy((Shard(dim, len(outs)),), tuple(Shard(dim) for _ in outs), rewrite="split_local")
+        )
     out.append(AxisStrategy((P,), tuple(P for _ in outs)))
     return out
 
 
 _register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)(_split)
+
+
+@_register(aten.pad, aten.constant_pad_nd)
+def _pad(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """Padding changes only the padded dimensions: any other one can stay sharded."""
+    src = node.args[0]
+    rank = len(_shape(src))
+    pads = list(node.args[1]) if len(node.args) > 1 else []
+    padded = {rank - 1 - i // 2 for i, p in enumerate(pads) if p}
+    return [
+        AxisStrategy((Shard(d),), (Shard(d),)) for d in range(rank) if d not in padded and _shape(src)[d] > 1
+    ]
 
 
 @_register(aten.cat, aten.concat, aten.stack)
@@ -452,8 +550,15 @@ def _getitem(node: Node, ins: list[Node]) -> list[AxisStrategy]:
 
 
 def _einsum_strategies(
-    letters_in: Sequence[str | None], letter_out: str, contracted: str, operands: Sequence[Node | None], ins: list[Node],
-    shapes: dict[str, int], hints: dict, out_node: Node, additive: Node | None = None,
+    letters_in: Sequence[str | None],
+    letter_out: str,
+    contracted: str,
+    operands: Sequence[Node | None],
+    ins: list[Node],
+    shapes: dict[str, int],
+    hints: dict,
+    out_node: Node,
+    additive: Node | None = None,
 ) -> list[AxisStrategy]:
     """Strategies of ``out = einsum(letters_in -> letter_out) (+ additive)``: shard one letter on
     every operand that has it; a contracted letter gives a Partial output."""
@@ -541,7 +646,17 @@ def _matmul(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy]:
         bs = _shape(bias)
         letters_in.append(lo[len(lo) - len(bs) :] if bs else "")
         operands.append(bias)
-    out = _einsum_strategies(letters_in, lo, "k", operands, ins, shapes, hints, node, additive=bias if isinstance(bias, Node) else None)
+    out = _einsum_strategies(
+        letters_in,
+        lo,
+        "k",
+        operands,
+        ins,
+        shapes,
+        hints,
+        node,
+        additive=bias if isinstance(bias, Node) else None,
+    )
     # Partial activations times a replicated weight stay Partial (no bias).
     if bias is None and isinstance(x, Node) and x is not w:
         out.append(AxisStrategy(tuple(P if i is x else R for i in ins), (P,)))
@@ -567,8 +682,22 @@ _register(aten.mm, aten.bmm, aten.matmul, aten.addmm, aten.baddbmm, aten.linear)
 def _reduced_dims(node: Node, rank: int) -> tuple[set[int], bool]:
     key = _key(node)
     args = node.args
-    if key in (aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.var_mean, aten.prod,
-               aten.argmax, aten.argmin, aten.any, aten.all, aten.logsumexp, aten.norm):
+    if key in (
+        aten.sum,
+        aten.mean,
+        aten.amax,
+        aten.amin,
+        aten.var,
+        aten.std,
+        aten.var_mean,
+        aten.prod,
+        aten.argmax,
+        aten.argmin,
+        aten.any,
+        aten.all,
+        aten.logsumexp,
+        aten.norm,
+    ):
         dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
         keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
         if dims is None or dims == [] or dims == ():
@@ -579,8 +708,21 @@ def _reduced_dims(node: Node, rank: int) -> tuple[set[int], bool]:
     return set(), True
 
 
-@_register(aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.prod, aten.argmax, aten.argmin,
-           aten.any, aten.all, aten.logsumexp, aten.norm)
+@_register(
+    aten.sum,
+    aten.mean,
+    aten.amax,
+    aten.amin,
+    aten.var,
+    aten.std,
+    aten.prod,
+    aten.argmax,
+    aten.argmin,
+    aten.any,
+    aten.all,
+    aten.logsumexp,
+    aten.norm,
+)
 def _reduction(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     src = node.args[0]
     if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -626,13 +768,18 @@ def _layer_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     out = []
     for d in range(lead):
         if _shape(x)[d] > 1:
-            outs = (Shard(d),) + tuple(Shard(d) for _ in range(n_out - 1))
+            outs = (Shard(d), *(Shard(d) for _ in range(n_out - 1)))
             out.append(AxisStrategy(tuple(Shard(d) if i is x else R for i in ins), outs))
     return out
 
 
-@_register(aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit_functional,
-           aten._native_batch_norm_legit_no_training, aten.instance_norm)
+@_register(
+    aten.batch_norm,
+    aten.native_batch_norm,
+    aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training,
+    aten.instance_norm,
+)
 def _batch_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     # Batch statistics span the batch: only the channel dimension (1) can be sharded, taking
     # weight, bias and running stats along with it.
@@ -665,8 +812,12 @@ def _embedding(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     return out
 
 
-@_register(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-           aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention)
+@_register(
+    aten.scaled_dot_product_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention,
+)
 def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     q, k, v = node.args[0], node.args[1], node.args[2]
     rank = len(_shape(q))
@@ -735,8 +886,14 @@ def _cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     if xs[0] > 1:
         out.append(AxisStrategy(tuple(Shard(0) for _ in ins), (P,), rewrite="loss_rows"))
     if key is aten.cross_entropy_loss and xs[1] > 1:
-        out.append(AxisStrategy(tuple(Shard(1) if i is x else R for i in ins), (R,), rewrite="loss_classes",
-                                comm="all_reduce:3"))
+        out.append(
+            AxisStrategy(
+                tuple(Shard(1) if i is x else R for i in ins),
+                (R,),
+                rewrite="loss_classes",
+                comm="all_reduce:3",
+            )
+        )
     return out
 
 

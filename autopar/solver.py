@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +42,7 @@ from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.passes import PassContext
 from autopar.placement import Replicate, Spec, format_spec
 from autopar.reshard import bucketed_grad_sync, edge_cost, kept_gather_bytes
-from autopar.rules import zero_stage_of
-from autopar.rules import tensor_inputs
+from autopar.rules import tensor_inputs, zero_stage_of
 
 __all__ = ["InfeasibleError", "Solution", "SolverConfig", "solve"]
 
@@ -201,7 +199,7 @@ def solve(
             val = i.meta["val"]
             shape, itemsize = tuple(val.shape), val.element_size()
             src_groups = [_src_key(info, i_strats[i_map[k]]) for k in range(len(i_cls.strategies))]
-            dst_groups = [_dst_key(c_strats[c_map[l]], j) for l in range(len(c_cls.strategies))]
+            dst_groups = [_dst_key(c_strats[c_map[k]], j) for k in range(len(c_cls.strategies))]
             bucketed = bucketed_grad_sync(i)
 
             def cost(
@@ -216,7 +214,18 @@ def solve(
                     if spec is None:
                         v = (0.0, 0.0)
                     else:
-                        t = edge_cost(shape, itemsize, src, spec, split, rg, mesh, ctx.cluster, bucketed_sync=b, zero_stage=stage)
+                        t = edge_cost(
+                            shape,
+                            itemsize,
+                            src,
+                            spec,
+                            split,
+                            rg,
+                            mesh,
+                            ctx.cluster,
+                            bucketed_sync=b,
+                            zero_stage=stage,
+                        )
                         v = (t, kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
                     edge_cache[key] = v
                 return v
@@ -251,7 +260,7 @@ def solve(
     edge_mem_terms = []
     for (a, b, _), e in edges.items():
         sa, sb = s_vars[id(a)], s_vars[id(b)]
-        g_members, h_members, matrix = e["g"], e["h"], e["C"]
+        g_members, h_members, matrix, mem = e["g"], e["h"], e["C"], e["M"]
         evars = {}
         for g in range(len(g_members)):
             for h in range(len(h_members)):
@@ -264,17 +273,21 @@ def solve(
                     objective.append(round(c * SCALE) * v)
         n_edge_vars += len(evars)
         for (g, h), v in evars.items():
-            if e["M"][g][h] > 0:
-                edge_mem_terms.append((int(math.ceil(e["M"][g][h])), v))
+            if mem[g][h] > 0:
+                edge_mem_terms.append((math.ceil(mem[g][h]), v))
         for g, ks in enumerate(g_members):  # (b)
-            model.Add(sum(evars[(g, h)] for h in range(len(h_members)) if (g, h) in evars) == sum(sa[k] for k in ks))
+            model.Add(
+                sum(evars[(g, h)] for h in range(len(h_members)) if (g, h) in evars) == sum(sa[k] for k in ks)
+            )
         for h, ls in enumerate(h_members):  # (c)
-            model.Add(sum(evars[(g, h)] for g in range(len(g_members)) if (g, h) in evars) == sum(sb[k] for k in ls))
+            model.Add(
+                sum(evars[(g, h)] for g in range(len(g_members)) if (g, h) in evars) == sum(sb[k] for k in ls)
+            )
     mem_terms = []
     for cls in cls_list:
         for v, m in zip(s_vars[id(cls)], cls.memory):
             if m > 0:
-                mem_terms.append(int(math.ceil(m)) * v)
+                mem_terms.append(math.ceil(m) * v)
     budget = int(memory_budget)
     model.Add(sum(mem_terms) + sum(c * v for c, v in edge_mem_terms) <= budget)  # (d)
     model.Minimize(sum(objective))
@@ -340,7 +353,7 @@ def _add_edge(edges: dict, a: _Class, b: _Class, src_groups: list, dst_groups: l
     e = edges.get(key)
     if e is None:
         g_members = [[k for k, s in enumerate(src_groups) if s == g] for g in g_keys]
-        h_members = [[l for l, d in enumerate(dst_groups) if d == h] for h in h_keys]
+        h_members = [[k for k, d in enumerate(dst_groups) if d == h] for h in h_keys]
         e = edges[key] = {
             "g": g_members,
             "h": h_members,
@@ -371,7 +384,13 @@ def _output_edges(out: Node, roots, class_of, edges, edge_cache, ctx) -> None:
         target = tuple(Replicate() for _ in mesh)
         for k in range(len(cls.strategies)):
             src = strats[fmap[k]].outputs[0]
-            cls.unary[k] += edge_cost((), val.element_size(), src, target, tuple(False for _ in mesh), False, mesh, ctx.cluster) if src != target else 0.0
+            cls.unary[k] += (
+                edge_cost(
+                    (), val.element_size(), src, target, tuple(False for _ in mesh), False, mesh, ctx.cluster
+                )
+                if src != target
+                else 0.0
+            )
 
 
 def _fmt_bytes(b: float) -> str:

@@ -10,7 +10,9 @@ costs ``steps·α + volume/B``, with the volumes of NCCL's performance notes
 * all-to-all:       (n−1) steps,  (n−1)/n · S                    (S = one device's buffer)
 * point-to-point:       1 step,          S
 
-With ``n == 1`` every collective is free.
+With ``n == 1`` every collective is free. A link with measured costs (``Link.measured``, e.g. gloo
+on this machine, whose reduce-scatter is an all-reduce plus a local chunk and so is not ring
+shaped) uses ``α + β·S`` from the measurement instead of the formula.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ def all_reduce_cost(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce of an ``nbytes`` buffer over ``n`` devices."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    m = link.measured_cost("all_reduce", n)
+    if m is not None:
+        return m[0] + m[1] * nbytes
     return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
@@ -31,6 +36,9 @@ def all_gather_cost(nbytes: float, n: int, link: Link) -> float:
     """All-gather producing an ``nbytes`` buffer (each device contributes ``nbytes / n``)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    m = link.measured_cost("all_gather", n)
+    if m is not None:
+        return m[0] + m[1] * nbytes
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
@@ -38,6 +46,9 @@ def reduce_scatter_cost(nbytes: float, n: int, link: Link) -> float:
     """Reduce-scatter of an ``nbytes`` input (each device keeps ``nbytes / n``)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    m = link.measured_cost("reduce_scatter", n)
+    if m is not None:
+        return m[0] + m[1] * nbytes
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
@@ -45,6 +56,9 @@ def all_to_all_cost(nbytes: float, n: int, link: Link) -> float:
     """All-to-all where each device holds ``nbytes`` and keeps ``1/n`` of it."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    m = link.measured_cost("all_to_all", n)
+    if m is not None:
+        return m[0] + m[1] * nbytes
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 

@@ -43,7 +43,9 @@ ATTENTION_OPS = frozenset(
 CONV_OPS = frozenset({"convolution", "conv1d", "conv2d", "conv3d"})
 
 
-def op_flops(op: str, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int], groups: int = 1) -> tuple[float, str]:
+def op_flops(
+    op: str, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int], groups: int = 1
+) -> tuple[float, str]:
     """Forward FLOPs of aten op ``op`` (packet name) and its family (a ``BACKWARD_FLOP_RATIO`` key).
 
     ``in_shapes`` lists the op's tensor arguments in call order.

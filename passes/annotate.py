@@ -30,16 +30,76 @@ _LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
 
 # Consumers that keep (some of) their inputs for backward.
 _SAVES_INPUTS = {
-    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mul", "div", "pow", "gelu", "silu", "tanh",
-    "sigmoid", "relu", "rsqrt", "sqrt", "exp", "log", "sin", "cos", "layer_norm", "rms_norm", "native_layer_norm",
-    "group_norm", "batch_norm", "convolution", "conv1d", "conv2d", "conv3d", "embedding", "cross_entropy_loss",
-    "nll_loss", "nll_loss_nd", "nll_loss_forward", "where", "masked_fill", "index", "gather", "maximum",
-    "minimum", "amax", "amin", "erf", "softplus", "hardswish", "mish", "elu", "leaky_relu", "clamp", "abs",
-    "reciprocal", "square", "var", "std", "norm", "logsumexp", "cumprod", "prod",
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "mul",
+    "div",
+    "pow",
+    "gelu",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "rsqrt",
+    "sqrt",
+    "exp",
+    "log",
+    "sin",
+    "cos",
+    "layer_norm",
+    "rms_norm",
+    "native_layer_norm",
+    "group_norm",
+    "batch_norm",
+    "convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "embedding",
+    "cross_entropy_loss",
+    "nll_loss",
+    "nll_loss_nd",
+    "nll_loss_forward",
+    "where",
+    "masked_fill",
+    "index",
+    "gather",
+    "maximum",
+    "minimum",
+    "amax",
+    "amin",
+    "erf",
+    "softplus",
+    "hardswish",
+    "mish",
+    "elu",
+    "leaky_relu",
+    "clamp",
+    "abs",
+    "reciprocal",
+    "square",
+    "var",
+    "std",
+    "norm",
+    "logsumexp",
+    "cumprod",
+    "prod",
 } | set(ATTENTION_OPS)
-_SAVES_OUTPUT = {"_softmax", "softmax", "_log_softmax", "log_softmax", "exp", "tanh", "sigmoid", "rsqrt", "sqrt"} | set(
-    ATTENTION_OPS
-)
+_SAVES_OUTPUT = {
+    "_softmax",
+    "softmax",
+    "_log_softmax",
+    "log_softmax",
+    "exp",
+    "tanh",
+    "sigmoid",
+    "rsqrt",
+    "sqrt",
+} | set(ATTENTION_OPS)
 
 
 def op_name(node: Node) -> str:
@@ -94,9 +154,15 @@ def annotate_tensors(gm: GraphModule, ctx: PassContext) -> GraphModule:
             ins = [i for i in node.all_input_nodes]
             floating = any(v.is_floating_point() for v in vals)
             # Ops under torch.no_grad (a wrap_with_set_grad_enabled(False, ...)) carry no gradient.
-            no_grad = node.target is getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None) and not node.args[0]
+            no_grad = (
+                node.target is getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+                and not node.args[0]
+            )
             grad[node] = floating and not no_grad and any(grad.get(i, False) for i in ins)
-            if node.target.__class__.__name__ == "builtin_function_or_method" and node.target.__name__ == "getitem":
+            if (
+                node.target.__class__.__name__ == "builtin_function_or_method"
+                and node.target.__name__ == "getitem"
+            ):
                 grad[node] = grad.get(node.args[0], False) and floating
         if not vals:
             continue

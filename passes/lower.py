@@ -45,7 +45,16 @@ __all__ = ["LoweringError", "lower"]
 
 aten = torch.ops.aten
 
-_SHAPE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_ones": 1, "new_zeros": 1, "new_empty": 1, "new_full": 1}
+_SHAPE_ARG = {
+    "view": 1,
+    "reshape": 1,
+    "_unsafe_view": 1,
+    "expand": 1,
+    "new_ones": 1,
+    "new_zeros": 1,
+    "new_empty": 1,
+    "new_full": 1,
+}
 _DROP = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
 
 
@@ -54,7 +63,9 @@ class LoweringError(RuntimeError):
 
 
 class _Lowerer:
-    def __init__(self, cap: Captured, plan: Plan, axes: Sequence[AxisGroup], device: torch.device, gather_outputs: bool):
+    def __init__(
+        self, cap: Captured, plan: Plan, axes: Sequence[AxisGroup], device: torch.device, gather_outputs: bool
+    ):
         self.cap = cap
         self.plan = plan
         self.axes = list(axes)
@@ -125,11 +136,17 @@ class _Lowerer:
             for n_step, st in enumerate(steps):
                 kw: dict[str, Any] = {}
                 if st.kind == "all_gather":
-                    kw = {"dim": st.dim, "blocks": st.blocks, "grad_partial": st.axis in fused and st is last[st.axis]}
+                    kw = {
+                        "dim": st.dim,
+                        "blocks": st.blocks,
+                        "grad_partial": st.axis in fused and st is last[st.axis],
+                    }
                     fn = C.all_gather
                     if zero3 and n_step == 0:
                         # The parameter's first gather: its full copy is freed after use (ZeRO-3).
-                        value = self.g.call_function(C.all_gather_param, (value, self.ax(st.axis), self.store()), kw)
+                        value = self.g.call_function(
+                            C.all_gather_param, (value, self.ax(st.axis), self.store()), kw
+                        )
                         self.gathered.used = True
                         continue
                 elif st.kind == "slice":
@@ -232,7 +249,9 @@ class _Lowerer:
             return
         if "vocab_parallel_embedding" in rewrites:
             w = node.args[0]
-            start = shard_slices(tuple(w.meta["val"].shape), parse_spec(p.inputs[ins.index(w)]), self.mesh, self.coord)[0][0][0]
+            start = shard_slices(
+                tuple(w.meta["val"].shape), parse_spec(p.inputs[ins.index(w)]), self.mesh, self.coord
+            )[0][0][0]
             self.env[node] = self.g.call_function(O.vocab_parallel_embedding, (args[0], args[1], start))
             return
         if rewrites & {"loss_rows", "loss_classes"}:

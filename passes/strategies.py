@@ -8,7 +8,8 @@ strategies (``autopar.rules``), kept when every tensor it touches divides evenly
 * ``comm_time`` — collectives inside the op (vocabulary-parallel cross-entropy);
 * ``memory`` — bytes per device: for a parameter its training state (weight, gradient, optimizer
   state; ``autopar.cost.memory``), for an input its local batch, for an op the activations saved
-  for backward (local shapes).
+  for backward (local shapes). An input's ``compute_time`` is writing its local batch into device
+  memory.
 
 Two reductions keep the solver small (``NodeStrategies``):
 
@@ -42,9 +43,37 @@ __all__ = ["FOLLOW_OPS", "annotate_strategies", "tie_key"]
 
 FOLLOW_OPS = frozenset(
     {
-        "getitem", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "permute", "t",
-        "to", "_to_copy", "clone", "contiguous", "alias", "detach", "neg", "dropout", "gelu", "silu", "relu",
-        "tanh", "sigmoid", "rsqrt", "sqrt", "exp", "pow", "expand", "flatten", "type_as", "erf", "abs",
+        "getitem",
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "unsqueeze",
+        "squeeze",
+        "transpose",
+        "permute",
+        "t",
+        "to",
+        "_to_copy",
+        "clone",
+        "contiguous",
+        "alias",
+        "detach",
+        "neg",
+        "dropout",
+        "gelu",
+        "silu",
+        "relu",
+        "tanh",
+        "sigmoid",
+        "rsqrt",
+        "sqrt",
+        "exp",
+        "pow",
+        "expand",
+        "flatten",
+        "type_as",
+        "erf",
+        "abs",
     }
 )
 
@@ -157,12 +186,19 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         local = local_shape(tuple(val.shape), s.outputs[0], mesh)
         if info.kind == "param":
             numel = float(math.prod(local))
-            mem = training_state_bytes(
-                numel, val.element_size(), optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision
-            ) if info.requires_grad else numel * val.element_size()
+            mem = (
+                training_state_bytes(
+                    numel, val.element_size(), optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision
+                )
+                if info.requires_grad
+                else numel * val.element_size()
+            )
         else:
             mem = _nbytes(local, val.dtype)
-        return Strategy(s.inputs, s.outputs, s.rewrites, s.comms, s.split, 0.0, 0.0, mem)
+        # A user input is written into each device's memory every step: a device given only its
+        # shard of the batch loads less (without this, replicated and sharded inputs would tie).
+        load = roofline_time(0.0, mem, ctx.cluster.device) if info.kind == "input" else 0.0
+        return Strategy(s.inputs, s.outputs, s.rewrites, s.comms, s.split, load, 0.0, mem)
     cost = node.meta.get(COST)
     if cost is None:
         return s
@@ -171,7 +207,9 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     moved = 0.0
     for i, spec in zip(ins, s.inputs):
         v = i.meta["val"]
-        moved += _nbytes(local_shape(tuple(v.shape), spec, mesh) if spec is not None else tuple(v.shape), v.dtype)
+        moved += _nbytes(
+            local_shape(tuple(v.shape), spec, mesh) if spec is not None else tuple(v.shape), v.dtype
+        )
     for o, spec in zip(outs, s.outputs):
         moved += _nbytes(local_shape(tuple(o.shape), spec, mesh), o.dtype)
     dev = ctx.cluster.device
@@ -227,12 +265,18 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if node.op == "call_function" and len(axis) == 1 and op_name(node) not in warned:
                 from autopar.rules import has_rule
 
-                if not has_rule(node) and tensor_outputs(node):
+                # Factories (arange, zeros, ...) have nothing to shard from: not worth a warning.
+                if not has_rule(node) and tensor_outputs(node) and tensor_inputs(node):
                     warned.add(op_name(node))
             combos = _combine(node, [axis] * len(mesh), mesh)
-            strategies = [_cost_strategy(node, s, ctx) for _, s in _zero_variants(node, [s for _, s in combos], ctx)]
+            strategies = [
+                _cost_strategy(node, s, ctx) for _, s in _zero_variants(node, [s for _, s in combos], ctx)
+            ]
             if len(strategies) > ctx.max_strategies:
-                head, rest = strategies[:1], sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time)
+                head, rest = (
+                    strategies[:1],
+                    sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time),
+                )
                 strategies = head + rest[: ctx.max_strategies - 1]
             ns = NodeStrategies(tuple(strategies))
             if key is not None:
@@ -246,11 +290,30 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
         warnings.warn(
             f"autopar: no sharding rule for {', '.join(sorted(warned))}; these ops run replicated "
             f"(correct, possibly slower)",
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
-    ctx.timings.setdefault("unruled_ops", 0.0)
     gm.meta["autopar.unruled_ops"] = sorted(warned)
     return gm
+
+
+def _user_stacklevel() -> int:
+    """Stack level of the first frame outside autopar, so a warning points at the user's call."""
+    import inspect
+    import os
+
+    import autopar
+    import autopar.cost
+    import autopar.runtime
+
+    roots = {os.path.dirname(os.path.abspath(m.__file__)) for m in (autopar, autopar.cost, autopar.runtime)}
+    roots.add(os.path.dirname(os.path.abspath(__file__)))
+    level = 1
+    for frame in inspect.stack()[1:]:
+        level += 1
+        path = os.path.abspath(frame.filename)
+        if not any(path.startswith(r + os.sep) for r in roots) and "/torch/" not in path:
+            return level - 1
+    return 2
 
 
 def getitem_strategies(node: Node) -> NodeStrategies:
@@ -298,7 +361,8 @@ def _with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
         return ns
     ins = tensor_inputs(node)
     candidates = [
-        (j, i) for j, i in enumerate(ins)
+        (j, i)
+        for j, i in enumerate(ins)
         if i.meta.get(STRATEGIES) is not None and i.meta[TENSOR].kind not in ("param", "input", "buffer")
     ]
     if not candidates or len(ins) != 1:

@@ -41,8 +41,8 @@ from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scat
 __all__ = [
     "AxisGroup",
     "GatheredParams",
-    "all_gather_param",
     "all_gather",
+    "all_gather_param",
     "all_reduce",
     "all_to_all",
     "grad_sync",
@@ -89,7 +89,7 @@ def _gather(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direction: st
     m = shape[dim] // blocks
     b = buf.view(n, *shape[:dim], blocks, m, *shape[dim + 1 :])
     b = b.movedim(0, dim + 1)  # [..., blocks, n, m, ...]
-    out_shape = shape[:dim] + [blocks * n * m] + shape[dim + 1 :]
+    out_shape = [*shape[:dim], blocks * n * m, *shape[dim + 1 :]]
     return b.reshape(out_shape)
 
 
@@ -278,7 +278,12 @@ class _GatheredToken:
 
 
 def all_gather_param(
-    x: torch.Tensor, ax: AxisGroup, store: GatheredParams, dim: int, blocks: int = 1, grad_partial: bool = False
+    x: torch.Tensor,
+    ax: AxisGroup,
+    store: GatheredParams,
+    dim: int,
+    blocks: int = 1,
+    grad_partial: bool = False,
 ) -> torch.Tensor:
     """``all_gather`` of a parameter shard whose full copy backward re-gathers (ZeRO-3)."""
     full = all_gather(x, ax, dim, blocks, grad_partial)
@@ -291,7 +296,9 @@ def _differentiable(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
-def all_gather(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1, grad_partial: bool = False) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1, grad_partial: bool = False
+) -> torch.Tensor:
     """Shard(dim) → Replicate along ``ax``."""
     if not _differentiable(x):
         return _gather(x, ax, dim, blocks, "fwd")

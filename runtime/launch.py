@@ -47,7 +47,9 @@ def _worker(rank: int, world: int, port: int, threads: int, fn: Callable, args: 
         q.put((rank, "error", traceback.format_exc()))
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     ``fn`` must be importable (a module-level function). Raises ``RuntimeError`` with the failing
@@ -56,7 +58,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, args, q), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, args, q), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -73,9 +78,15 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             try:
                 rank, status, value = q.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode not in (0, None)]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                ]
                 if dead:
-                    raise RuntimeError(f"spawn: rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
+                    raise RuntimeError(
+                        f"spawn: rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")

@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.capture import Captured, capture, input_paths, normalize_inputs
-from autopar.cluster import Cluster
+from autopar.capture import Captured, capture, input_paths
+from autopar.cluster import Cluster, mesh_arithmetic
 from autopar.placement import Replicate, Shard, Spec, parse_spec, shard_slices
 from autopar.plan import Plan
 from autopar.reshard import reshard_steps
@@ -47,7 +47,9 @@ from autopar.runtime.collectives import AxisGroup
 __all__ = ["ParallelModule", "local_shard", "parallelize"]
 
 
-def local_shard(full: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+def local_shard(
+    full: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]
+) -> torch.Tensor:
     """This rank's piece of ``full`` under ``spec`` (a copy; blocks are concatenated)."""
     if all(not isinstance(p, Shard) for p in spec):
         return full
@@ -60,7 +62,9 @@ def local_shard(full: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coord
     return out.contiguous()
 
 
-def run_reshard(x: torch.Tensor, shape: Sequence[int], src: Spec, dst: Spec, axes: Sequence[AxisGroup]) -> torch.Tensor:
+def run_reshard(
+    x: torch.Tensor, shape: Sequence[int], src: Spec, dst: Spec, axes: Sequence[AxisGroup]
+) -> torch.Tensor:
     """Apply ``reshard_steps`` directly (not in a graph), e.g. to gather a full state dict."""
     mesh = tuple(ax.size for ax in axes)
     for st in reshard_steps(tuple(shape), src, dst, mesh):
@@ -80,7 +84,9 @@ def run_reshard(x: torch.Tensor, shape: Sequence[int], src: Spec, dst: Spec, axe
     return x
 
 
-def _set_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True) -> None:
+def _set_path(
+    root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool = False, persistent: bool = True
+) -> None:
     *path, last = fqn.split(".")
     mod = root
     for part in path:
@@ -140,15 +146,17 @@ class ParallelModule(nn.Module):
             if node.op != "placeholder":
                 continue
             name = node.name
-            spec = parse_spec(by_name[name].outputs[0]) if name in by_name else tuple(Replicate() for _ in self._mesh)
+            spec = (
+                parse_spec(by_name[name].outputs[0])
+                if name in by_name
+                else tuple(Replicate() for _ in self._mesh)
+            )
             val = node.meta.get("val")
             shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
             if name in cap.params:
                 fqn = cap.params[name]
                 full = full_params[fqn]
                 self._specs[fqn], self._shapes[fqn] = spec, shape
-                if not any(p.requires_grad for p in [full]) or fqn not in self._param_names:
-                    pass
                 if fqn not in self._param_names:
                     local = self._materialize(full, spec)
                     _set_path(self, "m." + fqn, nn.Parameter(local, requires_grad=full.requires_grad))
@@ -181,28 +189,26 @@ class ParallelModule(nn.Module):
         if full.device.type == "meta":
             from autopar.placement import local_shape
 
-            return torch.empty(local_shape(tuple(full.shape), spec, self._mesh), dtype=full.dtype, device=self.device)
+            return torch.empty(
+                local_shape(tuple(full.shape), spec, self._mesh), dtype=full.dtype, device=self.device
+            )
         return local_shard(full.detach(), spec, self._mesh, self._coord).to(self.device).clone()
 
     # ------------------------------------------------------------------ running
     def shard_inputs(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """This rank's shard of each user input of a global batch, keyed by input path."""
-        flat = dict(pytree.tree_flatten_with_path((args, kwargs))[0])
         out = {}
         for path, leaf in _leaves_by_path(args, kwargs).items():
             key = "input:" + path
             if key in self._specs and isinstance(leaf, torch.Tensor):
                 out[path] = local_shard(leaf, self._specs[key], self._mesh, self._coord)
-        del flat
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves = _leaves_by_path(args, kwargs)
         values = []
         for kind, key in self._bindings:
-            if kind == "param":
-                values.append(_get_path(self, "m." + key))
-            elif kind == "buffer":
+            if kind in ("param", "buffer"):
                 values.append(_get_path(self, "m." + key))
             elif kind == "const":
                 values.append(self._constants[key])
@@ -236,9 +242,6 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     # ------------------------------------------------------------------ state
-    def _axes_of(self, fqn: str) -> Spec:
-        return self._specs[fqn]
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """What ``model.state_dict()`` returns: full tensors gathered from the shards (every rank)."""
@@ -251,7 +254,9 @@ class ParallelModule(nn.Module):
                     raise KeyError(f"state_dict key {key!r} is not part of the captured program")
                 local = _get_path(self, "m." + fqn).detach()
                 spec = self._specs[fqn]
-                full = run_reshard(local, self._shapes[fqn], spec, tuple(Replicate() for _ in spec), self.axes)
+                full = run_reshard(
+                    local, self._shapes[fqn], spec, tuple(Replicate() for _ in spec), self.axes
+                )
                 cache[fqn] = full.cpu() if full.device.type != "cpu" else full.clone()
             out[key] = cache[fqn]
         return out
@@ -262,7 +267,9 @@ class ParallelModule(nn.Module):
         missing = [k for k in self._state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._state_keys]
         if strict and (missing or unexpected):
-            raise KeyError(f"load_full_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+            raise KeyError(
+                f"load_full_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
+            )
         for key, full in state_dict.items():
             fqn = self._aliases.get(key, key)
             if fqn not in self._specs:
@@ -287,7 +294,9 @@ class ParallelModule(nn.Module):
             if p.grad is None:
                 continue
             grads.append(p.grad)
-            replicas = math.prod(n for n, sp in zip(self._mesh, self._specs[fqn]) if not isinstance(sp, Shard))
+            replicas = math.prod(
+                n for n, sp in zip(self._mesh, self._specs[fqn]) if not isinstance(sp, Shard)
+            )
             total += p.grad.double().pow(2).sum() / replicas
         dist.all_reduce(total)
         norm = total.sqrt()
@@ -297,8 +306,9 @@ class ParallelModule(nn.Module):
                 g.mul_(coef)
         return norm.to(torch.float32)
 
+    @property
     def code(self) -> str:
-        """This rank's program as Python."""
+        """This rank's program as Python (each collective on its own line)."""
         return self.program.code
 
 
@@ -361,8 +371,10 @@ def parallelize(
         )
     world = dist.get_world_size()
     if plan is not None and math.prod(plan.mesh_shape) != world:
-        expr = " × ".join(str(n) for n in plan.mesh_shape)
-        raise ValueError(f"plan mesh {expr} = {math.prod(plan.mesh_shape)} ≠ world size {world}")
+        raise ValueError(
+            f"plan mesh {mesh_arithmetic(tuple(plan.mesh_shape))} ≠ world size {world}: run it on "
+            f"{math.prod(plan.mesh_shape)} processes, or plan again for {world}"
+        )
     if plan is None and cluster.world_size != world:
         raise ValueError(
             f"cluster has {cluster.nodes} × {cluster.gpus_per_node} = {cluster.world_size} devices but the process "
@@ -380,13 +392,12 @@ def parallelize(
     mesh = init_device_mesh(device.type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_axes))
     coord = mesh.get_coordinate()
     axes = [
-        AxisGroup(axis=a, name=plan.mesh_axes[a], size=plan.mesh_shape[a], coord=coord[a], group=mesh.get_group(a))
+        AxisGroup(
+            axis=a, name=plan.mesh_axes[a], size=plan.mesh_shape[a], coord=coord[a], group=mesh.get_group(a)
+        )
         for a in range(len(plan.mesh_shape))
     ]
     from autopar.passes.lower import lower
 
     program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
     return ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)
-
-
-__all__ += ["normalize_inputs"]

@@ -23,7 +23,9 @@ from autopar.runtime.collectives import AxisGroup
 __all__ = ["mean_partial", "sharded_cross_entropy", "sharded_nll_loss", "vocab_parallel_embedding"]
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1) -> torch.Tensor:
+def vocab_parallel_embedding(
+    weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1
+) -> torch.Tensor:
     """Rows ``[start, start + weight.shape[0])`` of the table live here; other ids give zeros."""
     rows = weight.shape[0]
     local = ids - start

@@ -1,0 +1,336 @@
+"""Shared pieces of the runtime tests (``tests/test_runtime_*.py``): tiny models, plans by name,
+a training loop, and the worker functions that ``autopar.runtime.launch.spawn`` runs.
+
+Workers are spawned processes, so everything they call lives at module level in this plain
+importable module (pytest puts ``tests/`` on ``sys.path``; spawned children inherit it). A worker
+builds its model itself from a seed, so every rank starts from the same weights as the reference
+computed in the pytest process. One spawn runs several layouts in one process group, one after
+another: starting processes and importing torch costs seconds, a layout a fraction of that.
+
+Comparisons (``compare_training``) follow the numerics of the test plan: losses within a relative
+1e-5 of one process at every step; after SGD parameters within a relative 1e-5 (the gradients are
+exact); after AdamW within an absolute 2e-5 — AdamW divides by the root of the second moment, so a
+parameter whose gradient is ~0 (the key bias of a fused QKV, whose gradient is identically zero)
+turns rounding noise into updates of up to ``lr`` per step; 2e-5 is 1 % of the largest 3-step
+update at ``lr=1e-3``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import math
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+STEPS = 3
+"""Optimizer steps of every training-equivalence run."""
+LOSS_RTOL = 1e-5
+ADAMW_ATOL = 2e-5
+SGD_RTOL = 1e-5
+MODELS = ("gpt2", "llama", "gpt")
+VOCAB, BATCH, SEQ = 64, 4, 16
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def quiet() -> None:
+    """Silence transformers' config warnings and Python warnings in a worker."""
+    import warnings
+
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    warnings.simplefilter("ignore")
+
+
+def build(kind: str, seed: int = 0) -> tuple[nn.Module, Any]:
+    """``(model, inputs)``: a tiny fp32 model with no dropout and one global batch.
+
+    ``kind``: ``"gpt2"`` (``GPT2LMHeadModel``), ``"llama"`` (``LlamaForCausalLM``, 4 heads, 2 KV
+    heads) or ``"gpt"`` (``autopar.models.GPT``, positional ``(idx, targets)``). Transformers
+    models take ``{"input_ids", "labels"}`` with ``labels`` a different tensor (``torch.export``
+    would merge two uses of one tensor into one input).
+    """
+    torch.manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    if kind == "gpt":
+        from autopar.models import GPT, GPTConfig
+
+        model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB))
+        return model, (ids, torch.randint(0, VOCAB, (BATCH, SEQ)))
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        model = GPT2LMHeadModel(cfg)
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {MODELS}")
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss a model call returned: a tensor (``autopar.models``) or a ``ModelOutput``."""
+    return out if isinstance(out, torch.Tensor) else out["loss"]
+
+
+def call(module: nn.Module, inputs: Any) -> Any:
+    return module(**inputs) if isinstance(inputs, dict) else module(*inputs)
+
+
+def input_paths(inputs: Any) -> list[str]:
+    """The user-input paths a plan's ``fixed`` and ``inputs`` use (``"args[0]"``, ``"input_ids"``)."""
+    return list(inputs) if isinstance(inputs, dict) else [f"args[{i}]" for i in range(len(inputs))]
+
+
+class OneBlock(nn.Module):
+    """Exactly one transformer block (``autopar.models.Block``) and a scalar loss."""
+
+    def __init__(self, n_embd: int, n_head: int = 4) -> None:
+        super().__init__()
+        from autopar.models import Block, GPTConfig
+
+        self.block = Block(GPTConfig.tiny(n_embd=n_embd, n_head=n_head))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x).pow(2).mean()
+
+
+def build_block(batch: int, seq: int, n_embd: int, seed: int = 0) -> tuple[OneBlock, tuple[torch.Tensor]]:
+    torch.manual_seed(seed)
+    return OneBlock(n_embd), (torch.randn(batch, seq, n_embd),)
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def sharded_specs(model: nn.Module, inputs: Any, world: int) -> dict[str, tuple[str, ...]]:
+    """ZeRO-style ``fixed`` specs on a 1-D mesh: every parameter split along its largest dimension
+    where that divides by ``world`` (replicated otherwise), every input split along the batch."""
+    specs: dict[str, tuple[str, ...]] = {}
+    for name, p in model.named_parameters():
+        d = max(range(p.dim()), key=lambda i: p.shape[i])
+        specs[name] = (f"S({d})",) if p.shape[d] % world == 0 else ("R",)
+    for path in input_paths(inputs):
+        specs[path] = ("S(0)",)
+    return specs
+
+
+MODES_2 = ("auto", "megatron", "dp", "sp", "zero2", "zero3")
+MODES_4 = ("auto", "megatron", "tp2dp2", "dp", "sp", "zero2", "zero3")
+
+
+def make_plan(mode: str, model: nn.Module, inputs: Any, world: int):
+    """The plan a layout name stands for on ``world`` local processes (``None`` for ``"auto"``:
+    ``autopar.parallelize`` then plans on rank 0 and broadcasts)."""
+    import autopar
+
+    cluster = autopar.Cluster.local(world)
+    if mode == "auto":
+        return None
+    if mode == "megatron":
+        return autopar.layouts.megatron(model, inputs, cluster, tp=world)
+    if mode == "sp":
+        return autopar.layouts.megatron(model, inputs, cluster, tp=world, sequence_parallel=True)
+    if mode == "tp2dp2":
+        return autopar.layouts.megatron(model, inputs, cluster, tp=2, dp=world // 2)
+    if mode == "dp":
+        fixed = {n: ("R",) for n, _ in model.named_parameters()}
+        return autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
+    if mode in ("zero2", "zero3"):
+        fixed = sharded_specs(model, inputs, world)
+        return autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,), zero_stage=int(mode[-1]))
+    raise ValueError(f"unknown layout {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2)
+    raise ValueError(name)
+
+
+def train(module: nn.Module, inputs: Any, opt: torch.optim.Optimizer, steps: int = STEPS) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(call(module, inputs))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def reference(kind: str, optimizer: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final ``state_dict`` of one process training the full model."""
+    model, inputs = build(kind)
+    losses = train(model, inputs, make_optimizer(optimizer, model.parameters()), steps)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def compare_training(
+    ref: tuple[list[float], dict[str, torch.Tensor]],
+    got: tuple[list[float], dict[str, torch.Tensor]],
+    optimizer: str,
+    what: str,
+) -> list[str]:
+    """Problems (empty when the run matches the reference within the tolerances above)."""
+    ref_losses, ref_sd = ref
+    losses, sd = got
+    problems = []
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        if abs(a - b) > LOSS_RTOL * abs(b):
+            problems.append(f"{what}: step {step} loss {a!r} vs one process {b!r} (rel {abs(a - b) / abs(b):.1e})")
+    if set(sd) != set(ref_sd):
+        problems.append(
+            f"{what}: full_state_dict keys differ: missing {sorted(set(ref_sd) - set(sd))}, "
+            f"extra {sorted(set(sd) - set(ref_sd))}"
+        )
+    for key in sorted(set(sd) & set(ref_sd)):
+        a, b = sd[key], ref_sd[key]
+        if a.shape != b.shape:
+            problems.append(f"{what}: {key} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
+            continue
+        diff = (a.double() - b.double()).abs().max().item()
+        if optimizer == "adamw":
+            if diff > ADAMW_ATOL:
+                problems.append(f"{what}: {key} differs by {diff:.2e} after AdamW (tolerance {ADAMW_ATOL})")
+        else:
+            scale = b.abs().max().item()
+            if diff > SGD_RTOL * scale:
+                problems.append(f"{what}: {key} differs by {diff:.2e} = {diff / scale:.1e} × max|{key}| after SGD")
+    return problems
+
+
+def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For each layout: build the ParallelModule, train ``STEPS`` AdamW steps, reload the initial
+    weights (``load_full_state_dict``) and train ``STEPS`` SGD steps; return the losses, the
+    gathered state dicts and the collectives issued per mesh axis."""
+    quiet()
+    import autopar
+
+    model, inputs = build(kind)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cluster = autopar.Cluster.local(world)
+    results: dict[str, dict[str, Any]] = {}
+    for mode, plan in plans.items():
+        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
+        res: dict[str, Any] = {"mesh": tuple(pm.plan.mesh_shape), "inputs": dict(pm.plan.inputs)}
+        for optimizer in ("adamw", "sgd"):
+            pm.load_full_state_dict(initial)
+            losses = train(pm, inputs, make_optimizer(optimizer, pm.parameters()))
+            res[optimizer] = (losses, pm.full_state_dict())
+            if optimizer == "adamw":
+                res["counts"] = {ax.name: Counter(ax.counts) for ax in pm.axes}
+        results[mode] = res
+    return results
+
+
+# ------------------------------------------------------------------------------- collective counts
+
+
+class CollectiveLog:
+    """Records every collective the runtime issues, with its direction and local input shape, by
+    wrapping the plain (non-autograd) collectives of ``autopar.runtime.collectives``, which every
+    differentiable collective and every backward conjugate calls."""
+
+    def __init__(self) -> None:
+        from autopar.runtime import collectives as C
+
+        self.calls: list[tuple[str, str, tuple[int, ...]]] = []
+        self._C = C
+        self._orig = {}
+        for fn, kind in (("_all_reduce", "all_reduce"), ("_gather", "all_gather"), ("_reduce_scatter", "reduce_scatter")):
+            orig = getattr(C, fn)
+            self._orig[fn] = orig
+            setattr(C, fn, self._wrap(orig, kind))
+
+    def _wrap(self, orig: Callable, kind: str) -> Callable:
+        def wrapped(x: torch.Tensor, ax: Any, *args: Any) -> torch.Tensor:
+            self.calls.append((kind, args[-1], tuple(x.shape)))
+            return orig(x, ax, *args)
+
+        return wrapped
+
+    def restore(self) -> None:
+        for fn, orig in self._orig.items():
+            setattr(self._C, fn, orig)
+
+
+def counts_worker(rank: int, world: int, cases: list[tuple[str, tuple[int, int, int], Any]]) -> dict[str, Any]:
+    """For each ``(name, (batch, seq, n_embd), plan)``: one training step of ``OneBlock`` under
+    ``plan``; returns the collectives of that step (``pm.axes[0].counts`` difference and the
+    ``CollectiveLog`` with shapes) and the loss and gradients gathered for checking."""
+    quiet()
+    import autopar
+
+    cluster = autopar.Cluster.local(world)
+    out = {}
+    for name, (b, t, c), plan in cases:
+        model, inputs = build_block(b, t, c)
+        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
+        before = Counter(pm.axes[0].counts)
+        log = CollectiveLog()
+        try:
+            loss = pm(*inputs)
+            loss.backward()
+        finally:
+            log.restore()
+        grads = {}
+        for fqn, p in pm.named_local_parameters().items():
+            full = autopar.runtime.module.run_reshard(
+                p.grad, pm._shapes[fqn], pm._specs[fqn], tuple(autopar.Replicate() for _ in pm._mesh), pm.axes
+            )
+            grads[fqn] = full
+        counts = Counter(pm.axes[0].counts)
+        counts.subtract(before)
+        out[name] = {"counts": +counts, "log": log.calls, "loss": loss.item(), "grads": grads, "code": pm.code()}
+    return out
+
+
+# -------------------------------------------------------------------------------- ortools blocking
+
+
+class BlockOrtools(importlib.abc.MetaPathFinder):
+    """A meta-path finder that makes ``import ortools`` (and its submodules) fail."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname == "ortools" or fullname.startswith("ortools."):
+            raise ImportError(f"{fullname} is blocked in this test (a machine without OR-Tools)")
+        return None
+
+
+def block_ortools() -> None:
+    if not any(isinstance(f, BlockOrtools) for f in sys.meta_path):
+        sys.meta_path.insert(0, BlockOrtools())
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), 1e-30)
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)

@@ -1,0 +1,132 @@
+"""Capture: real models (transformers GPT-2 and LLaMA, our GPT) become ATen graphs with a
+FakeTensor on every op and every parameter named; models that cannot be exported fail with an
+error that names the module and suggests a fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.capture import normalize_inputs
+
+
+def _check_graph(cap, model, lo=150, hi=250):
+    nodes = list(cap.graph.nodes)
+    assert lo <= len(nodes) <= hi, len(nodes)
+    fake = torch._subclasses.FakeTensor
+    for n in nodes:
+        if n.op == "placeholder":
+            assert isinstance(n.meta.get("val"), fake), n.format_node()
+        elif n.op == "call_function":
+            assert "val" in n.meta, n.format_node()
+            val = n.meta["val"]
+            if val is None:  # only runtime checks that return nothing
+                assert not n.users and "assert" in str(n.target), n.format_node()
+            elif isinstance(val, (list, tuple)):
+                assert all(isinstance(v, fake) for v in val if isinstance(v, torch.Tensor)), n.format_node()
+            elif not isinstance(val, (int, float, bool, torch.SymInt)):
+                assert isinstance(val, fake), n.format_node()
+    # Every parameter placeholder maps to a parameter FQN, and every parameter has a placeholder.
+    params = [n for n in nodes if n.op == "placeholder" and n.name in cap.params]
+    unique = dict(model.named_parameters())  # first name of each (tied) parameter
+    assert sorted(cap.params[n.name] for n in params) == sorted(unique)
+    for fqn, aliases in cap.param_aliases.items():
+        assert all(a == fqn or a in dict(model.named_parameters(remove_duplicate=False)) for a in aliases)
+
+
+def test_capture_gpt2(make_gpt2, batch):
+    model = make_gpt2()
+    cap = autopar.capture(model, batch(2, 16, 256))
+    _check_graph(cap, model)
+    assert set(cap.inputs.values()) == {"input_ids", "labels"}
+    # lm_head is tied to the token embedding: one placeholder, two names.
+    assert cap.param_aliases["transformer.wte.weight"] == ["transformer.wte.weight", "lm_head.weight"]
+    assert list(cap.params.values()).count("transformer.wte.weight") == 1
+    assert len(cap.fingerprint) == 16
+
+
+def test_capture_llama(make_llama, batch):
+    model = make_llama(layers=2)
+    cap = autopar.capture(model, batch(2, 16, 256))
+    _check_graph(cap, model)
+    ops = {str(n.target) for n in cap.graph.nodes if n.op == "call_function"}
+    assert "aten.scaled_dot_product_attention.default" in ops
+    assert "aten.linear.default" in ops
+
+
+def test_capture_on_the_meta_device(make_llama, batch):
+    model = make_llama(layers=2, meta=True)
+    cap = autopar.capture(model, batch(4, 32, 256, device="meta"))
+    _check_graph(cap, model)
+    vals = [n.meta["val"] for n in cap.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert vals and all(v.device.type == "meta" for v in vals)
+
+
+def test_capture_our_gpt_with_positional_inputs(make_gpt):
+    model = make_gpt()
+    idx = torch.randint(0, 128, (2, 16))
+    cap = autopar.capture(model, (idx, idx.clone()))
+    assert set(cap.inputs.values()) == {"args[0]", "args[1]"}
+    assert cap.param_aliases["wte.weight"] == ["wte.weight", "lm_head.weight"]
+    assert tuple(cap.graph.find_nodes(op="output")[0].args[0][0].meta["val"].shape) == ()  # the loss
+
+
+def test_same_model_same_fingerprint_different_shapes_differ(make_gpt):
+    model = make_gpt()
+    a = torch.zeros(2, 16, dtype=torch.long)
+    b = torch.zeros(4, 16, dtype=torch.long)
+    assert (
+        autopar.capture(model, (a, a.clone())).fingerprint
+        == autopar.capture(model, (a, a.clone())).fingerprint
+    )
+    assert (
+        autopar.capture(model, (a, a.clone())).fingerprint
+        != autopar.capture(model, (b, b.clone())).fingerprint
+    )
+
+
+def test_normalize_inputs_forms():
+    x = torch.zeros(2)
+    assert normalize_inputs(x) == ((x,), {})
+    assert normalize_inputs((x, x)) == ((x, x), {})
+    assert normalize_inputs({"a": x}) == ((), {"a": x})
+    assert normalize_inputs(((x,), {"a": x})) == ((x,), {"a": x})
+    with pytest.raises(TypeError, match="example_inputs"):
+        normalize_inputs(3)
+
+
+class _Gate(nn.Module):
+    """Branches in Python on a tensor's value: cannot be exported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y.relu()
+        return y
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.gate = _Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.inp(x)).sum()
+
+
+def test_data_dependent_control_flow_raises_capture_error_naming_the_module():
+    with pytest.raises(autopar.CaptureError) as err:
+        autopar.capture(_Net(), torch.randn(4, 8))
+    msg = str(err.value)
+    assert "in module gate (_Gate)" in msg  # the submodule whose code branched, not the root
+    assert "if y.sum() > 0:" in msg  # the offending line
+    assert "test_capture.py" in msg
+    assert "fix:" in msg and "torch.where" in msg and "torch.cond" in msg
+    assert isinstance(err.value.__cause__, Exception)  # the exporter's own error is kept

@@ -1,0 +1,102 @@
+"""User constraints: ``fixed={fqn: spec}`` is honored exactly, on 1-D and 2-D meshes, and a spec
+that cannot be honored is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+
+pytestmark = pytest.mark.filterwarnings("ignore:autopar. no sharding rule")
+
+
+@pytest.mark.timeout(120)
+def test_fixed_specs_are_honored_on_a_1d_mesh(make_gpt2, batch, a100x8):
+    model, inputs = make_gpt2(), batch(8, 32, 256)
+    free = autopar.plan(model, inputs, a100x8, mesh_shape=(8,)).param_placements()
+    fixed = {
+        "transformer.h.0.mlp.c_fc.weight": ("S(0)",),
+        "transformer.h.1.attn.c_attn.weight": "S(1)",  # a bare string is a 1-axis spec
+        "lm_head.weight": ("S(1)",),  # tied: named by its second name
+        "transformer.h.0.ln_1.weight": ("S(0)",),
+    }
+    # The constraints must change something, or honoring them proves nothing.
+    assert any(free[name] != (spec if isinstance(spec, tuple) else (spec,)) for name, spec in fixed.items())
+    placed = autopar.plan(model, inputs, a100x8, mesh_shape=(8,), fixed=fixed).param_placements()
+    assert placed["transformer.h.0.mlp.c_fc.weight"] == ("S(0)",)
+    assert placed["transformer.h.1.attn.c_attn.weight"] == ("S(1)",)
+    assert placed["lm_head.weight"] == placed["transformer.wte.weight"] == ("S(1)",)
+    assert placed["transformer.h.0.ln_1.weight"] == ("S(0)",)
+    # Fixing one layer's weight does not tie the other layer's to it.
+    replicated = autopar.plan(
+        model, inputs, a100x8, mesh_shape=(8,), fixed={"transformer.h.0.mlp.c_fc.weight": ("R",)}
+    ).param_placements()
+    assert replicated["transformer.h.0.mlp.c_fc.weight"] == ("R",)
+
+
+@pytest.mark.timeout(120)
+def test_fixed_specs_are_honored_on_a_2d_mesh(make_gpt2, batch, a100x8):
+    model, inputs = make_gpt2(), batch(8, 32, 256)
+    fixed = {
+        "transformer.h.1.attn.c_attn.weight": ("R", "S(1)"),
+        "transformer.h.0.mlp.c_proj.weight": ("S(0)", "R"),
+        "transformer.wpe.weight": ("S(1)", "S(0)"),
+    }
+    plan = autopar.plan(model, inputs, a100x8, mesh_shape=(2, 4), fixed=fixed)
+    assert plan.mesh_shape == (2, 4)
+    placed = plan.param_placements()
+    for name, spec in fixed.items():
+        assert placed[name] == spec, name
+
+
+def test_unknown_name_is_refused_with_the_names_it_could_be(make_gpt2, batch, a100x8):
+    with pytest.raises(ValueError) as err:
+        autopar.plan(
+            make_gpt2(),
+            batch(8, 32, 256),
+            a100x8,
+            mesh_shape=(8,),
+            fixed={"transformer.h.9.mlp.c_fc.weight": "R"},
+        )
+    msg = str(err.value)
+    assert "'transformer.h.9.mlp.c_fc.weight'" in msg and "parameter" in msg
+    assert "transformer.h.1.mlp.c_fc.weight" in msg  # a similar name it does have
+    assert "input_ids" in msg  # fixed may also name inputs
+
+
+@pytest.mark.timeout(120)
+def test_fixed_may_name_an_input(make_gpt2, batch, a100x8):
+    plan = autopar.plan(make_gpt2(), batch(64, 32, 256), a100x8, mesh_shape=(8,), fixed={"input_ids": ("R",)})
+    assert plan.inputs["input_ids"] == ("R",)
+
+
+def test_spec_that_cannot_divide_is_refused_with_shape_and_mesh(make_gpt2, batch, a100x8):
+    model = make_gpt2(n_positions=60)  # wpe is [60, 64]: 60 rows do not split 8 ways
+    with pytest.raises(ValueError) as err:
+        autopar.plan(
+            model, batch(8, 32, 256), a100x8, mesh_shape=(8,), fixed={"transformer.wpe.weight": ("S(0)",)}
+        )
+    msg = str(err.value)
+    assert "transformer.wpe.weight" in msg and "(60, 64)" in msg and "(8,)" in msg and "divide" in msg
+
+
+def test_spec_with_the_wrong_number_of_axes_is_refused(make_gpt2, batch, a100x8):
+    with pytest.raises(ValueError, match="2 entries but the mesh has 1 axes"):
+        autopar.plan(
+            make_gpt2(),
+            batch(8, 32, 256),
+            a100x8,
+            mesh_shape=(8,),
+            fixed={"transformer.wpe.weight": ("S(0)", "R")},
+        )
+
+
+def test_unparseable_spec_is_refused(make_gpt2, batch, a100x8):
+    with pytest.raises(ValueError, match="cannot parse placement 'shard0'"):
+        autopar.plan(
+            make_gpt2(),
+            batch(8, 32, 256),
+            a100x8,
+            mesh_shape=(8,),
+            fixed={"transformer.wpe.weight": "shard0"},
+        )

@@ -1,0 +1,170 @@
+"""Sharding rules on tiny hand-built graphs: the strategies each op family offers along one mesh
+axis, and the replicated fallback (with one warning) for an op without a rule."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar.placement import Partial, Replicate
+from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule, tensor_inputs
+
+R, P = Replicate(), Partial()
+
+
+def _graph(fn, *args) -> torch.fx.Graph:
+    class Fn(nn.Module):
+        def forward(self, *a):
+            return fn(*a)
+
+    return torch.export.export(Fn(), args, strict=False).graph
+
+
+def _node(graph: torch.fx.Graph, op: str) -> torch.fx.Node:
+    (node,) = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__.split(".")[0] == op]
+    return node
+
+
+def _table(node: torch.fx.Node, hints=None) -> set[tuple]:
+    """Strategies as ``(inputs, outputs, rewrite)`` with inputs in the op's argument order."""
+    out = set()
+    for s in axis_strategies(node, hints):
+        out.add((tuple(str(p) for p in s.inputs), tuple(str(p) for p in s.outputs), s.rewrite))
+    return out
+
+
+def test_replicated_strategy_always_comes_first():
+    g = _graph(lambda x, w: F.linear(x, w), torch.randn(4, 8), torch.randn(16, 8))
+    first = axis_strategies(_node(g, "linear"))[0]
+    assert first == AxisStrategy((R, R), (R,))
+    assert not first.split
+
+
+def test_linear_column_and_row_parallel():
+    # x [2, 4, 16] @ w[32, 16].T + b[32]; inputs in order (x, w, b)
+    g = _graph(lambda x, w, b: F.linear(x, w, b), torch.randn(2, 4, 16), torch.randn(32, 16), torch.randn(32))
+    node = _node(g, "linear")
+    assert [i.name for i in tensor_inputs(node)] == [a.name for a in node.args]
+    table = _table(node)
+    assert (("R", "S(0)", "S(0)"), ("S(2)",), "") in table  # column-parallel: out features split
+    assert (("S(2)", "S(1)", "P"), ("P",), "") in table  # row-parallel: contraction split -> Partial
+    assert (("S(0)", "R", "R"), ("S(0)",), "") in table  # data parallel
+    assert (("S(1)", "R", "R"), ("S(1)",), "") in table  # sequence
+    for s in axis_strategies(node)[1:]:
+        assert s.split
+
+
+def test_addmm_conv1d_layout_is_transposed():
+    # GPT-2's Conv1D: addmm(b[32], x[8, 16], w[16, 32]); the weight is [in, out].
+    g = _graph(lambda b, x, w: torch.addmm(b, x, w), torch.randn(32), torch.randn(8, 16), torch.randn(16, 32))
+    table = _table(_node(g, "addmm"))
+    assert (("S(0)", "R", "S(1)"), ("S(1)",), "") in table  # column-parallel: weight S(1), bias S(0)
+    assert (("P", "S(1)", "S(0)"), ("P",), "") in table  # row-parallel: weight S(0), bias joins as Partial
+    assert (("R", "S(0)", "R"), ("S(0)",), "") in table
+
+
+def test_mm_without_bias_keeps_partial_activations_partial():
+    g = _graph(lambda x, w: x @ w, torch.randn(8, 16), torch.randn(16, 32))
+    node = next(n for n in g.nodes if n.op == "call_function")
+    assert (("P", "R"), ("P",), "") in _table(node)
+
+
+def test_embedding_vocab_parallel_is_partial_with_a_rewrite():
+    g = _graph(lambda w, i: F.embedding(i, w), torch.randn(64, 16), torch.randint(0, 64, (2, 8)))
+    table = _table(_node(g, "embedding"))
+    assert (("S(0)", "R"), ("P",), "vocab_parallel_embedding") in table  # rows of the table split
+    assert (("S(1)", "R"), ("S(2)",), "") in table  # embedding dimension split
+    assert (("R", "S(0)"), ("S(0)",), "") in table  # batch of indices split
+
+
+def test_layer_norm_never_splits_the_normalized_dimension():
+    g = _graph(
+        lambda x, w, b: F.layer_norm(x, (16,), w, b), torch.randn(2, 8, 16), torch.randn(16), torch.randn(16)
+    )
+    table = _table(_node(g, "layer_norm"))
+    assert table == {
+        (("R", "R", "R"), ("R",), ""),
+        (("S(0)", "R", "R"), ("S(0)",), ""),
+        (("S(1)", "R", "R"), ("S(1)",), ""),
+    }
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_splits_batch_and_heads_and_queries_only_without_causal_mask(causal):
+    q = torch.randn(2, 4, 8, 16)
+    g = _graph(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), q, q.clone(), q.clone()
+    )
+    table = _table(_node(g, "scaled_dot_product_attention"))
+    assert (("S(0)", "S(0)", "S(0)"), ("S(0)",), "") in table
+    assert (("S(1)", "S(1)", "S(1)"), ("S(1)",), "") in table
+    seq_split = (("S(2)", "R", "R"), ("S(2)",), "")
+    # A causal mask is built from local positions: splitting queries would misalign it.
+    assert (seq_split in table) is (not causal)
+    assert not any("S(3)" in ins for ins, _, _ in table)  # head dimension is contracted
+
+
+def test_split_offers_block_sharding_for_equal_parts():
+    g = _graph(lambda x: [t.relu() for t in x.split(16, dim=1)], torch.randn(4, 48))
+    node = _node(g, "split")
+    hints = block_hints(g)
+    assert hints[node.args[0]] == {(1, 3)}
+    table = _table(node, hints)
+    assert (("S(1)x3",), ("S(1)", "S(1)", "S(1)"), "split_local") in table  # fused-QKV layout
+    assert (("S(0)",), ("S(0)",) * 3, "") in table
+    assert (("S(1)",), ("S(1)",) * 3, "") not in table  # a plain shard would cut across the parts
+
+
+def test_reductions_over_a_sharded_dim_are_partial():
+    g = _graph(lambda x: x.sum(1) + x.mean(1), torch.randn(4, 8))
+    assert (("S(1)",), ("P",), "") in _table(_node(g, "sum"))
+    assert (("S(1)",), ("P",), "mean_partial") in _table(_node(g, "mean"))
+    assert (("S(0)",), ("S(0)",), "") in _table(_node(g, "sum"))
+
+
+def test_cumsum_and_softmax_keep_their_dimension_whole():
+    g = _graph(lambda x: torch.cumsum(x, 1) + torch.softmax(x, -1), torch.randn(4, 8))
+    for op in ("cumsum", "softmax"):
+        node = _node(g, op)
+        assert has_rule(node)
+        assert _table(node) == {(("R",), ("R",), ""), (("S(0)",), ("S(0)",), "")}
+
+
+def test_pointwise_broadcast_aligns_inputs():
+    g = _graph(lambda x, b: x * b, torch.randn(4, 8), torch.randn(8))
+    table = _table(_node(g, "mul"))
+    assert (("S(0)", "R"), ("S(0)",), "") in table  # the broadcast input is replicated
+    assert (("S(1)", "S(0)"), ("S(1)",), "") in table  # ... or cut along with the output
+    assert (("P", "R"), ("P",), "") in table  # mul is linear in one input
+
+
+class _Gather(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, idx2: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return (y[idx] + y[idx2]).sum()  # two aten.index nodes
+
+
+def test_op_without_rule_runs_replicated_with_one_warning(a100x8):
+    g = _graph(lambda x, i: x[i], torch.randn(8, 4), torch.tensor([1, 3]))
+    assert not has_rule(_node(g, "index"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs = (torch.randn(16, 8), torch.tensor([0, 3, 5, 7]), torch.tensor([1, 2, 4, 6]))
+        plan = autopar.plan(_Gather(), inputs, a100x8, mesh_shape=(8,))
+    ours = [w for w in caught if "autopar" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "no sharding rule for index" in str(ours[0].message)
+    assert plan.info["unruled_ops"] == ["index"]
+    index_nodes = [n for n in plan.nodes if n.op == "index"]
+    assert len(index_nodes) == 2
+    for n in index_nodes:
+        assert all(spec == ("R",) for spec in n.inputs) and n.outputs == (("R",),)
