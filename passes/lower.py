@@ -13,7 +13,10 @@ The per-rank program is a new ``torch.fx.GraphModule`` (printable with ``.code``
 * a replicated value read by an op that splits work along an axis passes through ``grad_sync``
   (identity forward, all-reduce of the gradient backward: Megatron-LM's ``f``) — once per value
   and set of axes, however many consumers share it; when the value was just all-gathered along that
-  axis the all-gather's backward becomes a reduce-scatter instead (``grad_partial=True``);
+  axis the all-gather's backward becomes a reduce-scatter instead (``grad_partial=True``); a weight
+  whose gradient is partial as a whole (data parallelism) gets no node: it is listed in
+  ``_bucketed_params`` and ``autopar.runtime.buckets`` all-reduces it in buckets, overlapped with
+  the rest of backward;
 * outputs are resharded to ``Replicate`` (``gather_outputs``), so the program returns what the
   model returns.
 
@@ -85,6 +88,8 @@ class _Lowerer:
         self.gathered = C.GatheredParams()
         self.root._gathered_params = self.gathered
         self.store_node: Node | None = None
+        self.bucketed_values: set[tuple[Node, tuple[int, ...]]] = set()
+        self.bucket_order: list[tuple[str, tuple[int, ...]]] = []
 
     # -------------------------------------------------------------- helpers
     def ax(self, a: int) -> Node:
@@ -164,8 +169,8 @@ class _Lowerer:
                 value = self.g.call_function(fn, (value, self.ax(st.axis)), kw)
             self.reshard_memo[key] = value
         rest = tuple(sorted(sync - fused))
-        if not rest:
-            return value
+        if not rest or (not steps and (producer, rest) in self.bucketed_values):
+            return value  # nothing to sync, or the weight's gradient is all-reduced in a bucket
         skey = (value, rest)
         synced = self.sync_memo.get(skey)
         if synced is None:
@@ -174,7 +179,66 @@ class _Lowerer:
         return synced
 
     # -------------------------------------------------------------- main walk
+    def plan_buckets(self) -> None:
+        """Find weights whose gradient sync can be bucketed (``autopar.runtime.buckets``).
+
+        A weight qualifies when every use reads it as laid out (no reshard) and splits work along
+        the same axes, so its whole gradient is partial there; or when it feeds, through a chain
+        of single-use ops run replicated on every axis (a position-embedding lookup), a value
+        whose uses are like that — the all-reduce then moves from that value's gradient to the
+        weight's, which is the same sum pushed through the same linear map on every device.
+        """
+        derived: set[Node] = set()
+        for node in self.cap.graph.nodes:
+            if (node.op == "placeholder" and node.name in self.cap.params) or (
+                node.op == "call_function" and any(i in derived for i in node.all_input_nodes)
+            ):
+                derived.add(node)
+        order: list[tuple[str, tuple[int, ...]]] = []
+        for p in self.cap.graph.nodes:
+            if p.op != "placeholder" or p.name not in self.cap.params:
+                continue
+            v = p
+            while True:
+                users = [u for u in v.users if u.op != "call_function" or op_name(u) not in _DROP]
+                if not users or any(u.op != "call_function" or u.name not in self.np for u in users):
+                    break
+                src = self.spec_out(v)
+                reqs = set()
+                for u in users:
+                    up = self.np[u.name]
+                    dst = up.inputs[tensor_inputs(u).index(v)]
+                    if dst is None or parse_spec(dst) != src:
+                        reqs.add(None)
+                        continue
+                    reqs.add(
+                        tuple(
+                            a for a in range(len(self.mesh)) if up.split[a] and isinstance(src[a], Replicate)
+                        )
+                    )
+                if len(reqs) != 1 or None in reqs:
+                    break
+                axes = reqs.pop()
+                if axes:
+                    self.bucketed_values.add((v, axes))
+                    order.append((p.name, axes))
+                    break
+                (u,) = users if len(users) == 1 else (None,)
+                if u is None or any(self.np[u.name].split) or len(tensor_outputs(u)) != 1:
+                    break
+                if [i for i in tensor_inputs(u) if i in derived] != [v]:
+                    break
+                v = u
+        # Backward produces gradients roughly in reverse order of first use: fill buckets so.
+        first_use = {}
+        for i, node in enumerate(self.cap.graph.nodes):
+            for inp in node.all_input_nodes:
+                first_use.setdefault(inp.name, i)
+        order.sort(key=lambda item: -first_use.get(item[0], 0))
+        self.bucket_order = order
+
     def run(self) -> GraphModule:
+        self.plan_buckets()
         for node in self.cap.graph.nodes:
             if node.op == "placeholder":
                 self.env[node] = self.g.placeholder(node.name)
@@ -191,6 +255,7 @@ class _Lowerer:
         self.g.lint()
         gm = GraphModule(self.root, self.g, class_name="RankProgram")
         gm._gathered_params = self.gathered  # read by ParallelModule even when no node uses it
+        gm._bucketed_params = list(self.bucket_order)
         return gm
 
     def lower_call(self, node: Node) -> None:

@@ -21,7 +21,11 @@ ZeRO-3 (parameters sharded along the data-parallel axis, gathered just before us
 reduce-scattered) is a plan in which a parameter's spec shards it along an axis where its users
 need it replicated: the lowering gathers it at each use, and this module's saved-tensor hooks keep
 only the local shard for backward and gather it again there, so the full parameter is freed after
-its use. Optimizer state and gradients follow the parameter's placement.
+its use. Optimizer state and gradients follow the parameter's placement. ZeRO-2 plans keep the
+gathered copy for backward; ZeRO-1 plans also all-reduce the full gradient before slicing it.
+
+Data-parallel weight gradients are all-reduced in buckets while backward runs
+(``autopar.runtime.buckets``), as PyTorch DDP does.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from autopar.placement import Replicate, Shard, Spec, parse_spec, shard_slices
 from autopar.plan import Plan
 from autopar.reshard import reshard_steps
 from autopar.runtime import collectives as C
+from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import AxisGroup
 
 __all__ = ["ParallelModule", "local_shard", "parallelize"]
@@ -182,7 +187,12 @@ class ParallelModule(nn.Module):
         self._constants = dict(cap.constants)
         self._aliases = {a: first for first, names in cap.param_aliases.items() for a in names}
         self._state_keys = list(model.state_dict().keys())
-        self._gathered_params: dict[int, tuple] = {}
+        bucketed = []
+        for name, axes in getattr(program, "_bucketed_params", []):
+            param = _get_path(self, "m." + cap.params[name])
+            if param.requires_grad:
+                bucketed.append((param, tuple(self.axes[a] for a in axes)))
+        self._buckets = GradBuckets(bucketed) if bucketed else None
 
     # ------------------------------------------------------------------ construction helpers
     def _materialize(self, full: torch.Tensor, spec: Spec) -> torch.Tensor:
