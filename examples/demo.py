@@ -1,10 +1,17 @@
-"""The autopar demo: plan a GPT for two nodes of eight A100s and compare with Megatron-LM.
+"""The autopar demo: plan a GPT for two nodes of eight A100s, compare with Megatron-LM, then
+train a small GPT on four local processes under the plan autopar chooses.
 
-The model (a 12-layer, 1024-wide GPT with a 50k vocabulary, ~200M parameters) is built on the
-meta device, so nothing is allocated: autopar plans from shapes alone. One global batch is
-32 sequences × 1024 tokens.
+Part 1 (``plan_demo``): the model (a 12-layer, 1024-wide GPT with a 50k vocabulary, ~200M
+parameters) is built on the meta device, so nothing is allocated: autopar plans from shapes alone.
+One global batch is 32 sequences × 1024 tokens.
 
-    python examples/demo.py
+Part 2 (``train_demo``): four processes on this machine (gloo, one thread each) stand in for four
+devices. autopar measures this machine's compute and collective costs, rank 0 plans a small GPT for
+them and broadcasts the plan, every rank runs its generated program, and the loss of each step is
+printed next to the loss of the same model trained in one process.
+
+    python examples/demo.py             # both parts
+    python examples/demo.py --plan-only # part 1
 """
 
 from __future__ import annotations
@@ -87,8 +94,66 @@ def plan_demo() -> None:
     )
 
 
+TRAIN_CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64)
+TRAIN_BATCH, TRAIN_SEQ, TRAIN_STEPS = 8, 64, 5
+
+
+def _train_setup() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)  # every rank and the one-process reference build the same model and batch
+    model = GPT(TRAIN_CONFIG)
+    idx = torch.randint(0, TRAIN_CONFIG.vocab_size, (TRAIN_BATCH, TRAIN_SEQ))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def _train(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(*batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_worker(rank: int, world: int, cluster: autopar.Cluster) -> dict[str, object]:
+    warnings.filterwarnings("ignore", message="autopar: no sharding rule")
+    model, batch = _train_setup()
+    pm = autopar.parallelize(model, cluster, batch)  # rank 0 plans and broadcasts the plan
+    return {"losses": _train(pm, batch, TRAIN_STEPS), "summary": pm.plan.summary(), "code": pm.code}
+
+
+def train_demo(world: int = 4) -> None:
+    """Train a small GPT on ``world`` local processes and compare its losses with one process."""
+    from autopar.cost.profile import measure_local
+    from autopar.runtime.launch import spawn
+
+    print(f"training a {TRAIN_CONFIG.n_layer}-layer GPT on {world} local processes (gloo, one thread each)")
+    t0 = time.perf_counter()
+    cluster = measure_local(world)
+    ar = cluster.extra["measured"]["all_reduce"]
+    print(
+        f"  measured this machine in {time.perf_counter() - t0:.1f} s: "
+        f"{cluster.device.flops_for('float32') / 1e9:.0f} GFLOP/s per process, all-reduce over {world}: "
+        f"α = {ar['alpha_s'] * 1e6:.0f} µs, {1 / ar['beta_s_per_byte'] / 1e9:.2f} GB/s"
+    )
+    results = spawn(_train_worker, world, cluster, timeout=600)
+    model, batch = _train_setup()
+    reference = _train(model, batch, TRAIN_STEPS)
+    print("  " + str(results[0]["summary"]).replace("\n", "\n  "))
+    print(f"  {'step':>4}  {'1 process':>12}  {f'{world} processes':>12}  {'rel. diff':>9}")
+    for i, (a, b) in enumerate(zip(reference, results[0]["losses"])):
+        print(f"  {i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b) / abs(a):>9.1e}")
+
+
 def main() -> None:
+    import sys
+
     plan_demo()
+    if "--plan-only" not in sys.argv:
+        print()
+        train_demo()
 
 
 if __name__ == "__main__":
