@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import difflib
 import math
+import multiprocessing as mp
+import os
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,9 +131,17 @@ def plan_captured(
     zero_stage: int | None = None,
     time_limit: float = 60.0,
     layout: str = "",
+    workers: int | None = None,
 ) -> Plan:
-    """``plan`` on an already captured program (used by ``autopar.layouts`` and benchmarks)."""
+    """``plan`` on an already captured program (used by ``autopar.layouts`` and benchmarks).
+
+    ``workers``: candidate meshes solved side by side (default: up to 2, the cores CP-SAT's
+    single-worker solves can use here); ``1`` solves them one after another.
+    """
     from autopar.solver import InfeasibleError, SolverConfig, solve
+
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
 
     t_start = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory)
@@ -144,30 +156,40 @@ def plan_captured(
         meshes = candidate_meshes(cluster)
     ctx = PassContext(captured=cap, cluster=cluster, optimizer=optimizer, mixed_precision=mixed_precision)
     gm = run_passes(cap.gm, ctx, [annotate_tensors, annotate_cost])
-    best = None
-    tried = []
-    errors = []
-    for mesh in meshes:
+    zero_stages = (2, 3) if zero_stage is None else (zero_stage,)
+    for mesh in meshes:  # bad `fixed` entries are reported here, before any solve
+        _parse_fixed(cap, fixed, len(mesh))
+
+    def attempt(mesh: tuple[int, ...]) -> tuple[float, Any]:
+        """Annotate strategies for ``mesh`` and solve; the Solution or the InfeasibleError."""
         mctx = PassContext(
             captured=cap,
             cluster=cluster,
             mesh_shape=mesh,
             optimizer=optimizer,
             mixed_precision=mixed_precision,
-            zero_stages=(2, 3) if zero_stage is None else (zero_stage,),
+            zero_stages=zero_stages,
         )
         t0 = time.perf_counter()
         run_passes(gm, mctx, [annotate_strategies])
-        t_strat = time.perf_counter() - t0
-        fixed_specs = _parse_fixed(cap, fixed, len(mesh))
         if node_constraint is not None:
             _apply_node_constraint(gm, node_constraint)
+        t_strat = time.perf_counter() - t0
+        fixed_specs = _parse_fixed(cap, fixed, len(mesh))
         try:
-            sol = solve(
+            return t_strat, solve(
                 gm, mctx, memory_budget=budget, fixed=fixed_specs, config=SolverConfig(time_limit=time_limit)
             )
         except InfeasibleError as e:
-            errors.append(e)
+            return t_strat, e
+
+    outcomes = _attempt_all(meshes, attempt, workers)
+    best = None
+    tried = []
+    errors = []
+    for mesh, (t_strat, sol) in zip(meshes, outcomes):
+        if isinstance(sol, InfeasibleError):
+            errors.append(sol)
             tried.append({"mesh": list(mesh), "feasible": False})
             continue
         tried.append(
@@ -183,7 +205,7 @@ def plan_captured(
             }
         )
         if best is None or sol.objective < best[1].objective * (1 - 1e-9):
-            best = (mesh, sol, _snapshot(gm))
+            best = (mesh, sol)
     if best is None:
         if len(errors) == 1:
             raise errors[0]
@@ -191,8 +213,13 @@ def plan_captured(
             "no mesh shape fits the memory budget:\n  "
             + "\n  ".join(f"{m}: {e}" for m, e in zip(meshes, errors))
         )
-    mesh, sol, snap = best
-    _restore(gm, snap)
+    mesh, sol = best
+    if len(meshes) > 1:
+        with warnings.catch_warnings():  # already warned for this graph
+            warnings.simplefilter("ignore")
+            attempt_strategies_only(
+                gm, cap, cluster, mesh, optimizer, mixed_precision, zero_stages, node_constraint
+            )
     p = _build_plan(gm, cap, cluster, mesh, sol)
     p.info.update(
         {
@@ -209,17 +236,83 @@ def plan_captured(
     return p
 
 
-def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
-    return {n.name: (n.meta.get(STRATEGIES), n.meta.get("autopar.tie")) for n in gm.graph.nodes}
+def attempt_strategies_only(
+    gm: torch.fx.GraphModule,
+    cap: Captured,
+    cluster: Cluster,
+    mesh: tuple[int, ...],
+    optimizer: str,
+    mixed_precision: bool,
+    zero_stages: tuple[int, ...],
+    node_constraint: NodeConstraint | None,
+) -> None:
+    """Re-annotate ``gm`` with ``mesh``'s strategies (deterministic: the solution's indices apply)."""
+    mctx = PassContext(
+        captured=cap,
+        cluster=cluster,
+        mesh_shape=mesh,
+        optimizer=optimizer,
+        mixed_precision=mixed_precision,
+        zero_stages=zero_stages,
+    )
+    run_passes(gm, mctx, [annotate_strategies])
+    if node_constraint is not None:
+        _apply_node_constraint(gm, node_constraint)
 
 
-def _restore(gm: torch.fx.GraphModule, snap: dict[str, Any]) -> None:
-    for n in gm.graph.nodes:
-        s, t = snap.get(n.name, (None, None))
-        if s is not None:
-            n.meta[STRATEGIES] = s
-        if t is not None:
-            n.meta["autopar.tie"] = t
+def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int) -> list[tuple[float, Any]]:
+    """Run ``attempt`` for every mesh; with several meshes and workers, in forked processes.
+
+    Each candidate mesh is an independent solve (CP-SAT with one worker), so on a machine with
+    ``workers`` cores they run side by side. Children are forked (they inherit the annotated graph;
+    nothing is pickled but the Solution), which needs the ``fork`` start method (Linux); elsewhere,
+    or with ``workers=1``, the meshes are solved one after another. The parent then re-annotates
+    the winning mesh's strategies, which are deterministic.
+    """
+    if workers <= 1 or len(meshes) <= 1 or "fork" not in mp.get_all_start_methods():
+        return [attempt(m) for m in meshes]
+    ctx = mp.get_context("fork")
+    results: dict[int, tuple[float, Any]] = {}
+    running: list[tuple[int, Any, Any]] = []
+    pending = list(enumerate(meshes))
+
+    def child(conn: Any, mesh: tuple[int, ...]) -> None:
+        try:
+            t, sol = attempt(mesh)
+            conn.send(("ok", t, sol) if not isinstance(sol, Exception) else ("infeasible", t, str(sol)))
+        except Exception as exc:  # sent to the parent, which re-raises it
+            try:
+                conn.send(("error", 0.0, exc))
+            except Exception:  # not picklable: send the traceback as text
+                conn.send(
+                    ("error", 0.0, RuntimeError(f"solving mesh {mesh} failed:\n{traceback.format_exc()}"))
+                )
+        finally:
+            conn.close()
+
+    while pending or running:
+        while pending and len(running) < workers:
+            i, mesh = pending.pop(0)
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=child, args=(child_end, mesh), daemon=True)
+            proc.start()
+            child_end.close()
+            running.append((i, proc, parent_end))
+        i, proc, conn = running.pop(0)
+        try:
+            status, t, payload = conn.recv()
+        except EOFError:
+            proc.join()
+            raise RuntimeError(f"solving mesh {meshes[i]} crashed (exit code {proc.exitcode})") from None
+        proc.join()
+        if status == "error":
+            for _, other, _ in running:
+                other.kill()
+            raise payload
+        from autopar.solver import InfeasibleError
+
+        results[i] = (t, InfeasibleError(payload) if status == "infeasible" else payload)
+    return [results[i] for i in range(len(meshes))]
 
 
 def _apply_node_constraint(gm: torch.fx.GraphModule, pred: NodeConstraint) -> None:
