@@ -15,9 +15,10 @@ whose weight is a parameter is
 
 Embedding tables are vocabulary-parallel (split along rows). GPT-2's ``Conv1D`` stores weights as
 ``[in, out]`` (``addmm``), ``nn.Linear`` as ``[out, in]`` (``linear``): the split dimension follows
-the op, so both come out right. With ``sequence_parallel=True`` normalizations and the residual
-stream run split along the sequence on the tensor axis (Korthikanti et al., arXiv 2205.05198);
-without it they run replicated there, as in the original Megatron-LM.
+the op, so both come out right. Weights are used where they lie (never gathered). With
+``sequence_parallel=True`` normalizations and the residual additions after row-parallel layers run
+split along the sequence on the tensor axis (Korthikanti et al., arXiv 2205.05198); without it they
+run replicated there, as in the original Megatron-LM.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def megatron(
         fixed[fqn] = ("R", tp_p) if dp > 1 else (tp_p,)
 
     fixed_tp = {fqn: spec[t_axis] for fqn, spec in fixed.items()}
+    residual = residual_adds(cap.gm.graph, roles)
 
     def megatron_execution(node: Node, s: Strategy) -> bool:
         """Weights are used where they lie (no gathering); norms as Megatron runs them."""
@@ -161,9 +163,10 @@ def megatron(
                     return False
                 if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
                     return False
-        if op_name(node) not in ("layer_norm", "rms_norm", "native_layer_norm", "mean"):
-            return True
-        if op_name(node) == "mean" and not _is_rms_mean(node):
+        is_norm = op_name(node) in ("layer_norm", "rms_norm", "native_layer_norm") or (
+            op_name(node) == "mean" and _is_rms_mean(node)
+        )
+        if not is_norm and node not in residual:
             return True
         p = s.outputs[0][t_axis]
         if sequence_parallel:
@@ -182,6 +185,45 @@ def megatron(
         layout=name,
         mixed_precision=any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()),
     )
+
+
+def residual_adds(graph: torch.fx.Graph, roles: dict[str, str]) -> set[Node]:
+    """The additions that put a row-parallel matmul's output back into the residual stream.
+
+    From each row-parallel matmul, follow single-use views, casts and dropouts to the first
+    ``add``. Megatron-LM all-reduces right before it (or, with sequence parallelism,
+    reduce-scatters), so the residual stream is replicated (sequence-split) on the tensor axis.
+    """
+    out: set[Node] = set()
+    passthrough = {
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "to",
+        "_to_copy",
+        "dropout",
+        "clone",
+        "contiguous",
+        "alias",
+    }
+    for n in graph.nodes:
+        if n.op != "call_function" or op_name(n) not in _MATMUL:
+            continue
+        w, _, _, _ = _weight_of(n)
+        if w is None or not roles.get(w.meta[TENSOR].fqn, "").startswith("row"):
+            continue
+        v = n
+        while len(v.users) == 1:
+            (u,) = v.users
+            if u.op != "call_function":
+                break
+            if op_name(u) == "add":
+                out.add(u)
+                break
+            if op_name(u) not in passthrough:
+                break
+            v = u
+    return out
 
 
 def _is_rms_mean(node: Node) -> bool:

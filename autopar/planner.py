@@ -21,6 +21,7 @@ import difflib
 import math
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
 import warnings
@@ -265,11 +266,18 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
 
     Each candidate mesh is an independent solve (CP-SAT with one worker), so on a machine with
     ``workers`` cores they run side by side. Children are forked (they inherit the annotated graph;
-    nothing is pickled but the Solution), which needs the ``fork`` start method (Linux); elsewhere,
-    or with ``workers=1``, the meshes are solved one after another. The parent then re-annotates
+    nothing is pickled but the Solution), which needs the ``fork`` start method (Linux) and a
+    process that may fork (not daemonic, no other threads); otherwise, or with ``workers=1``, the
+    meshes are solved one after another. The parent then re-annotates
     the winning mesh's strategies, which are deterministic.
     """
-    if workers <= 1 or len(meshes) <= 1 or "fork" not in mp.get_all_start_methods():
+    if (
+        workers <= 1
+        or len(meshes) <= 1
+        or "fork" not in mp.get_all_start_methods()
+        or mp.current_process().daemon  # daemonic processes may not have children
+        or threading.active_count() > 1  # forking a threaded process (e.g. a live process group) is unsafe
+    ):
         return [attempt(m) for m in meshes]
     ctx = mp.get_context("fork")
     results: dict[int, tuple[float, Any]] = {}

@@ -317,7 +317,10 @@ class _Lowerer:
             start = shard_slices(
                 tuple(w.meta["val"].shape), parse_spec(p.inputs[ins.index(w)]), self.mesh, self.coord
             )[0][0][0]
-            self.env[node] = self.g.call_function(O.vocab_parallel_embedding, (args[0], args[1], start))
+            padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+            self.env[node] = self.g.call_function(
+                O.vocab_parallel_embedding, (args[0], args[1], start, padding_idx)
+            )
             return
         if rewrites & {"loss_rows", "loss_classes"}:
             self.env[node] = self.lower_loss(node, p, args, kwargs, ins)

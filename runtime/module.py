@@ -55,7 +55,8 @@ __all__ = ["ParallelModule", "local_shard", "parallelize"]
 def local_shard(
     full: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]
 ) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``spec`` (a copy; blocks are concatenated)."""
+    """This rank's piece of ``full`` under ``spec`` (blocks concatenated); ``full`` itself when
+    ``spec`` shards nothing, else a new contiguous tensor."""
     if all(not isinstance(p, Shard) for p in spec):
         return full
     ranges = shard_slices(tuple(full.shape), spec, mesh_shape, coord)
@@ -394,7 +395,9 @@ def parallelize(
     if plan is None:
         from autopar.planner import plan_captured
 
-        plan = _broadcast_plan(lambda: plan_captured(cap, cluster, memory_budget=memory_budget))
+        # workers=1: solve the candidate meshes in this process. Forking here is unsafe (the process
+        # group's threads are running) and impossible under a daemonic launcher (``spawn``).
+        plan = _broadcast_plan(lambda: plan_captured(cap, cluster, memory_budget=memory_budget, workers=1))
     backend = dist.get_backend()
     device = _device_for(backend)
     from torch.distributed.device_mesh import init_device_mesh

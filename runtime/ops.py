@@ -26,11 +26,15 @@ __all__ = ["mean_partial", "sharded_cross_entropy", "sharded_nll_loss", "vocab_p
 def vocab_parallel_embedding(
     weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1
 ) -> torch.Tensor:
-    """Rows ``[start, start + weight.shape[0])`` of the table live here; other ids give zeros."""
+    """Rows ``[start, start + weight.shape[0])`` of the table live here; other ids give zeros.
+
+    ``padding_idx`` is the global row that receives no gradient (``aten.embedding``'s argument,
+    -1 for none), as in ``nn.Embedding(..., padding_idx=...)``."""
     rows = weight.shape[0]
     local = ids - start
     mask = (local < 0) | (local >= rows)
-    out = torch.nn.functional.embedding(local.masked_fill(mask, 0), weight)
+    pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else None
+    out = torch.nn.functional.embedding(local.masked_fill(mask, 0), weight, padding_idx=pad)
     return out.masked_fill(mask.unsqueeze(-1), 0.0)
 
 

@@ -1,11 +1,12 @@
-"""Shared pieces of the runtime tests (``tests/test_runtime_*.py``): tiny models, plans by name,
-a training loop, and the worker functions that ``autopar.runtime.launch.spawn`` runs.
+"""Shared pieces of the runtime tests (``tests/test_runtime_*.py``): tiny models, plans by layout
+name, a training loop with its single-process reference, and a log of the collectives issued.
 
-Workers are spawned processes, so everything they call lives at module level in this plain
-importable module (pytest puts ``tests/`` on ``sys.path``; spawned children inherit it). A worker
-builds its model itself from a seed, so every rank starts from the same weights as the reference
-computed in the pytest process. One spawn runs several layouts in one process group, one after
-another: starting processes and importing torch costs seconds, a layout a fraction of that.
+The worker functions ``autopar.runtime.launch.spawn`` runs live at module level in the test
+modules next to their tests; spawned children import them by module name (pytest puts ``tests/``
+on ``sys.path``, and children inherit it), and import this module with them. A worker builds its
+model itself from a seed, so every rank starts from the weights of the reference computed in the
+pytest process. One spawn runs several layouts in one process group, one after another: starting
+processes and importing torch costs seconds, a layout a fraction of that.
 
 Comparisons (``compare_training``) follow the numerics of the test plan: losses within a relative
 1e-5 of one process at every step; after SGD parameters within a relative 1e-5 (the gradients are
@@ -17,18 +18,14 @@ update at ``lr=1e-3``.
 
 from __future__ import annotations
 
-import importlib.abc
-import math
 import os
-import sys
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 STEPS = 3
 """Optimizer steps of every training-equivalence run."""
@@ -158,7 +155,9 @@ def make_plan(mode: str, model: nn.Module, inputs: Any, world: int):
         return autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
     if mode in ("zero2", "zero3"):
         fixed = sharded_specs(model, inputs, world)
-        return autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,), zero_stage=int(mode[-1]))
+        return autopar.plan(
+            model, inputs, cluster, fixed=fixed, mesh_shape=(world,), zero_stage=int(mode[-1])
+        )
     raise ValueError(f"unknown layout {mode!r}")
 
 
@@ -203,7 +202,9 @@ def compare_training(
     problems = []
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         if abs(a - b) > LOSS_RTOL * abs(b):
-            problems.append(f"{what}: step {step} loss {a!r} vs one process {b!r} (rel {abs(a - b) / abs(b):.1e})")
+            problems.append(
+                f"{what}: step {step} loss {a!r} vs one process {b!r} (rel {abs(a - b) / abs(b):.1e})"
+            )
     if set(sd) != set(ref_sd):
         problems.append(
             f"{what}: full_state_dict keys differ: missing {sorted(set(ref_sd) - set(sd))}, "
@@ -221,116 +222,62 @@ def compare_training(
         else:
             scale = b.abs().max().item()
             if diff > SGD_RTOL * scale:
-                problems.append(f"{what}: {key} differs by {diff:.2e} = {diff / scale:.1e} × max|{key}| after SGD")
+                problems.append(
+                    f"{what}: {key} differs by {diff:.2e} = {diff / scale:.1e} × max|{key}| after SGD"
+                )
     return problems
-
-
-def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """For each layout: build the ParallelModule, train ``STEPS`` AdamW steps, reload the initial
-    weights (``load_full_state_dict``) and train ``STEPS`` SGD steps; return the losses, the
-    gathered state dicts and the collectives issued per mesh axis."""
-    quiet()
-    import autopar
-
-    model, inputs = build(kind)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    cluster = autopar.Cluster.local(world)
-    results: dict[str, dict[str, Any]] = {}
-    for mode, plan in plans.items():
-        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
-        res: dict[str, Any] = {"mesh": tuple(pm.plan.mesh_shape), "inputs": dict(pm.plan.inputs)}
-        for optimizer in ("adamw", "sgd"):
-            pm.load_full_state_dict(initial)
-            losses = train(pm, inputs, make_optimizer(optimizer, pm.parameters()))
-            res[optimizer] = (losses, pm.full_state_dict())
-            if optimizer == "adamw":
-                res["counts"] = {ax.name: Counter(ax.counts) for ax in pm.axes}
-        results[mode] = res
-    return results
 
 
 # ------------------------------------------------------------------------------- collective counts
 
 
 class CollectiveLog:
-    """Records every collective the runtime issues, with its direction and local input shape, by
-    wrapping the plain (non-autograd) collectives of ``autopar.runtime.collectives``, which every
-    differentiable collective and every backward conjugate calls."""
+    """Every collective the runtime issues while the log is open: ``(kind, direction, numel)``.
+
+    ``AxisGroup.note`` (called by every collective of ``autopar.runtime`` just before it runs:
+    the differentiable collectives, their backward conjugates, the bucketed gradient all-reduce,
+    the sharded loss) opens an entry; the ``torch.distributed`` call that follows records how many
+    elements it moved (an all-gather: the local piece). Use as a context manager.
+    """
 
     def __init__(self) -> None:
+        self.calls: list[list[Any]] = []
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> CollectiveLog:
+        import torch.distributed as dist
+
         from autopar.runtime import collectives as C
 
-        self.calls: list[tuple[str, str, tuple[int, ...]]] = []
-        self._C = C
-        self._orig = {}
-        for fn, kind in (("_all_reduce", "all_reduce"), ("_gather", "all_gather"), ("_reduce_scatter", "reduce_scatter")):
-            orig = getattr(C, fn)
-            self._orig[fn] = orig
-            setattr(C, fn, self._wrap(orig, kind))
+        def note(ax: Any, kind: str, direction: str, _orig=C.AxisGroup.note) -> None:
+            self.calls.append([kind, direction, None])
+            _orig(ax, kind, direction)
 
-    def _wrap(self, orig: Callable, kind: str) -> Callable:
-        def wrapped(x: torch.Tensor, ax: Any, *args: Any) -> torch.Tensor:
-            self.calls.append((kind, args[-1], tuple(x.shape)))
-            return orig(x, ax, *args)
+        def sized(orig: Callable, which: int) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                pending = [c for c in self.calls if c[2] is None]
+                if pending:
+                    pending[-1][2] = args[which].numel()
+                return orig(*args, **kwargs)
 
-        return wrapped
+            return call
 
-    def restore(self) -> None:
-        for fn, orig in self._orig.items():
-            setattr(self._C, fn, orig)
+        self._patch(C.AxisGroup, "note", note)
+        self._patch(dist, "all_reduce", sized(dist.all_reduce, 0))
+        for name in ("all_gather_into", "reduce_scatter_into", "all_to_all_into"):
+            self._patch(C, name, sized(getattr(C, name), 1))
+        return self
 
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
 
-def counts_worker(rank: int, world: int, cases: list[tuple[str, tuple[int, int, int], Any]]) -> dict[str, Any]:
-    """For each ``(name, (batch, seq, n_embd), plan)``: one training step of ``OneBlock`` under
-    ``plan``; returns the collectives of that step (``pm.axes[0].counts`` difference and the
-    ``CollectiveLog`` with shapes) and the loss and gradients gathered for checking."""
-    quiet()
-    import autopar
-
-    cluster = autopar.Cluster.local(world)
-    out = {}
-    for name, (b, t, c), plan in cases:
-        model, inputs = build_block(b, t, c)
-        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
-        before = Counter(pm.axes[0].counts)
-        log = CollectiveLog()
-        try:
-            loss = pm(*inputs)
-            loss.backward()
-        finally:
-            log.restore()
-        grads = {}
-        for fqn, p in pm.named_local_parameters().items():
-            full = autopar.runtime.module.run_reshard(
-                p.grad, pm._shapes[fqn], pm._specs[fqn], tuple(autopar.Replicate() for _ in pm._mesh), pm.axes
-            )
-            grads[fqn] = full
-        counts = Counter(pm.axes[0].counts)
-        counts.subtract(before)
-        out[name] = {"counts": +counts, "log": log.calls, "loss": loss.item(), "grads": grads, "code": pm.code()}
-    return out
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, orig in reversed(self._patched):
+            setattr(owner, name, orig)
+        self._patched.clear()
 
 
-# -------------------------------------------------------------------------------- ortools blocking
-
-
-class BlockOrtools(importlib.abc.MetaPathFinder):
-    """A meta-path finder that makes ``import ortools`` (and its submodules) fail."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        if fullname == "ortools" or fullname.startswith("ortools."):
-            raise ImportError(f"{fullname} is blocked in this test (a machine without OR-Tools)")
-        return None
-
-
-def block_ortools() -> None:
-    if not any(isinstance(f, BlockOrtools) for f in sys.meta_path):
-        sys.meta_path.insert(0, BlockOrtools())
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), 1e-30)
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
+def count_calls(calls: list, kind: str, direction: str, numel: int | None = None) -> int:
+    """How many of a ``CollectiveLog``'s calls are ``kind`` in ``direction`` (of ``numel`` elements)."""
+    return sum(1 for k, d, n in calls if k == kind and d == direction and (numel is None or n == numel))

@@ -49,7 +49,9 @@ class _CNN(nn.Module):
 def build(name: str) -> tuple[nn.Module, object]:
     """A tiny model of architecture ``name`` (random weights, dropout 0) and one batch."""
     torch.manual_seed(0)
-    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=V)
+    small = dict(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=V
+    )
     if name == "mistral":
         return _lm("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, use_cache=False, **small)
     if name == "qwen2":

@@ -27,7 +27,8 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 @pytest.mark.parametrize(
-    ("mesh", "arithmetic"), [((4, 3), "4 × 3 = 12 ≠ world size 8"), ((16,), "(16,) = 16 devices ≠ world size 8")]
+    ("mesh", "arithmetic"),
+    [((4, 3), "4 × 3 = 12 ≠ world size 8"), ((16,), "(16,) = 16 devices ≠ world size 8")],
 )
 def test_bad_mesh_error_carries_the_arithmetic(mesh, arithmetic):
     cl = Cluster.preset("A100-80GB", gpus_per_node=8, nodes=1)
