@@ -163,18 +163,10 @@ def plan_captured(
 
     def attempt(mesh: tuple[int, ...]) -> tuple[float, Any]:
         """Annotate strategies for ``mesh`` and solve; the Solution or the InfeasibleError."""
-        mctx = PassContext(
-            captured=cap,
-            cluster=cluster,
-            mesh_shape=mesh,
-            optimizer=optimizer,
-            mixed_precision=mixed_precision,
-            zero_stages=zero_stages,
-        )
         t0 = time.perf_counter()
-        run_passes(gm, mctx, [annotate_strategies])
-        if node_constraint is not None:
-            _apply_node_constraint(gm, node_constraint)
+        mctx = annotate_for_mesh(
+            gm, cap, cluster, mesh, optimizer, mixed_precision, zero_stages, node_constraint
+        )
         t_strat = time.perf_counter() - t0
         fixed_specs = _parse_fixed(cap, fixed, len(mesh))
         try:
@@ -218,7 +210,7 @@ def plan_captured(
     if len(meshes) > 1:
         with warnings.catch_warnings():  # already warned for this graph
             warnings.simplefilter("ignore")
-            attempt_strategies_only(
+            annotate_for_mesh(
                 gm, cap, cluster, mesh, optimizer, mixed_precision, zero_stages, node_constraint
             )
     p = _build_plan(gm, cap, cluster, mesh, sol)
@@ -237,7 +229,7 @@ def plan_captured(
     return p
 
 
-def attempt_strategies_only(
+def annotate_for_mesh(
     gm: torch.fx.GraphModule,
     cap: Captured,
     cluster: Cluster,
@@ -246,8 +238,9 @@ def attempt_strategies_only(
     mixed_precision: bool,
     zero_stages: tuple[int, ...],
     node_constraint: NodeConstraint | None,
-) -> None:
-    """Re-annotate ``gm`` with ``mesh``'s strategies (deterministic: the solution's indices apply)."""
+) -> PassContext:
+    """Annotate ``gm`` with ``mesh``'s strategies (deterministic, so a solution's indices apply to
+    any re-annotation) and drop those ``node_constraint`` forbids; the mesh's pass context."""
     mctx = PassContext(
         captured=cap,
         cluster=cluster,
@@ -259,6 +252,7 @@ def attempt_strategies_only(
     run_passes(gm, mctx, [annotate_strategies])
     if node_constraint is not None:
         _apply_node_constraint(gm, node_constraint)
+    return mctx
 
 
 def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int) -> list[tuple[float, Any]]:

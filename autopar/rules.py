@@ -679,36 +679,7 @@ _register(aten.mm, aten.bmm, aten.matmul, aten.addmm, aten.baddbmm, aten.linear)
 # Reductions and normalizations
 
 
-def _reduced_dims(node: Node, rank: int) -> tuple[set[int], bool]:
-    key = _key(node)
-    args = node.args
-    if key in (
-        aten.sum,
-        aten.mean,
-        aten.amax,
-        aten.amin,
-        aten.var,
-        aten.std,
-        aten.var_mean,
-        aten.prod,
-        aten.argmax,
-        aten.argmin,
-        aten.any,
-        aten.all,
-        aten.logsumexp,
-        aten.norm,
-    ):
-        dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
-        keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
-        if dims is None or dims == [] or dims == ():
-            return set(range(rank)), bool(keep)
-        if isinstance(dims, int):
-            dims = [dims]
-        return {_norm_dim(d, rank) for d in dims}, bool(keep)
-    return set(), True
-
-
-@_register(
+_REDUCTIONS = (
     aten.sum,
     aten.mean,
     aten.amax,
@@ -723,6 +694,23 @@ def _reduced_dims(node: Node, rank: int) -> tuple[set[int], bool]:
     aten.logsumexp,
     aten.norm,
 )
+
+
+def _reduced_dims(node: Node, rank: int) -> tuple[set[int], bool]:
+    key = _key(node)
+    args = node.args
+    if key in _REDUCTIONS:
+        dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
+        keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
+        if dims is None or dims == [] or dims == ():
+            return set(range(rank)), bool(keep)
+        if isinstance(dims, int):
+            dims = [dims]
+        return {_norm_dim(d, rank) for d in dims}, bool(keep)
+    return set(), True
+
+
+@_register(*_REDUCTIONS)
 def _reduction(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     src = node.args[0]
     if not isinstance(node.meta.get("val"), torch.Tensor):

@@ -102,6 +102,18 @@ def sharded_cross_entropy(
         total = per_row.sum().to(logits.dtype)
     else:
         total = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    return _reduce_rows(total, target, ignore_index, reduction, row_axes)
+
+
+def _reduce_rows(
+    total: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: int,
+    row_axes: Sequence[AxisGroup],
+) -> torch.Tensor:
+    """``reduction`` 2 (sum): this device's sum, Partial along ``row_axes``. 1 (mean): divided by
+    the number of counted rows over all of them (an all-reduce of the counts, no gradient)."""
     if reduction == 2:
         return total
     count = (target != ignore_index).sum().to(torch.float32)
@@ -126,11 +138,4 @@ def sharded_nll_loss(
     if class_axes:
         raise ValueError("nll_loss over sharded classes is not supported; plan it with classes replicated")
     total = torch.nn.functional.nll_loss(log_probs, target, ignore_index=ignore_index, reduction="sum")
-    if reduction == 2:
-        return total
-    count = (target != ignore_index).sum().to(torch.float32)
-    for ax in row_axes:
-        count = count.clone()
-        ax.note("all_reduce", "fwd")
-        dist.all_reduce(count, group=ax.group)
-    return total / count.to(total.dtype)
+    return _reduce_rows(total, target, ignore_index, reduction, row_axes)
