@@ -17,6 +17,7 @@ from autopar.cluster import Cluster, DeviceSpec, Link
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plan import Plan
 from autopar.planner import plan
+from autopar.runtime.module import parallelize
 
 __all__ = [
     "CaptureError",
@@ -32,17 +33,3 @@ __all__ = [
     "parallelize",
     "plan",
 ]
-
-
-def parallelize(*args, **kwargs):  # replaced below by the runtime's, with its full signature
-    from autopar.runtime.module import parallelize as _parallelize
-
-    return _parallelize(*args, **kwargs)
-
-
-try:  # give the lazy wrapper the real signature and docstring when the runtime imports cleanly
-    from autopar.runtime.module import parallelize as _p
-
-    parallelize = _p  # type: ignore[assignment]
-except ImportError:  # the runtime is importable only once it exists; planning works without it
-    pass

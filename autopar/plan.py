@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.placement import Spec, format_spec, parse_spec
+from autopar.placement import Spec, parse_spec
 
 __all__ = ["NodePlan", "Plan", "Predicted", "ReshardPlan"]
 
@@ -291,7 +291,3 @@ def _fmt_bytes(b: float) -> str:
         if b >= f:
             return f"{b / f:.2f} {unit}"
     return f"{b:.0f} B"
-
-
-def spec_str(spec: Spec) -> tuple[str, ...]:
-    return format_spec(spec)

@@ -421,7 +421,7 @@ def _build_plan(
         for j, i in enumerate(tensor_inputs(c)):
             if i not in chosen or s.inputs[j] is None:
                 continue
-            src = chosen[i].outputs[_out_index(i, c)]
+            src = chosen[i].outputs[0]  # multi-output ops are read through getitem, one output each
             dst = s.inputs[j]
             info = i.meta[TENSOR]
             grad_axes = tuple(
@@ -504,10 +504,6 @@ def _build_plan(
         fingerprint=cap.fingerprint,
         info={"solver": {"objective": sol.objective, "solve_time": sol.solve_time, **sol.stats}},
     )
-
-
-def _out_index(producer: Node, consumer: Node) -> int:
-    return 0
 
 
 def _step_str(st) -> str:
