@@ -14,6 +14,7 @@ tensors, costs, strategies) → ``solver`` (CP-SAT) → ``Plan`` → lowering to
 from autopar import layouts
 from autopar.capture import CaptureError, capture
 from autopar.cluster import Cluster, DeviceSpec, Link
+from autopar.ir import explain
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plan import Plan
 from autopar.planner import plan
@@ -29,6 +30,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "capture",
+    "explain",
     "layouts",
     "parallelize",
     "plan",
