@@ -182,6 +182,8 @@ def solve(
     # ---- Edges, grouped by the spec each side shows.
     edge_cache: dict[tuple, float] = {}
     edges: dict[tuple, dict] = {}
+    # Repeated layers repeat their edges: count identical ones, cost each kind once.
+    pending: dict[tuple, list] = {}
     for c in list(nodes) + [n for n in gm.graph.nodes if n.op == "output"]:
         if c.op == "output":
             _output_edges(c, roots, class_of, edges, edge_cache, ctx)
@@ -230,13 +232,29 @@ def solve(
                     edge_cache[key] = v
                 return v
 
-            if i_cls is c_cls:
-                for k in range(len(c_cls.strategies)):
-                    t, m = cost(src_groups[k], dst_groups[k])
-                    c_cls.unary[k] += t
-                    c_cls.memory[k] += m
-                continue
-            _add_edge(edges, i_cls, c_cls, src_groups, dst_groups, cost)
+            key = (
+                id(i_cls),
+                id(c_cls),
+                tuple(src_groups),
+                tuple(dst_groups),
+                shape,
+                itemsize,
+                info.requires_grad,
+                bucketed,
+            )
+            entry = pending.get(key)
+            if entry is None:
+                pending[key] = [i_cls, c_cls, src_groups, dst_groups, cost, 1]
+            else:
+                entry[-1] += 1
+    for i_cls, c_cls, src_groups, dst_groups, cost, count in pending.values():
+        if i_cls is c_cls:
+            for k in range(len(c_cls.strategies)):
+                t, m = cost(src_groups[k], dst_groups[k])
+                c_cls.unary[k] += t * count
+                c_cls.memory[k] += m * count
+            continue
+        _add_edge(edges, i_cls, c_cls, src_groups, dst_groups, cost, count)
     # ---- Build the CP-SAT model.
     model = cp_model.CpModel()
     s_vars: dict[int, list] = {}
@@ -346,7 +364,9 @@ def _dst_key(s: Strategy, j: int) -> tuple:
     return (spec, tuple(sp and isinstance(p, Replicate) for sp, p in zip(s.split, spec)))
 
 
-def _add_edge(edges: dict, a: _Class, b: _Class, src_groups: list, dst_groups: list, cost) -> None:
+def _add_edge(
+    edges: dict, a: _Class, b: _Class, src_groups: list, dst_groups: list, cost, count: int = 1
+) -> None:
     g_keys = list(dict.fromkeys(src_groups))
     h_keys = list(dict.fromkeys(dst_groups))
     key = (a, b, (tuple(src_groups), tuple(dst_groups)))
@@ -365,8 +385,8 @@ def _add_edge(edges: dict, a: _Class, b: _Class, src_groups: list, dst_groups: l
     for gi, g in enumerate(e["gk"]):
         for hi, h in enumerate(e["hk"]):
             t, m = cost(g, h)
-            e["C"][gi][hi] += t
-            e["M"][gi][hi] += m
+            e["C"][gi][hi] += t * count
+            e["M"][gi][hi] += m * count
 
 
 def _output_edges(out: Node, roots, class_of, edges, edge_cache, ctx) -> None:
