@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from _runtime_helpers import make_optimizer, train
 from torch import nn
 
 import autopar
@@ -96,24 +97,8 @@ def build(name: str) -> tuple[nn.Module, object]:
     raise ValueError(name)
 
 
-def _loss(out: object) -> torch.Tensor:
-    return out if isinstance(out, torch.Tensor) else out["loss"]
-
-
-def _call(model: nn.Module, batch: object) -> object:
-    return model(*batch) if isinstance(batch, tuple) else model(**batch)
-
-
 def _train(model: nn.Module, batch: object, steps: int = 2) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = _loss(_call(model, batch))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train(model, batch, make_optimizer("sgd", model.parameters()), steps)
 
 
 ALL = ["mistral", "qwen2", "gpt_neox", "opt", "mixtral", "bert", "t5", "vit", "cnn"]
