@@ -12,21 +12,24 @@ tensors, costs, strategies) → ``solver`` (CP-SAT) → ``Plan`` → lowering to
 """
 
 from autopar import layouts
+from autopar.api import parallelize, plan
 from autopar.capture import CaptureError, capture
 from autopar.cluster import Cluster, DeviceSpec, Link
+from autopar.config import PlanConfig
 from autopar.ir import explain
+from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
-from autopar.plan import Plan
-from autopar.planner import plan
-from autopar.runtime.module import parallelize
+from autopar.planfile import Plan
 
 __all__ = [
     "CaptureError",
     "Cluster",
     "DeviceSpec",
     "Link",
+    "Mesh",
     "Partial",
     "Plan",
+    "PlanConfig",
     "Replicate",
     "Shard",
     "capture",

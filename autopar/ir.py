@@ -15,17 +15,38 @@ table; ``print(plan)`` the third; ``ParallelModule.code`` the fourth):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
 
 from autopar.placement import Spec
 
-__all__ = ["COST", "STRATEGIES", "TENSOR", "NodeCost", "NodeStrategies", "Strategy", "TensorInfo"]
+__all__ = ["COST", "STRATEGIES", "TENSOR", "NodeCost", "NodeStrategies", "Rewrite", "Strategy", "TensorInfo"]
 
 TENSOR = "autopar.tensor"
 COST = "autopar.cost"
 STRATEGIES = "autopar.strategies"
+
+
+class Rewrite(str, enum.Enum):
+    """How the local op differs from the global one along a mesh axis (the lowering maps each
+    member to its local op in one table, ``autopar.passes.lower.LOCAL_OPS``)."""
+
+    NONE = ""
+    MEAN_PARTIAL = "mean_partial"
+    """A mean over a sharded dimension: the local mean divided by the shard count (``Partial``)."""
+    VOCAB_PARALLEL_EMBEDDING = "vocab_parallel_embedding"
+    """Embedding with the table split by rows: ids outside the shard give zeros (``Partial``)."""
+    LOSS_ROWS = "loss_rows"
+    """Cross-entropy over this device's rows, divided by the global count of counted rows."""
+    LOSS_CLASSES = "loss_classes"
+    """Vocabulary-parallel cross-entropy: max, sum of exp and target logit all-reduced."""
+    SPLIT_LOCAL = "split_local"
+    """An equal split of a block-sharded dimension: each part comes out plainly sharded."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +89,8 @@ class Strategy:
 
     inputs: tuple[Spec | None, ...]
     outputs: tuple[Spec, ...]
-    rewrites: tuple[str, ...] = ()
-    """Per mesh axis: the lowering rewrite the axis needs ("" for none)."""
+    rewrites: tuple[Rewrite, ...] = ()
+    """Per mesh axis: the lowering rewrite the axis needs (``Rewrite.NONE`` for none)."""
     comms: tuple[str, ...] = ()
     """Per mesh axis: collectives inside the op ("" for none)."""
     split: tuple[bool, ...] = ()
@@ -81,6 +102,9 @@ class Strategy:
     """Seconds of collectives inside the op (forward + backward)."""
     memory: float = field(default=0.0, compare=False)
     """Bytes one device holds for this node: saved activations, or parameter training state."""
+    zero_stage: int = 0
+    """For a trainable parameter stored sharded: how users that need it whole gather it (ZeRO
+    stage 1, 2 or 3, ``autopar.cost.memory``); 0 for every other node."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,18 +31,24 @@ from torch.fx import Node
 
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
+from autopar.config import PlanConfig
+from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs
 from autopar.ir import TENSOR, Strategy
 from autopar.passes import PassContext, run_passes
-from autopar.passes.annotate import annotate_tensors, op_name
+from autopar.passes.annotate import annotate_tensors
 from autopar.placement import Partial, Replicate, Shard
-from autopar.plan import Plan
+from autopar.planfile import Plan
 from autopar.planner import plan_captured
-from autopar.rules import tensor_inputs
 
 __all__ = ["megatron", "megatron_weight_roles"]
 
 _MATMUL = {"linear", "addmm", "mm", "matmul"}
-_NORM = {"layer_norm", "rms_norm", "native_layer_norm", "group_norm", "batch_norm", "rsqrt"}
+"""The 2-D matmuls a weight enters as a plain matrix (bmm/baddbmm take batched weights)."""
+
+
+def _is_norm(node: Node) -> bool:
+    """A normalization on the path: layer/RMS/group/batch norm, or an RMSNorm written out (rsqrt)."""
+    return op_family(node) in (OpFamily.NORM, OpFamily.BATCH_NORM) or op_name(node) == "rsqrt"
 
 
 def _weight_of(node: Node) -> tuple[Node | None, Node | None, int, int]:
@@ -79,7 +85,7 @@ def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:
             ups |= u
             norm |= nm
         name = op_name(n)
-        if name in _NORM:
+        if _is_norm(n):
             norm = True
         w, b, out_d, in_d = _weight_of(n) if name in _MATMUL else (None, None, 0, 0)
         if w is not None:
@@ -115,14 +121,16 @@ def megatron(
     dp: int | None = None,
     sequence_parallel: bool = False,
     *,
-    memory_budget: float | None = None,
+    config: PlanConfig | None = None,
     captured: Captured | None = None,
-    time_limit: float = 60.0,
+    **options: Any,
 ) -> Plan:
     """The Megatron-LM layout with tensor-parallel size ``tp`` and data-parallel size ``dp``.
 
     ``dp`` defaults to ``world_size / tp``. The mesh is ``(dp, tp)`` (``(tp,)`` when ``dp == 1``),
-    the tensor axis innermost so it stays inside a node.
+    the tensor axis innermost so it stays inside a node. ``config`` (or its fields as keyword
+    ``options``, e.g. ``memory_budget``) holds the other planning options; the layout sets the
+    mesh and fixes the weights.
     """
     world = cluster.world_size
     if dp is None:
@@ -131,8 +139,9 @@ def megatron(
         dp = world // tp
     if dp * tp != world:
         raise ValueError(f"tp({tp}) × dp({dp}) = {tp * dp} ≠ world size {world}")
+    config = PlanConfig.build(config, **options)
     cap = captured if captured is not None else capture(model, example_inputs)
-    ctx = PassContext(captured=cap, cluster=cluster)
+    ctx = PassContext(captured=cap, cluster=cluster, config=config)
     run_passes(cap.gm, ctx, [annotate_tensors])
     roles = megatron_weight_roles(cap.gm.graph)
     mesh = (dp, tp) if dp > 1 else (tp,)
@@ -163,9 +172,7 @@ def megatron(
                     return False
                 if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
                     return False
-        is_norm = op_name(node) in ("layer_norm", "rms_norm", "native_layer_norm") or (
-            op_name(node) == "mean" and _is_rms_mean(node)
-        )
+        is_norm = op_family(node) is OpFamily.NORM or (op_name(node) == "mean" and _is_rms_mean(node))
         if not is_norm and node not in residual:
             return True
         p = s.outputs[0][t_axis]
@@ -177,13 +184,9 @@ def megatron(
     return plan_captured(
         cap,
         cluster,
-        memory_budget=memory_budget,
-        mesh_shape=mesh,
-        fixed=fixed,
+        config.with_fixed(fixed).replace(mesh_shape=mesh),
         node_constraint=megatron_execution,
-        time_limit=time_limit,
         layout=name,
-        mixed_precision=any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()),
     )
 
 
@@ -195,17 +198,6 @@ def residual_adds(graph: torch.fx.Graph, roles: dict[str, str]) -> set[Node]:
     reduce-scatters), so the residual stream is replicated (sequence-split) on the tensor axis.
     """
     out: set[Node] = set()
-    passthrough = {
-        "view",
-        "reshape",
-        "_unsafe_view",
-        "to",
-        "_to_copy",
-        "dropout",
-        "clone",
-        "contiguous",
-        "alias",
-    }
     for n in graph.nodes:
         if n.op != "call_function" or op_name(n) not in _MATMUL:
             continue
@@ -220,7 +212,7 @@ def residual_adds(graph: torch.fx.Graph, roles: dict[str, str]) -> set[Node]:
             if op_name(u) == "add":
                 out.add(u)
                 break
-            if op_name(u) not in passthrough:
+            if not op_info(u).identity_like:
                 break
             v = u
     return out

@@ -1,15 +1,17 @@
-"""``autopar.plan``: model + example batch + cluster -> Plan.
+"""The planner: a driver over a list of passes (data) that turns a captured model into a Plan.
 
-The pipeline (each stage inspectable, see ``autopar.ir``):
+Pipeline (each stage inspectable, see ``autopar.ir``):
 
-1. ``capture`` the model with ``torch.export`` (once);
-2. ``annotate_tensors`` and ``annotate_cost`` (once: costs of the unsharded ops);
-3. for each candidate mesh shape: ``annotate_strategies`` then ``solve`` (CP-SAT);
-4. keep the mesh with the smallest predicted step time and write the Plan.
+1. ``GRAPH_PASSES`` once: tensor facts and single-device costs (``annotate_tensors``,
+   ``annotate_cost``);
+2. for each candidate mesh, ``MESH_PASSES``: the strategies of every node on that mesh
+   (``annotate_strategies``), a layout's restrictions where one is given, and the solver's input
+   (``formulate``), then ``autopar.solver.solve``;
+3. keep the mesh with the smallest predicted step time and write the Plan.
 
-Candidate meshes for N devices (when ``mesh_shape`` is not given): the 1-D mesh ``(N,)`` and every
-``(N/t, t)`` with ``t`` dividing the devices of a node, so the inner (tensor-parallel) axis stays
-on NVLink.
+Any pass can be turned off by name (``PlanConfig.disable``). Candidate meshes for N devices (when
+``config.mesh_shape`` is not given): the 1-D mesh ``(N,)`` and every ``(N/t, t)`` with ``t``
+dividing the devices of a node, so the inner (tensor-parallel) axis stays on NVLink.
 
 Determinism: CP-SAT runs with a fixed seed and one worker, so every rank computing the plan gets
 the same one; ``autopar.parallelize`` nevertheless plans on rank 0 and broadcasts the JSON.
@@ -17,7 +19,6 @@ the same one; ``autopar.parallelize`` nevertheless plans on rank 0 and broadcast
 
 from __future__ import annotations
 
-import difflib
 import math
 import multiprocessing as mp
 import os
@@ -25,27 +26,37 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 from torch.fx import Node
 
-from autopar.capture import Captured, capture
+from autopar.capture import Captured
 from autopar.cluster import Cluster
-from autopar.ir import STRATEGIES, TENSOR, Strategy
-from autopar.passes import PassContext, run_passes
-from autopar.passes.annotate import annotate_cost, annotate_tensors, op_name
-from autopar.passes.strategies import annotate_strategies
-from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec
-from autopar.plan import NodePlan, Plan, Predicted, ReshardPlan
-from autopar.reshard import bucketed_grad_sync, edge_cost, reshard_steps, step_cost
-from autopar.rules import tensor_inputs, zero_stage_of
+from autopar.config import PlanConfig
+from autopar.cost.reshard import edge_cost, step_cost
+from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
+from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
+from autopar.mesh import Mesh
+from autopar.passes import Pass, PassContext, run_passes
+from autopar.passes.annotate import annotate_cost, annotate_tensors
+from autopar.passes.formulate import STRATEGY_GRAPH, formulate, parse_fixed
+from autopar.passes.strategies import annotate_strategies, getitem_strategies, unruled_ops, with_follow
+from autopar.placement import Replicate, Shard, format_spec, local_shape
+from autopar.planfile import NodePlan, Plan, Predicted, ReshardPlan
+from autopar.reshard import StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
+from autopar.solver import InfeasibleError, SolverConfig, solve
 
-__all__ = ["candidate_meshes", "plan", "plan_captured"]
+__all__ = ["GRAPH_PASSES", "MESH_PASSES", "candidate_meshes", "constrain_strategies", "plan_captured"]
 
 NodeConstraint = Callable[[Node, Strategy], bool]
+
+GRAPH_PASSES: tuple[Pass, ...] = (annotate_tensors, annotate_cost)
+"""Passes run once per captured graph."""
+MESH_PASSES: tuple[Pass, ...] = (annotate_strategies, formulate)
+"""Passes run for each candidate mesh, before the solver."""
 
 
 def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
@@ -57,122 +68,103 @@ def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
     return out
 
 
-def plan(
-    model: nn.Module,
-    example_inputs: Any,
-    cluster: Cluster,
-    memory_budget: float | None = None,
-    mesh_shape: Sequence[int] | None = None,
-    fixed: dict[str, Sequence[str] | str] | None = None,
-    *,
-    optimizer: str = "adamw",
-    mixed_precision: bool | None = None,
-    zero_stage: int | None = None,
-    time_limit: float = 60.0,
-) -> Plan:
-    """Plan ``model`` on ``cluster``; ``example_inputs`` is one global batch.
+def detect_mixed_precision(cap: Captured) -> bool:
+    """True when the model's parameters are bf16/fp16 (an fp32 master copy is then counted)."""
+    for n in cap.graph.nodes:
+        if n.op == "placeholder" and n.name in cap.params:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype in (torch.float16, torch.bfloat16):
+                return True
+    return False
 
-    ``memory_budget``: bytes per device (default: the device's memory). ``mesh_shape``: fix the
-    mesh instead of trying the candidates. ``fixed``: ``{name: spec}`` for parameters (their
-    ``named_parameters`` names) or user inputs (``"input_ids"``, ``"args[0]"``: how a data loader
-    shards the batch), e.g. ``{"lm_head.weight": ("S(0)",)}``, honored exactly. ``zero_stage``:
-    how parameters stored sharded behave where they are gathered (1, 2 or 3, see
-    ``autopar.cost.memory``); by default the solver picks stage 2 or 3 per parameter.
+
+def constrain_strategies(pred: NodeConstraint) -> Pass:
+    """A pass that drops the strategies ``pred`` forbids (a layout's rules, e.g. Megatron's norms
+    replicated on the tensor axis).
+
+    Leaders keep the strategies ``pred`` accepts (tied nodes keep sharing one tuple, so repeated
+    layers stay tied); followers are re-derived against their leader's remaining strategies.
     """
-    cap = capture(model, example_inputs)
-    if mixed_precision is None:
-        mixed_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
-    return plan_captured(
-        cap,
-        cluster,
-        memory_budget=memory_budget,
-        mesh_shape=mesh_shape,
-        fixed=fixed,
-        optimizer=optimizer,
-        mixed_precision=mixed_precision,
-        zero_stage=zero_stage,
-        time_limit=time_limit,
-    )
 
+    def constrain_strategies(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+        memo: dict[tuple[int, str], tuple[Strategy, ...]] = {}
+        for n in gm.graph.nodes:
+            ns = n.meta.get(STRATEGIES)
+            if ns is None:
+                continue
+            if ns.follows and op_name(n) == "getitem":
+                n.meta[STRATEGIES] = getitem_strategies(n)
+                continue
+            key = (id(ns.strategies), op_name(n))
+            if key not in memo:
+                memo[key] = tuple(s for s in ns.strategies if pred(n, s)) or ns.strategies
+            kept = memo[key]
+            if ns.follows:
+                n.meta[STRATEGIES] = with_follow(n, NodeStrategies(kept))
+            elif len(kept) != len(ns.strategies):
+                n.meta[STRATEGIES] = replace(ns, strategies=kept)
+        return gm
 
-def _parse_fixed(cap: Captured, fixed: dict[str, Sequence[str] | str] | None, n_axes: int) -> dict[str, Spec]:
-    if not fixed:
-        return {}
-    alias_to_first = {a: first for first, names in cap.param_aliases.items() for a in names}
-    known = set(cap.params.values()) | set(cap.inputs.values())
-    out = {}
-    for name, spec in fixed.items():
-        first = alias_to_first.get(name, name)
-        if first not in known:
-            close = difflib.get_close_matches(name, sorted(cap.params.values()), n=3)
-            raise ValueError(
-                f"fixed names {name!r}, which is neither a parameter nor an input of the model (inputs: "
-                f"{sorted(cap.inputs.values())}; similar parameters: {close})"
-            )
-        parsed = parse_spec(spec)
-        if len(parsed) != n_axes:
-            raise ValueError(
-                f"fixed spec for {name!r} has {len(parsed)} entries but the mesh has {n_axes} axes; give one "
-                f"placement per mesh axis"
-            )
-        out[first] = parsed
-    return out
+    return constrain_strategies
 
 
 def plan_captured(
     cap: Captured,
     cluster: Cluster,
+    config: PlanConfig | None = None,
     *,
-    memory_budget: float | None = None,
-    mesh_shape: Sequence[int] | None = None,
-    fixed: dict[str, Sequence[str] | str] | None = None,
     node_constraint: NodeConstraint | None = None,
-    optimizer: str = "adamw",
-    mixed_precision: bool = False,
-    zero_stage: int | None = None,
-    time_limit: float = 60.0,
     layout: str = "",
-    workers: int | None = None,
+    **options: Any,
 ) -> Plan:
-    """``plan`` on an already captured program (used by ``autopar.layouts`` and benchmarks).
+    """Plan an already captured program (``autopar.plan`` captures, then calls this).
 
-    ``workers``: candidate meshes solved side by side (default: up to 2, the cores CP-SAT's
-    single-worker solves can use here); ``1`` solves them one after another.
+    ``config`` (or its fields as keyword ``options``) holds every planning option.
+    ``node_constraint``: a layout's restriction on strategies (``autopar.layouts``).
     """
-    from autopar.solver import InfeasibleError, SolverConfig, solve
-
-    if workers is None:
-        workers = min(2, os.cpu_count() or 1)
-
+    config = PlanConfig.build(config, **options)
+    workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
-    budget = float(memory_budget if memory_budget is not None else cluster.device.memory)
-    if zero_stage not in (None, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2, 3 or None (solver's choice), got {zero_stage!r}")
-    if budget <= 0:
-        raise ValueError(f"memory_budget must be positive, got {budget}")
-    if mesh_shape is not None:
-        meshes = [tuple(int(x) for x in mesh_shape)]
-        cluster.validate_mesh(meshes[0])
+    budget = float(config.memory_budget if config.memory_budget is not None else cluster.device.memory)
+    if config.mesh_shape is not None:
+        cluster.validate_mesh(config.mesh_shape)
+        meshes = [config.mesh_shape]
     else:
         meshes = candidate_meshes(cluster)
-    ctx = PassContext(captured=cap, cluster=cluster, optimizer=optimizer, mixed_precision=mixed_precision)
-    gm = run_passes(cap.gm, ctx, [annotate_tensors, annotate_cost])
-    zero_stages = (2, 3) if zero_stage is None else (zero_stage,)
+    mixed = config.mixed_precision if config.mixed_precision is not None else detect_mixed_precision(cap)
+    ctx = PassContext(captured=cap, cluster=cluster, config=config, mixed_precision=mixed)
+    gm = run_passes(cap.gm, ctx, GRAPH_PASSES)
     for mesh in meshes:  # bad `fixed` entries are reported here, before any solve
-        _parse_fixed(cap, fixed, len(mesh))
+        parse_fixed(cap, config, len(mesh))
+    unruled = unruled_ops(gm)
+    if unruled:  # once per plan, in the caller's process (not in a forked solve)
+        warnings.warn(
+            f"autopar: no sharding rule for {', '.join(unruled)}; these ops run replicated (correct, possibly slower)",
+            stacklevel=_user_stacklevel(),
+        )
+    mesh_passes = list(MESH_PASSES)
+    if node_constraint is not None:
+        mesh_passes.insert(1, constrain_strategies(node_constraint))
+
+    def annotate(mesh: tuple[int, ...]) -> PassContext:
+        mctx = PassContext(
+            captured=cap, cluster=cluster, config=config, mesh=Mesh(mesh, cluster), mixed_precision=mixed
+        )
+        run_passes(gm, mctx, mesh_passes)
+        return mctx
 
     def attempt(mesh: tuple[int, ...]) -> tuple[float, Any]:
         """Annotate strategies for ``mesh`` and solve; the Solution or the InfeasibleError."""
         t0 = time.perf_counter()
-        mctx = annotate_for_mesh(
-            gm, cap, cluster, mesh, optimizer, mixed_precision, zero_stages, node_constraint
-        )
+        annotate(mesh)
         t_strat = time.perf_counter() - t0
-        fixed_specs = _parse_fixed(cap, fixed, len(mesh))
         try:
-            return t_strat, solve(
-                gm, mctx, memory_budget=budget, fixed=fixed_specs, config=SolverConfig(time_limit=time_limit)
+            sol = solve(
+                gm.meta[STRATEGY_GRAPH],
+                memory_budget=budget,
+                config=SolverConfig(time_limit=config.time_limit),
             )
+            return t_strat, sol
         except InfeasibleError as e:
             return t_strat, e
 
@@ -208,19 +200,15 @@ def plan_captured(
         )
     mesh, sol = best
     if len(meshes) > 1:
-        with warnings.catch_warnings():  # already warned for this graph
-            warnings.simplefilter("ignore")
-            annotate_for_mesh(
-                gm, cap, cluster, mesh, optimizer, mixed_precision, zero_stages, node_constraint
-            )
-    p = _build_plan(gm, cap, cluster, mesh, sol)
+        annotate(mesh)
+    p = _build_plan(gm, cap, Mesh(mesh, cluster), sol)
     p.info.update(
         {
             "meshes_tried": tried,
             "planning_time": time.perf_counter() - t_start,
             "pass_timings": dict(ctx.timings),
             "cluster_desc": cluster.describe(),
-            "unruled_ops": gm.meta.get("autopar.unruled_ops", []),
+            "unruled_ops": unruled,
             "memory_budget": budget,
         }
     )
@@ -229,30 +217,27 @@ def plan_captured(
     return p
 
 
-def annotate_for_mesh(
-    gm: torch.fx.GraphModule,
-    cap: Captured,
-    cluster: Cluster,
-    mesh: tuple[int, ...],
-    optimizer: str,
-    mixed_precision: bool,
-    zero_stages: tuple[int, ...],
-    node_constraint: NodeConstraint | None,
-) -> PassContext:
-    """Annotate ``gm`` with ``mesh``'s strategies (deterministic, so a solution's indices apply to
-    any re-annotation) and drop those ``node_constraint`` forbids; the mesh's pass context."""
-    mctx = PassContext(
-        captured=cap,
-        cluster=cluster,
-        mesh_shape=mesh,
-        optimizer=optimizer,
-        mixed_precision=mixed_precision,
-        zero_stages=zero_stages,
-    )
-    run_passes(gm, mctx, [annotate_strategies])
-    if node_constraint is not None:
-        _apply_node_constraint(gm, node_constraint)
-    return mctx
+def _user_stacklevel() -> int:
+    """Stack level of the first frame outside autopar and torch, so a warning points at the user's
+    call (``autopar.plan``, ``layouts.megatron``, ``parallelize`` or a script of theirs)."""
+    import inspect
+
+    import autopar.cost.comm
+    import autopar.graph
+    import autopar.passes
+    import autopar.runtime.compat
+
+    roots = {
+        os.path.dirname(os.path.abspath(m.__file__))
+        for m in (autopar.graph, autopar.cost.comm, autopar.passes, autopar.runtime.compat)
+    }
+    level = 1
+    for frame in inspect.stack()[1:]:
+        level += 1
+        path = os.path.abspath(frame.filename)
+        if not any(path.startswith(r + os.sep) for r in roots) and "/torch/" not in path:
+            return level - 1
+    return 2
 
 
 def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int) -> list[tuple[float, Any]]:
@@ -311,52 +296,19 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
             for _, other, _ in running:
                 other.kill()
             raise payload
-        from autopar.solver import InfeasibleError
-
         results[i] = (t, InfeasibleError(payload) if status == "infeasible" else payload)
     return [results[i] for i in range(len(meshes))]
 
 
-def _apply_node_constraint(gm: torch.fx.GraphModule, pred: NodeConstraint) -> None:
-    """Drop strategies a layout forbids (e.g. Megatron: norms replicated on the tensor axis).
-
-    Leaders keep the strategies ``pred`` accepts (tied nodes keep sharing one tuple, so repeated
-    layers stay tied); followers are re-derived against their leader's remaining strategies.
-    """
-    from dataclasses import replace
-
-    from autopar.ir import NodeStrategies
-    from autopar.passes.strategies import _with_follow, getitem_strategies
-
-    memo: dict[tuple[int, str], tuple[Strategy, ...]] = {}
-    for n in gm.graph.nodes:
-        ns = n.meta.get(STRATEGIES)
-        if ns is None:
-            continue
-        if ns.follows and op_name(n) == "getitem":
-            n.meta[STRATEGIES] = getitem_strategies(n)
-            continue
-        key = (id(ns.strategies), op_name(n))
-        if key not in memo:
-            memo[key] = tuple(s for s in ns.strategies if pred(n, s)) or ns.strategies
-        kept = memo[key]
-        if ns.follows:
-            n.meta[STRATEGIES] = _with_follow(n, NodeStrategies(kept))
-        elif len(kept) != len(ns.strategies):
-            n.meta[STRATEGIES] = replace(ns, strategies=kept)
-
-
-def _axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
-    """Name each axis by what the matmuls do along it, weighted by their FLOPs: ``dp`` when they
-    split the batch, ``tp`` when they split the weights, ``sp`` when they split the sequence;
-    an axis where nothing is split is ``rep``."""
-    from autopar.cost.compute import MATMUL_OPS
-    from autopar.ir import COST
-
+def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
+    """Name each axis from the strategies the solver chose for the matmuls, weighted by their
+    FLOPs: ``tp`` when they split the weights, ``dp`` when they split the batch (dimension 0),
+    ``sp`` when they split another activation dimension; an axis where nothing is split is ``rep``.
+    Names repeated on several axes are numbered (``dp0``, ``dp1``)."""
     votes = [{"dp": 0.0, "tp": 0.0, "sp": 0.0} for _ in mesh]
     for n in gm.graph.nodes:
         ns = n.meta.get(STRATEGIES)
-        if ns is None or n.op != "call_function" or op_name(n) not in MATMUL_OPS:
+        if ns is None or op_family(n) is not OpFamily.MATMUL:
             continue
         s = ns.strategies[choice[n.name]]
         flops = n.meta[COST].fwd_flops if COST in n.meta else 1.0
@@ -382,9 +334,7 @@ def _axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[st
     return tuple(names)
 
 
-def _build_plan(
-    gm: torch.fx.GraphModule, cap: Captured, cluster: Cluster, mesh: tuple[int, ...], sol
-) -> Plan:
+def _build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) -> Plan:
     choice = sol.choice
     nodes: list[NodePlan] = []
     chosen: dict[Node, Strategy] = {}
@@ -405,17 +355,18 @@ def _build_plan(
                 inputs=tuple(None if sp is None else format_spec(sp) for sp in s.inputs),
                 input_names=tuple(i.name for i in tensor_inputs(n)),
                 outputs=tuple(format_spec(sp) for sp in s.outputs),
-                rewrites=s.rewrites,
+                rewrites=tuple(str(r) for r in s.rewrites),
                 comms=s.comms,
                 split=s.split,
                 shape=info.shape,
                 compute_time=s.compute_time,
                 comm_time=s.comm_time,
                 memory=s.memory,
+                zero_stage=s.zero_stage,
             )
         )
     reshards: list[ReshardPlan] = []
-    comm_bytes = [0.0] * len(mesh)
+    comm_bytes = [0.0] * mesh.ndim
     comm_time = sum(s.comm_time for s in chosen.values())
     for c, s in chosen.items():
         for j, i in enumerate(tensor_inputs(c)):
@@ -424,18 +375,15 @@ def _build_plan(
             src = chosen[i].outputs[0]  # multi-output ops are read through getitem, one output each
             dst = s.inputs[j]
             info = i.meta[TENSOR]
-            grad_axes = tuple(
-                a
-                for a in range(len(mesh))
-                if s.split[a] and isinstance(dst[a], Replicate) and info.requires_grad
-            )
+            grad_axes = grad_sync_axes(s.split, dst, info.requires_grad)
             if src == dst and not grad_axes:
                 continue
             val = i.meta["val"] if isinstance(i.meta["val"], torch.Tensor) else None
             if val is None:
                 continue
             shape, itemsize = tuple(val.shape), val.element_size()
-            steps = reshard_steps(shape, src, dst, mesh)
+            steps = reshard_steps(shape, src, dst, mesh.shape)
+            stage = chosen[i].zero_stage if info.kind == "param" and info.requires_grad else 0
             t = edge_cost(
                 shape,
                 itemsize,
@@ -444,22 +392,17 @@ def _build_plan(
                 s.split,
                 info.requires_grad,
                 mesh,
-                cluster,
                 bucketed_sync=bucketed_grad_sync(i),
-                zero_stage=zero_stage_of(chosen[i].rewrites)
-                if info.kind == "param" and info.requires_grad
-                else 0,
+                zero_stage=stage,
             )
-            per_axis = [0.0] * len(mesh)
+            per_axis = [0.0] * mesh.ndim
             for st in steps:
-                b = math.prod(st.out_shape if st.kind == "all_gather" else st.in_shape) * itemsize
-                if step_cost(st, itemsize, mesh, cluster) > 0:
+                b = math.prod(st.out_shape if st.kind == StepKind.ALL_GATHER else st.in_shape) * itemsize
+                if step_cost(st, itemsize, mesh) > 0:
                     per_axis[st.axis] += b
             for a in grad_axes:
-                from autopar.placement import local_shape
-
-                per_axis[a] += math.prod(local_shape(shape, dst, mesh)) * itemsize
-            for a in range(len(mesh)):
+                per_axis[a] += math.prod(local_shape(shape, dst, mesh.shape)) * itemsize
+            for a in range(mesh.ndim):
                 comm_bytes[a] += per_axis[a]
             comm_time += t
             reshards.append(
@@ -483,10 +426,9 @@ def _build_plan(
             params[info.fqn] = format_spec(s.outputs[0])
         elif info.kind == "input":
             inputs[info.fqn] = format_spec(s.outputs[0])
-    mesh_axes = _axis_names(mesh, gm, choice)
     return Plan(
-        mesh_shape=tuple(mesh),
-        mesh_axes=mesh_axes,
+        mesh_shape=mesh.shape,
+        mesh_axes=axis_names(mesh.shape, gm, choice),
         nodes=nodes,
         params=params,
         param_aliases={k: list(v) for k, v in cap.param_aliases.items() if k in params},
@@ -500,16 +442,16 @@ def _build_plan(
             comm_bytes_per_axis=tuple(comm_bytes),
             optimal=sol.optimal,
         ),
-        cluster=cluster.to_dict(),
+        cluster=mesh.cluster.to_dict(),
         fingerprint=cap.fingerprint,
         info={"solver": {"objective": sol.objective, "solve_time": sol.solve_time, **sol.stats}},
     )
 
 
-def _step_str(st) -> str:
-    if st.kind in ("all_reduce", "to_partial"):
+def _step_str(st: Any) -> str:
+    if st.kind in (StepKind.ALL_REDUCE, StepKind.TO_PARTIAL):
         return f"{st.kind}(axis={st.axis})"
-    if st.kind == "all_to_all":
+    if st.kind == StepKind.ALL_TO_ALL:
         return f"all_to_all(axis={st.axis}, {st.dim}->{st.dim2})"
     b = f"x{st.blocks}" if st.blocks > 1 else ""
     return f"{st.kind}(axis={st.axis}, dim={st.dim}{b})"

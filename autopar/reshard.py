@@ -23,36 +23,41 @@ into one reduce-scatter in backward (Megatron-LM's sequence parallelism, arXiv 2
 
 from __future__ import annotations
 
-import math
+import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch.fx import Node
 
-from autopar.cluster import Cluster
-from autopar.cost.comm import all_gather_cost, all_reduce_cost, all_to_all_cost, reduce_scatter_cost
+from autopar.graph import tensor_inputs
 from autopar.ir import TENSOR
 from autopar.placement import Partial, Replicate, Shard, Spec, local_shape
-from autopar.rules import tensor_inputs
 
-__all__ = [
-    "ReshardStep",
-    "bucketed_grad_sync",
-    "edge_cost",
-    "kept_gather_bytes",
-    "reshard_cost",
-    "reshard_steps",
-]
+__all__ = ["ReshardStep", "StepKind", "bucketed_grad_sync", "grad_sync_axes", "reshard_steps"]
 
 R = Replicate()
+
+
+class StepKind(str, enum.Enum):
+    """One collective (or local op) of a reshard. Its cost is ``autopar.cost.reshard``'s, its
+    differentiable op ``autopar.runtime.collectives.STEP_OPS``'s: one table each."""
+
+    ALL_GATHER = "all_gather"
+    SLICE = "slice"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    TO_PARTIAL = "to_partial"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
 class ReshardStep:
     """One collective (or local op) on one mesh axis."""
 
-    kind: str
-    """``all_gather``, ``slice``, ``all_reduce``, ``reduce_scatter``, ``all_to_all`` or ``to_partial``."""
+    kind: StepKind
     axis: int
     dim: int = -1
     """Tensor dimension gathered / sliced / scattered (for all_to_all: the dimension gathered)."""
@@ -77,7 +82,7 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
     cur = list(src)
     steps: list[ReshardStep] = []
 
-    def emit(kind: str, axis: int, new: object, **kw: int) -> None:
+    def emit(kind: StepKind, axis: int, new: object, **kw: int) -> None:
         before = _local(shape, cur, mesh_shape)
         cur[axis] = new
         steps.append(ReshardStep(kind, axis, in_shape=before, out_shape=_local(shape, cur, mesh_shape), **kw))
@@ -89,7 +94,7 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
         for b in range(n_axes - 1, axis, -1):
             if shards_dim(cur[b], d):
                 p = cur[b]
-                emit("all_gather", b, R, dim=p.dim, blocks=p.blocks)
+                emit(StepKind.ALL_GATHER, b, R, dim=p.dim, blocks=p.blocks)
 
     # Phase 1: leave placements that must change, innermost axis first.
     for a in range(n_axes - 1, -1, -1):
@@ -105,9 +110,9 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
                 and q.blocks == 1
                 and not any(shards_dim(cur[b], q.dim) or shards_dim(dst[b], q.dim) for b in others)
             ):
-                emit("reduce_scatter", a, q, dim=q.dim)
+                emit(StepKind.REDUCE_SCATTER, a, q, dim=q.dim)
             else:
-                emit("all_reduce", a, R)
+                emit(StepKind.ALL_REDUCE, a, R)
         elif isinstance(p, Shard):
             gather_inner(a, p.dim)
             others = [b for b in range(n_axes) if b != a]
@@ -120,9 +125,9 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
                     shards_dim(cur[b], d) or shards_dim(dst[b], d) for b in others for d in (p.dim, q.dim)
                 )
             ):
-                emit("all_to_all", a, q, dim=p.dim, dim2=q.dim)
+                emit(StepKind.ALL_TO_ALL, a, q, dim=p.dim, dim2=q.dim)
             else:
-                emit("all_gather", a, R, dim=p.dim, blocks=p.blocks)
+                emit(StepKind.ALL_GATHER, a, R, dim=p.dim, blocks=p.blocks)
     # Phase 2: enter target placements from Replicate, outermost axis first.
     for a in range(n_axes):
         if cur[a] == dst[a]:
@@ -130,54 +135,10 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
         q = dst[a]
         assert isinstance(cur[a], Replicate), (src, dst, cur)
         if isinstance(q, Shard):
-            emit("slice", a, q, dim=q.dim, blocks=q.blocks)
+            emit(StepKind.SLICE, a, q, dim=q.dim, blocks=q.blocks)
         else:
-            emit("to_partial", a, q)
+            emit(StepKind.TO_PARTIAL, a, q)
     return steps
-
-
-def _bytes(shape: Sequence[int], itemsize: int) -> float:
-    return float(math.prod(shape)) * itemsize
-
-
-def step_cost(step: ReshardStep, itemsize: int, mesh_shape: Sequence[int], cluster: Cluster) -> float:
-    """Forward seconds of one step."""
-    n = mesh_shape[step.axis]
-    link = cluster.axis_link(tuple(mesh_shape), step.axis)
-    if step.kind == "all_gather":
-        return all_gather_cost(_bytes(step.out_shape, itemsize), n, link)
-    if step.kind == "all_reduce":
-        return all_reduce_cost(_bytes(step.in_shape, itemsize), n, link)
-    if step.kind == "reduce_scatter":
-        return reduce_scatter_cost(_bytes(step.in_shape, itemsize), n, link)
-    if step.kind == "all_to_all":
-        return all_to_all_cost(_bytes(step.in_shape, itemsize), n, link)
-    return 0.0
-
-
-def step_backward_cost(
-    step: ReshardStep, itemsize: int, mesh_shape: Sequence[int], cluster: Cluster, fused_sync: bool
-) -> float:
-    """Backward seconds of the step's conjugate (``fused_sync``: an all-gather whose gradient
-    arrives partial becomes a reduce-scatter)."""
-    n = mesh_shape[step.axis]
-    link = cluster.axis_link(tuple(mesh_shape), step.axis)
-    if step.kind == "all_gather":
-        return reduce_scatter_cost(_bytes(step.out_shape, itemsize), n, link) if fused_sync else 0.0
-    if step.kind in ("slice", "reduce_scatter"):
-        return all_gather_cost(_bytes(step.in_shape, itemsize), n, link)
-    if step.kind == "all_to_all":
-        return all_to_all_cost(_bytes(step.out_shape, itemsize), n, link)
-    return 0.0
-
-
-def reshard_cost(
-    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh_shape: Sequence[int], cluster: Cluster
-) -> float:
-    """Forward seconds to reshard (no backward)."""
-    return sum(
-        step_cost(s, itemsize, mesh_shape, cluster) for s in reshard_steps(shape, src, dst, mesh_shape)
-    )
 
 
 def bucketed_grad_sync(node: Node) -> bool:
@@ -204,67 +165,10 @@ def bucketed_grad_sync(node: Node) -> bool:
         node = grads[0]
 
 
-def edge_cost(
-    shape: Sequence[int],
-    itemsize: int,
-    src: Spec,
-    dst: Spec,
-    consumer_split: Sequence[bool],
-    requires_grad: bool,
-    mesh_shape: Sequence[int],
-    cluster: Cluster,
-    bucketed_sync: bool = False,
-    zero_stage: int = 0,
-) -> float:
-    """Forward + backward seconds of a producer→consumer edge, gradient synchronization included.
-
-    ``zero_stage`` (1, 2, 3; 0 for values that are not parameters): how a parameter stored sharded
-    behaves where it is gathered (Rajbhandari et al., arXiv 1910.02054 §5): stage 3 frees the
-    gathered copy after use and gathers again for backward (all-gathers paid twice); stage 2 keeps
-    it, its gradient reduce-scattered; stage 1 keeps it and all-reduces the full gradient.
-
-    ``bucketed_sync``: the gradient all-reduce is bucketed with others (parameters' gradients,
-    as PyTorch DDP does, Li et al., VLDB 2020), so it pays bandwidth but no per-tensor latency.
-
-    Returns ``inf`` when the edge cannot be realized (a replicated value cannot feed a consumer
-    that wants it ``Partial`` on an axis where the consumer splits work — it is allowed and free
-    otherwise).
-    """
-    steps = reshard_steps(shape, src, dst, mesh_shape)
-    fwd = sum(step_cost(s, itemsize, mesh_shape, cluster) for s in steps)
+def grad_sync_axes(split: Sequence[bool], dst: Spec, requires_grad: bool = True) -> tuple[int, ...]:
+    """Axes where a consumer's gradient for an input arriving as ``dst`` is partial: the consumer
+    splits its work there (``split``) while reading the input whole (``Replicate``), so the
+    gradient must be all-reduced (Megatron-LM's ``f``)."""
     if not requires_grad:
-        return fwd
-    bwd = 0.0
-    last_on_axis = {s.axis: s for s in steps}
-    fusable = zero_stage != 1
-    for s in steps:
-        fused = fusable and s is last_on_axis[s.axis] and s.kind == "all_gather" and consumer_split[s.axis]
-        bwd += step_backward_cost(s, itemsize, mesh_shape, cluster, fused)
-        if zero_stage == 3 and s.kind == "all_gather":
-            bwd += step_cost(s, itemsize, mesh_shape, cluster)
-    local = local_shape(shape, dst, mesh_shape)
-    for a, split in enumerate(consumer_split):
-        if split and isinstance(dst[a], Replicate):
-            last = last_on_axis.get(a)
-            if fusable and last is not None and last.kind == "all_gather":
-                continue  # fused into the all-gather's backward reduce-scatter
-            link = cluster.axis_link(tuple(mesh_shape), a)
-            if bucketed_sync:
-                link = replace(
-                    link, latency=0.0, measured=tuple((c, m, 0.0, b) for c, m, _, b in link.measured)
-                )
-            bwd += all_reduce_cost(_bytes(local, itemsize), mesh_shape[a], link)
-    return fwd + bwd
-
-
-def kept_gather_bytes(
-    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh_shape: Sequence[int], zero_stage: int
-) -> float:
-    """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) holds
-    from forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered."""
-    if zero_stage not in (1, 2):
-        return 0.0
-    if not any(s.kind == "all_gather" for s in reshard_steps(shape, src, dst, mesh_shape)):
-        return 0.0
-    full = _bytes(local_shape(shape, dst, mesh_shape), itemsize)
-    return full * (2 if zero_stage == 1 else 1)
+        return ()
+    return tuple(a for a, (sp, p) in enumerate(zip(split, dst)) if sp and isinstance(p, Replicate))

@@ -17,9 +17,24 @@ shaped) uses ``α + β·S`` from the measurement instead of the formula.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.cluster import Link
 
-__all__ = ["all_gather_cost", "all_reduce_cost", "all_to_all_cost", "p2p_cost", "reduce_scatter_cost"]
+__all__ = [
+    "all_gather_cost",
+    "all_reduce_cost",
+    "all_to_all_cost",
+    "bandwidth_only",
+    "p2p_cost",
+    "reduce_scatter_cost",
+]
+
+
+def bandwidth_only(link: Link) -> Link:
+    """``link`` with no per-message latency (measured α zeroed too): the share of a collective
+    fused into a larger one (a gradient bucket) pays bandwidth only."""
+    return replace(link, latency=0.0, measured=tuple((c, m, 0.0, b) for c, m, _, b in link.measured))
 
 
 def all_reduce_cost(nbytes: float, n: int, link: Link) -> float:

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 from autopar.cluster import DeviceSpec
+from autopar.graph import OpFamily, op_info
 
 __all__ = ["BACKWARD_FLOP_RATIO", "op_flops", "roofline_time"]
 
@@ -31,18 +32,6 @@ def roofline_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str = 
     return max(compute, memory)
 
 
-MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
-ATTENTION_OPS = frozenset(
-    {
-        "scaled_dot_product_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-    }
-)
-CONV_OPS = frozenset({"convolution", "conv1d", "conv2d", "conv3d"})
-
-
 def op_flops(
     op: str, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int], groups: int = 1
 ) -> tuple[float, str]:
@@ -51,18 +40,19 @@ def op_flops(
     ``in_shapes`` lists the op's tensor arguments in call order.
     """
     out_numel = float(math.prod(out_shape)) if out_shape else 1.0
-    if op in MATMUL_OPS:
+    family = op_info(op).family
+    if family is OpFamily.MATMUL:
         if op in ("addmm", "baddbmm"):
             a = in_shapes[1]
         else:
             a = in_shapes[0]
         k = a[-1] if a else 1
         return 2.0 * out_numel * k, "matmul"
-    if op in ATTENTION_OPS:
+    if family is OpFamily.ATTENTION:
         q, k = in_shapes[0], in_shapes[1]
         batch = math.prod(q[:-2])
         return 4.0 * batch * q[-2] * k[-2] * q[-1], "attention"
-    if op in CONV_OPS and len(in_shapes) > 1:
+    if family is OpFamily.CONV and len(in_shapes) > 1:
         w = in_shapes[1]
         return 2.0 * out_numel * math.prod(w[1:]), "matmul"
     return out_numel, "other"

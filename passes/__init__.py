@@ -6,7 +6,11 @@ and logs the op-count difference before/after, like torchtitan's graph trainer. 
 turned off by name (``disable=("annotate_cost",)``) since the pipeline is data.
 
 The context (``PassContext``) carries what a pass may need beyond the graph: the cluster, the
-mesh shape, and the captured program's placeholder roles. It is passed explicitly, never global.
+mesh, the planning options (``PlanConfig``) and the captured program's placeholder roles. It is
+passed explicitly, never global.
+
+Planning passes (``annotate``, ``strategies``, ``formulate``) write records the solver reads;
+rank-program passes (``lower`` and those after it) build and rewrite this rank's program.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import torch
 
 from autopar.capture import Captured
 from autopar.cluster import Cluster
+from autopar.config import PlanConfig
+from autopar.mesh import Mesh
 
-__all__ = ["Pass", "PassContext", "run_passes"]
+__all__ = ["Pass", "PassContext", "run_passes", "zero_stages"]
 
 log = logging.getLogger("autopar.passes")
 
@@ -35,18 +41,12 @@ class PassContext:
     """The captured program (placeholder roles, parameter names)."""
     cluster: Cluster
     """Devices and links the costs are computed for."""
-    mesh_shape: tuple[int, ...] = (1,)
-    """The device mesh strategies are enumerated for."""
-    optimizer: str = "adamw"
-    """Optimizer whose state is counted in parameter memory (``autopar.cost.memory``)."""
+    config: PlanConfig = field(default_factory=PlanConfig)
+    """The planning options."""
+    mesh: Mesh | None = None
+    """The device mesh strategies are enumerated for (None before a mesh is chosen)."""
     mixed_precision: bool = False
-    """Count an fp32 master copy of each parameter (ZeRO's 16 bytes/parameter accounting)."""
-    zero_stages: tuple[int, ...] = (2, 3)
-    """ZeRO stages a sharded parameter may run with where it is gathered (``autopar.cost.memory``);
-    the solver picks per parameter. Stage 1 is dominated by stage 2 (same all-gather, a full
-    all-reduce instead of a reduce-scatter, a full gradient kept), so it is offered only on request."""
-    max_strategies: int = 64
-    """Cap on strategies per node (the cheapest kept; replicated always kept)."""
+    """``config.mixed_precision`` resolved against the model's parameters."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds each pass took, filled by ``run_passes``."""
 
@@ -59,9 +59,12 @@ def _op_counts(gm: torch.fx.GraphModule) -> Counter:
 
 
 def run_passes(
-    gm: torch.fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], disable: Sequence[str] = ()
+    gm: torch.fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], disable: Sequence[str] | None = None
 ) -> torch.fx.GraphModule:
-    """Run ``passes`` in order, skipping those named in ``disable``; log time and op-count diffs."""
+    """Run ``passes`` in order, skipping those named in ``disable`` (default: ``ctx.config.disable``);
+    log time and op-count diffs."""
+    if disable is None:
+        disable = ctx.config.disable
     for p in passes:
         name = getattr(p, "__name__", repr(p))
         if name in disable:
@@ -79,3 +82,12 @@ def run_passes(
         else:
             log.info("pass %s took %.1f ms", name, dt * 1e3)
     return gm
+
+
+def zero_stages(config: PlanConfig) -> tuple[int, ...]:
+    """ZeRO stages a sharded parameter may run with where it is gathered (``autopar.cost.memory``).
+
+    The solver picks per parameter between 2 and 3; stage 1 is dominated by stage 2 (same
+    all-gather, a full all-reduce instead of a reduce-scatter, a full gradient kept), so it is
+    offered only when asked for."""
+    return (2, 3) if config.zero_stage is None else (config.zero_stage,)

@@ -19,106 +19,22 @@ import re
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.compute import ATTENTION_OPS, BACKWARD_FLOP_RATIO, op_flops, roofline_time
+from autopar.cost.compute import BACKWARD_FLOP_RATIO, op_flops, roofline_time
+from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
-from autopar.rules import tensor_inputs, tensor_outputs
 
-__all__ = ["annotate_cost", "annotate_tensors", "op_name", "saves_inputs", "saves_output"]
+__all__ = ["annotate_cost", "annotate_tensors", "saves_inputs", "saves_output"]
 
 _LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
 
-# Consumers that keep (some of) their inputs for backward.
-_SAVES_INPUTS = {
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "matmul",
-    "linear",
-    "mul",
-    "div",
-    "pow",
-    "gelu",
-    "silu",
-    "tanh",
-    "sigmoid",
-    "relu",
-    "rsqrt",
-    "sqrt",
-    "exp",
-    "log",
-    "sin",
-    "cos",
-    "layer_norm",
-    "rms_norm",
-    "native_layer_norm",
-    "group_norm",
-    "batch_norm",
-    "convolution",
-    "conv1d",
-    "conv2d",
-    "conv3d",
-    "embedding",
-    "cross_entropy_loss",
-    "nll_loss",
-    "nll_loss_nd",
-    "nll_loss_forward",
-    "where",
-    "masked_fill",
-    "index",
-    "gather",
-    "maximum",
-    "minimum",
-    "amax",
-    "amin",
-    "erf",
-    "softplus",
-    "hardswish",
-    "mish",
-    "elu",
-    "leaky_relu",
-    "clamp",
-    "abs",
-    "reciprocal",
-    "square",
-    "var",
-    "std",
-    "norm",
-    "logsumexp",
-    "cumprod",
-    "prod",
-} | set(ATTENTION_OPS)
-_SAVES_OUTPUT = {
-    "_softmax",
-    "softmax",
-    "_log_softmax",
-    "log_softmax",
-    "exp",
-    "tanh",
-    "sigmoid",
-    "rsqrt",
-    "sqrt",
-} | set(ATTENTION_OPS)
-
-
-def op_name(node: Node) -> str:
-    """The aten packet name of a call (``linear`` for ``aten.linear.default``), else the node op."""
-    t = node.target
-    if node.op != "call_function":
-        return node.op
-    packet = getattr(t, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(t, "__name__", str(t))
-
 
 def saves_inputs(node: Node) -> bool:
-    return node.op == "call_function" and op_name(node) in _SAVES_INPUTS
+    return op_info(node).saves_inputs
 
 
 def saves_output(node: Node) -> bool:
-    return node.op == "call_function" and op_name(node) in _SAVES_OUTPUT
+    return op_info(node).saves_output
 
 
 def _module_of(node: Node) -> str:
@@ -207,10 +123,11 @@ def extra_saved_bytes(node: Node) -> float:
     if info is None or not info.requires_grad or node.op != "call_function":
         return 0.0
     name = op_name(node)
+    family = op_family(node)
     shape = info.shape
-    if name in ATTENTION_OPS:
+    if family is OpFamily.ATTENTION:
         return 4.0 * math.prod(shape[:-1])  # fp32 log-sum-exp per query row
-    if name in ("layer_norm", "rms_norm", "native_layer_norm", "group_norm"):
+    if family is OpFamily.NORM:
         return 8.0 * math.prod(shape[:-1])  # mean and rstd per row
     if name in ("dropout", "native_dropout") and node.args[1] if len(node.args) > 1 else False:
         return float(math.prod(shape))  # bool mask

@@ -35,30 +35,23 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.capture import Captured
-from autopar.passes.annotate import op_name
+from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
+from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
-from autopar.plan import NodePlan, Plan
-from autopar.reshard import reshard_steps
-from autopar.rules import tensor_inputs, tensor_outputs, zero_stage_of
+from autopar.planfile import NodePlan, Plan
+from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
 from autopar.runtime import collectives as C
 from autopar.runtime import ops as O
 from autopar.runtime.collectives import AxisGroup
 
-__all__ = ["LoweringError", "lower"]
+__all__ = ["LOCAL_OPS", "LoweringError", "lower"]
 
 aten = torch.ops.aten
 
-_SHAPE_ARG = {
-    "view": 1,
-    "reshape": 1,
-    "_unsafe_view": 1,
-    "expand": 1,
-    "new_ones": 1,
-    "new_zeros": 1,
-    "new_empty": 1,
-    "new_full": 1,
-}
-_DROP = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
+
+def _dropped(node: Node) -> bool:
+    """Export's shape assertions compute nothing; the per-rank program leaves them out."""
+    return op_family(node) is OpFamily.ASSERT
 
 
 class LoweringError(RuntimeError):
@@ -126,46 +119,30 @@ class _Lowerer:
         val = producer.meta["val"]
         steps = reshard_steps(tuple(val.shape), src, dst, self.mesh)
         pplan = self.np.get(producer.name)
-        stage = zero_stage_of(pplan.rewrites) if pplan is not None and pplan.kind == "param" else 0
-        sync: set[int] = set()
-        if val.is_floating_point():
-            sync = {a for a in range(len(self.mesh)) if split[a] and isinstance(dst[a], Replicate)}
+        stage = pplan.zero_stage if pplan is not None and pplan.kind == "param" else 0
+        sync = set(grad_sync_axes(split, dst, val.is_floating_point()))
         last = {s.axis: s for s in steps}
         # ZeRO-1 keeps full gradients: its gathers are not fused with the gradient all-reduce.
-        fused = frozenset(a for a in sync if a in last and last[a].kind == "all_gather" and stage != 1)
+        fused = frozenset(a for a in sync if a in last and last[a].kind == StepKind.ALL_GATHER and stage != 1)
         key = (producer, dst, fused)
         value = self.reshard_memo.get(key)
         if value is None:
             value = self.env[producer]
             zero3 = stage == 3
             for n_step, st in enumerate(steps):
-                kw: dict[str, Any] = {}
-                if st.kind == "all_gather":
+                if zero3 and n_step == 0 and st.kind == StepKind.ALL_GATHER:
+                    # The parameter's first gather: its full copy is freed after use (ZeRO-3).
                     kw = {
                         "dim": st.dim,
                         "blocks": st.blocks,
                         "grad_partial": st.axis in fused and st is last[st.axis],
                     }
-                    fn = C.all_gather
-                    if zero3 and n_step == 0:
-                        # The parameter's first gather: its full copy is freed after use (ZeRO-3).
-                        value = self.g.call_function(
-                            C.all_gather_param, (value, self.ax(st.axis), self.store()), kw
-                        )
-                        self.gathered.used = True
-                        continue
-                elif st.kind == "slice":
-                    fn, kw = C.shard_slice, {"dim": st.dim, "blocks": st.blocks}
-                elif st.kind == "all_reduce":
-                    fn = C.all_reduce
-                elif st.kind == "reduce_scatter":
-                    fn, kw = C.reduce_scatter, {"dim": st.dim, "blocks": st.blocks}
-                elif st.kind == "all_to_all":
-                    fn, kw = C.all_to_all, {"dim": st.dim, "dim2": st.dim2}
-                elif st.kind == "to_partial":
-                    fn = C.to_partial
-                else:  # pragma: no cover - reshard_steps emits only the kinds above
-                    raise AssertionError(st.kind)
+                    value = self.g.call_function(
+                        C.all_gather_param, (value, self.ax(st.axis), self.store()), kw
+                    )
+                    self.gathered.used = True
+                    continue
+                fn, kw = C.step_call(st, grad_partial=st.axis in fused and st is last[st.axis])
                 value = self.g.call_function(fn, (value, self.ax(st.axis)), kw)
             self.reshard_memo[key] = value
         rest = tuple(sorted(sync - fused))
@@ -200,7 +177,7 @@ class _Lowerer:
                 continue
             v = p
             while True:
-                users = [u for u in v.users if u.op != "call_function" or op_name(u) not in _DROP]
+                users = [u for u in v.users if not _dropped(u)]
                 if not users or any(u.op != "call_function" or u.name not in self.np for u in users):
                     break
                 src = self.spec_out(v)
@@ -211,11 +188,7 @@ class _Lowerer:
                     if dst is None or parse_spec(dst) != src:
                         reqs.add(None)
                         continue
-                    reqs.add(
-                        tuple(
-                            a for a in range(len(self.mesh)) if up.split[a] and isinstance(src[a], Replicate)
-                        )
-                    )
+                    reqs.add(grad_sync_axes(up.split, src))
                 if len(reqs) != 1 or None in reqs:
                     break
                 axes = reqs.pop()
@@ -260,7 +233,7 @@ class _Lowerer:
 
     def lower_call(self, node: Node) -> None:
         name = op_name(node)
-        if name in _DROP:
+        if _dropped(node):
             return
         p = self.np.get(node.name)
         if node.target is operator.getitem:
@@ -290,10 +263,11 @@ class _Lowerer:
         outs = tensor_outputs(node)
         out_local = [local_shape(tuple(o.shape), s, self.mesh) for o, s in zip(outs, out_specs)]
         sharded_out = any(isinstance(x, Shard) for s in out_specs for x in s)
-        rewrites = {r for r in p.rewrites if r}
-        if name in _SHAPE_ARG and sharded_out:
+        rewrites = {Rewrite(r) for r in p.rewrites} - {Rewrite.NONE, Rewrite.SPLIT_LOCAL}
+        shape_arg = op_info(name).shape_arg
+        if shape_arg is not None and sharded_out:
             args = list(args)
-            args[_SHAPE_ARG[name]] = list(out_local[0])
+            args[shape_arg] = list(out_local[0])
             args = tuple(args)
         if name == "unflatten" and sharded_out:
             dim = args[1] % len(out_local[0]) if args[1] < 0 else args[1]
@@ -306,33 +280,30 @@ class _Lowerer:
                 args = (args[0], sizes[0], *args[2:])
             else:
                 args = (args[0], sizes, *args[2:])
-        if "mean_partial" in rewrites:
-            shards = math.prod(n for n, r in zip(self.mesh, p.rewrites) if r == "mean_partial")
-            dims = args[1] if len(args) > 1 else kwargs.get("dim")
-            keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-            self.env[node] = self.g.call_function(O.mean_partial, (args[0], dims, keep, shards))
+        if rewrites:
+            (kind,) = {LOCAL_OPS[r] for r in rewrites}  # one local op per node, on any number of axes
+            self.env[node] = kind(self, node, p, args, kwargs, ins)
             return
-        if "vocab_parallel_embedding" in rewrites:
-            w = node.args[0]
-            start = shard_slices(
-                tuple(w.meta["val"].shape), parse_spec(p.inputs[ins.index(w)]), self.mesh, self.coord
-            )[0][0][0]
-            padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
-            self.env[node] = self.g.call_function(
-                O.vocab_parallel_embedding, (args[0], args[1], start, padding_idx)
-            )
-            return
-        if rewrites & {"loss_rows", "loss_classes"}:
-            self.env[node] = self.lower_loss(node, p, args, kwargs, ins)
-            return
-        if rewrites - {"split_local"}:
-            raise self.fail(node, f"unknown rewrite {sorted(rewrites)}")
         self.env[node] = self.g.call_function(node.target, tuple(args), kwargs)
+
+    def lower_mean(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
+        shards = math.prod(n for n, r in zip(self.mesh, p.rewrites) if r == Rewrite.MEAN_PARTIAL)
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        return self.g.call_function(O.mean_partial, (args[0], dims, keep, shards))
+
+    def lower_embedding(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
+        w = node.args[0]
+        start = shard_slices(
+            tuple(w.meta["val"].shape), parse_spec(p.inputs[ins.index(w)]), self.mesh, self.coord
+        )[0][0][0]
+        padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+        return self.g.call_function(O.vocab_parallel_embedding, (args[0], args[1], start, padding_idx))
 
     def lower_loss(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         x = node.args[0]
-        class_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == "loss_classes"]
-        row_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == "loss_rows"]
+        class_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_CLASSES]
+        row_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_ROWS]
         reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
         ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
         class_start = 0
@@ -367,6 +338,15 @@ class _Lowerer:
             return self.env[n]
 
         self.g.output(torch.fx.node.map_arg(node.args[0], out))
+
+
+LOCAL_OPS = {
+    Rewrite.MEAN_PARTIAL: _Lowerer.lower_mean,
+    Rewrite.VOCAB_PARALLEL_EMBEDDING: _Lowerer.lower_embedding,
+    Rewrite.LOSS_ROWS: _Lowerer.lower_loss,
+    Rewrite.LOSS_CLASSES: _Lowerer.lower_loss,
+}
+"""Each ``Rewrite`` and the method that emits its local op (``autopar.runtime.ops``)."""
 
 
 def _fetch(root: nn.Module, target: str) -> Any:

@@ -26,56 +26,21 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.comm import all_reduce_cost
 from autopar.cost.compute import roofline_time
 from autopar.cost.memory import training_state_bytes
-from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
-from autopar.passes import PassContext
-from autopar.passes.annotate import extra_saved_bytes, op_name, value_is_saved
+from autopar.graph import op_info, op_name, tensor_inputs, tensor_outputs
+from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
+from autopar.passes import PassContext, zero_stages
+from autopar.passes.annotate import extra_saved_bytes, value_is_saved
 from autopar.placement import Shard, Spec, divides, local_shape
-from autopar.rules import ZERO_TAGS, AxisStrategy, axis_strategies, block_hints, tensor_inputs, tensor_outputs
+from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 
-__all__ = ["FOLLOW_OPS", "annotate_strategies", "tie_key"]
-
-FOLLOW_OPS = frozenset(
-    {
-        "getitem",
-        "view",
-        "reshape",
-        "_unsafe_view",
-        "unsqueeze",
-        "squeeze",
-        "transpose",
-        "permute",
-        "t",
-        "to",
-        "_to_copy",
-        "clone",
-        "contiguous",
-        "alias",
-        "detach",
-        "neg",
-        "dropout",
-        "gelu",
-        "silu",
-        "relu",
-        "tanh",
-        "sigmoid",
-        "rsqrt",
-        "sqrt",
-        "exp",
-        "pow",
-        "expand",
-        "flatten",
-        "type_as",
-        "erf",
-        "abs",
-    }
-)
+__all__ = ["annotate_strategies", "getitem_strategies", "tie_key", "unruled_ops", "with_follow"]
 
 
 def tie_key(node: Node, ordinal: dict[Node, int]) -> tuple | None:
@@ -143,24 +108,21 @@ def _combine(
 
 
 def _zero_variants(node: Node, strategies: list[Strategy], ctx: PassContext) -> list[tuple[None, Strategy]]:
-    """A trainable parameter's sharded layouts, once per allowed ZeRO stage (``ctx.zero_stages``).
+    """A trainable parameter's sharded layouts, once per allowed ZeRO stage (``zero_stages``).
 
     The stage only matters where a user gathers the parameter; elsewhere the variants cost the same
-    and the solver keeps the first. Stage 3 is the untagged layout.
+    and the solver keeps the first (stage 3 first).
     """
     info = node.meta.get(TENSOR)
     if node.op != "placeholder" or info is None or info.kind != "param" or not info.requires_grad:
         return [(None, s) for s in strategies]
-    tag_of = {stage: tag for tag, stage in ZERO_TAGS.items()}
     out = []
     for s in strategies:
         if not any(isinstance(p, Shard) for p in s.outputs[0]):
             out.append((None, s))
             continue
-        for stage in sorted(ctx.zero_stages, reverse=True):
-            tag = tag_of.get(stage, "")
-            rewrites = tuple(tag if isinstance(p, Shard) else r for p, r in zip(s.outputs[0], s.rewrites))
-            out.append((None, Strategy(s.inputs, s.outputs, rewrites, s.comms, s.split)))
+        for stage in sorted(zero_stages(ctx.config), reverse=True):
+            out.append((None, replace(s, zero_stage=stage)))
     return out
 
 
@@ -178,7 +140,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> float:
 
 
 def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
-    mesh = ctx.mesh_shape
+    mesh = ctx.mesh.shape
     info = node.meta[TENSOR]
     outs = tensor_outputs(node)
     if node.op == "placeholder":
@@ -188,7 +150,10 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
             numel = float(math.prod(local))
             mem = (
                 training_state_bytes(
-                    numel, val.element_size(), optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision
+                    numel,
+                    val.element_size(),
+                    optimizer=ctx.config.optimizer,
+                    mixed_precision=ctx.mixed_precision,
                 )
                 if info.requires_grad
                 else numel * val.element_size()
@@ -198,7 +163,7 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         # A user input is written into each device's memory every step: a device given only its
         # shard of the batch loads less (without this, replicated and sharded inputs would tie).
         load = roofline_time(0.0, mem, ctx.cluster.device) if info.kind == "input" else 0.0
-        return Strategy(s.inputs, s.outputs, s.rewrites, s.comms, s.split, load, 0.0, mem)
+        return replace(s, compute_time=load, comm_time=0.0, memory=mem)
     cost = node.meta.get(COST)
     if cost is None:
         return s
@@ -222,18 +187,17 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
             rows = math.prod(local_shape(tuple(outs[0].shape), s.outputs[0], mesh)) if outs[0].dim() else 1
             x_local = local_shape(tuple(ins[0].meta["val"].shape), s.inputs[0], mesh)
             rows = x_local[0] if x_local else rows
-            link = ctx.cluster.axis_link(mesh, a)
-            comm += count * all_reduce_cost(rows * 4.0, mesh[a], link)
+            comm += count * ctx.mesh.all_reduce_cost(rows * 4.0, a)
     mem = 0.0
     if value_is_saved(node):
         mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
     mem += extra_saved_bytes(node) / divisor
-    return Strategy(s.inputs, s.outputs, s.rewrites, s.comms, s.split, fwd + bwd, comm, mem)
+    return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem)
 
 
 def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write ``NodeStrategies`` on every tensor-producing node (see module docstring)."""
-    mesh = ctx.mesh_shape
+    mesh = ctx.mesh.shape
     hints = block_hints(gm.graph)
     # Ordinal of each node inside its outermost repeated-layer instance.
     counters: dict[str, int] = defaultdict(int)
@@ -246,7 +210,6 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             counters[inst] += 1
     cache: dict[tuple, NodeStrategies] = {}
     axis_cache: dict[Node, list[AxisStrategy]] = {}
-    warned: set[str] = set()
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
@@ -262,58 +225,35 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
         else:
             axis = axis_strategies(node, hints)
             axis_cache[node] = axis
-            if node.op == "call_function" and len(axis) == 1 and op_name(node) not in warned:
-                from autopar.rules import has_rule
-
-                # Factories (arange, zeros, ...) have nothing to shard from: not worth a warning.
-                if not has_rule(node) and tensor_outputs(node) and tensor_inputs(node):
-                    warned.add(op_name(node))
             combos = _combine(node, [axis] * len(mesh), mesh)
             strategies = [
                 _cost_strategy(node, s, ctx) for _, s in _zero_variants(node, [s for _, s in combos], ctx)
             ]
-            if len(strategies) > ctx.max_strategies:
+            if len(strategies) > ctx.config.max_strategies:
                 head, rest = (
                     strategies[:1],
                     sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time),
                 )
-                strategies = head + rest[: ctx.max_strategies - 1]
+                strategies = head + rest[: ctx.config.max_strategies - 1]
             ns = NodeStrategies(tuple(strategies))
             if key is not None:
                 cache[(key, hkey)] = ns
-        node.meta[STRATEGIES] = _with_follow(node, ns)
+        node.meta[STRATEGIES] = with_follow(node, ns)
         if key is not None:
             node.meta["autopar.tie"] = (key, hkey)
-    if warned:
-        import warnings
-
-        warnings.warn(
-            f"autopar: no sharding rule for {', '.join(sorted(warned))}; these ops run replicated "
-            f"(correct, possibly slower)",
-            stacklevel=_user_stacklevel(),
-        )
-    gm.meta["autopar.unruled_ops"] = sorted(warned)
     return gm
 
 
-def _user_stacklevel() -> int:
-    """Stack level of the first frame outside autopar, so a warning points at the user's call."""
-    import inspect
-    import os
-
-    import autopar
-    import autopar.cost
-    import autopar.runtime
-
-    roots = {os.path.dirname(os.path.abspath(m.__file__)) for m in (autopar, autopar.cost, autopar.runtime)}
-    roots.add(os.path.dirname(os.path.abspath(__file__)))
-    level = 1
-    for frame in inspect.stack()[1:]:
-        level += 1
-        path = os.path.abspath(frame.filename)
-        if not any(path.startswith(r + os.sep) for r in roots) and "/torch/" not in path:
-            return level - 1
-    return 2
+def unruled_ops(gm: GraphModule) -> list[str]:
+    """Ops of ``gm`` that have tensor inputs and outputs but no sharding rule (they run replicated).
+    Factories (arange, zeros, ...) have nothing to shard from and are not listed."""
+    return sorted(
+        {
+            op_name(n)
+            for n in gm.graph.nodes
+            if n.op == "call_function" and not has_rule(n) and tensor_outputs(n) and tensor_inputs(n)
+        }
+    )
 
 
 def getitem_strategies(node: Node) -> NodeStrategies:
@@ -326,7 +266,7 @@ def getitem_strategies(node: Node) -> NodeStrategies:
         Strategy(
             inputs=(s.outputs[out_i],),
             outputs=(s.outputs[out_i],),
-            rewrites=("",) * n_axes,
+            rewrites=(Rewrite.NONE,) * n_axes,
             comms=("",) * n_axes,
             split=(False,) * n_axes,
         )
@@ -346,7 +286,7 @@ def _output_position(src: Node, idx: int) -> int:
     return pos
 
 
-def _with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
+def with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
     """Make a cheap one-input op follow its producer: its choice becomes a function of the producer's.
 
     For each producer
@@ -357,7 +297,7 @@ def _with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
     if node.op != "call_function" or len(ns.strategies) <= 1:
         return ns
     name = op_name(node)
-    if name not in FOLLOW_OPS:
+    if not op_info(name).cheap:
         return ns
     ins = tensor_inputs(node)
     candidates = [

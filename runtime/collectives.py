@@ -31,23 +31,28 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from autopar.reshard import ReshardStep, StepKind
 from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scatter_into
 
 __all__ = [
+    "STEP_OPS",
     "AxisGroup",
     "GatheredParams",
     "all_gather",
     "all_gather_param",
     "all_reduce",
     "all_to_all",
+    "apply_step",
     "grad_sync",
     "reduce_scatter",
     "shard_slice",
+    "step_call",
     "to_partial",
 ]
 
@@ -345,3 +350,31 @@ def grad_sync(x: torch.Tensor, *axes: AxisGroup) -> torch.Tensor:
     if not _differentiable(x):
         return x
     return _GradSync.apply(x, axes)
+
+
+STEP_OPS: dict[StepKind, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
+    StepKind.ALL_GATHER: (all_gather, ("dim", "blocks")),
+    StepKind.SLICE: (shard_slice, ("dim", "blocks")),
+    StepKind.ALL_REDUCE: (all_reduce, ()),
+    StepKind.REDUCE_SCATTER: (reduce_scatter, ("dim", "blocks")),
+    StepKind.ALL_TO_ALL: (all_to_all, ("dim", "dim2")),
+    StepKind.TO_PARTIAL: (to_partial, ()),
+}
+"""The differentiable op of each reshard step kind (``autopar.reshard.StepKind``) and the step
+fields it takes as keyword arguments."""
+
+
+def step_call(step: ReshardStep, grad_partial: bool = False) -> tuple[Callable[..., torch.Tensor], dict]:
+    """The op and keyword arguments that run ``step`` (called as ``fn(x, axis_group, **kwargs)``);
+    ``grad_partial`` applies to an all-gather (see ``all_gather``)."""
+    fn, fields = STEP_OPS[step.kind]
+    kwargs = {f: getattr(step, f) for f in fields}
+    if step.kind == StepKind.ALL_GATHER:
+        kwargs["grad_partial"] = grad_partial
+    return fn, kwargs
+
+
+def apply_step(x: torch.Tensor, ax: AxisGroup, step: ReshardStep, grad_partial: bool = False) -> torch.Tensor:
+    """Run one reshard step on ``x`` along ``ax``."""
+    fn, kwargs = step_call(step, grad_partial)
+    return fn(x, ax, **kwargs)

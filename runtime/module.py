@@ -1,17 +1,12 @@
-"""``autopar.parallelize``: this rank's module, built from a Plan, that trains like the original.
+"""``ParallelModule``: this rank's part of a model, running the rank's program built from a Plan.
 
-``parallelize(model, cluster, example_inputs, plan=None)`` is called on every rank after
-``torch.distributed.init_process_group``. It
+``autopar.parallelize`` (``autopar.api``) captures the model, plans on rank 0 where no plan is
+given (``broadcast_plan``), builds one process group per mesh axis (``mesh_axes``), lowers the
+plan to this rank's program (``autopar.passes``) and wraps it here; only this rank's shards of the
+parameters and buffers are materialized. This module only executes: it never imports the planner,
+the solver or the rules.
 
-1. captures the model (every rank; capture is deterministic);
-2. with no plan, plans on rank 0 and broadcasts the plan's JSON (the others never import the
-   solver; a planning error on rank 0 is broadcast too and raised everywhere, so nothing hangs);
-3. builds the device mesh and one process group per mesh axis from ``plan.mesh_shape``
-   (``torch.distributed.device_mesh``; gloo on CPU, NCCL on CUDA);
-4. lowers the plan to this rank's program (``autopar.passes.lower``) and materializes only this
-   rank's shards of the parameters and buffers.
-
-The returned :class:`ParallelModule` takes the same global batch on every rank (or, with
+The :class:`ParallelModule` takes the same global batch on every rank (or, with
 ``local_inputs=True``, each rank's shard from a distributed data loader: ``pm.input_specs``
 says which) and returns what the model returns. Its ``parameters()`` are the local shards, so any
 torch optimizer works; gradients are synchronized inside ``backward()``. ``full_state_dict`` and
@@ -32,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,16 +35,23 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.capture import Captured, capture, input_paths
+from autopar.capture import Captured, input_paths
 from autopar.cluster import Cluster, mesh_arithmetic
-from autopar.placement import Replicate, Shard, Spec, parse_spec, shard_slices
-from autopar.plan import Plan
+from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
+from autopar.planfile import Plan
 from autopar.reshard import reshard_steps
 from autopar.runtime import collectives as C
 from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import AxisGroup
 
-__all__ = ["ParallelModule", "local_shard", "parallelize"]
+__all__ = [
+    "ParallelModule",
+    "broadcast_plan",
+    "check_world",
+    "device_for_backend",
+    "local_shard",
+    "mesh_axes",
+]
 
 
 def local_shard(
@@ -74,19 +76,7 @@ def run_reshard(
     """Apply ``reshard_steps`` directly (not in a graph), e.g. to gather a full state dict."""
     mesh = tuple(ax.size for ax in axes)
     for st in reshard_steps(tuple(shape), src, dst, mesh):
-        ax = axes[st.axis]
-        if st.kind == "all_gather":
-            x = C.all_gather(x, ax, st.dim, st.blocks)
-        elif st.kind == "slice":
-            x = C.shard_slice(x, ax, st.dim, st.blocks)
-        elif st.kind == "all_reduce":
-            x = C.all_reduce(x, ax)
-        elif st.kind == "reduce_scatter":
-            x = C.reduce_scatter(x, ax, st.dim, st.blocks)
-        elif st.kind == "all_to_all":
-            x = C.all_to_all(x, ax, st.dim, st.dim2)
-        else:
-            x = C.to_partial(x, ax)
+        x = C.apply_step(x, axes[st.axis], st)
     return x
 
 
@@ -198,8 +188,6 @@ class ParallelModule(nn.Module):
     # ------------------------------------------------------------------ construction helpers
     def _materialize(self, full: torch.Tensor, spec: Spec) -> torch.Tensor:
         if full.device.type == "meta":
-            from autopar.placement import local_shape
-
             return torch.empty(
                 local_shape(tuple(full.shape), spec, self._mesh), dtype=full.dtype, device=self.device
             )
@@ -337,14 +325,16 @@ def _leaves_by_path(args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(zip(paths, leaves))
 
 
-def _device_for(backend: str) -> torch.device:
+def device_for_backend(backend: str) -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _broadcast_plan(plan_fn: Any) -> Plan:
-    """Plan on rank 0, broadcast the JSON (or the error) to every rank."""
+def broadcast_plan(plan_fn: Callable[[], Plan]) -> Plan:
+    """Run ``plan_fn`` on rank 0 and broadcast its Plan as JSON (or its error) to every rank, so
+    a planning error is raised on every rank and none waits forever."""
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -358,23 +348,8 @@ def _broadcast_plan(plan_fn: Any) -> Plan:
     return Plan.from_dict(json.loads(body))
 
 
-def parallelize(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Any,
-    plan: Plan | None = None,
-    *,
-    memory_budget: float | None = None,
-    gather_outputs: bool = True,
-    local_inputs: bool = False,
-) -> ParallelModule:
-    """This rank's module (see module docstring). Call on every rank after ``init_process_group``.
-
-    ``example_inputs`` is one global batch of the shapes training will use. ``plan``: a Plan (e.g.
-    ``autopar.Plan.load(path)``); without one, rank 0 plans with ``autopar.plan`` and broadcasts it.
-    ``gather_outputs=False`` returns non-scalar outputs as local shards. ``local_inputs=True``:
-    each rank passes its own shard of every input (``pm.input_specs``).
-    """
+def check_world(plan: Plan | None, cluster: Cluster) -> int:
+    """The world size, after checking ``torch.distributed`` is up and matches the plan/cluster."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group(...) on every "
@@ -391,26 +366,19 @@ def parallelize(
             f"cluster has {cluster.nodes} × {cluster.gpus_per_node} = {cluster.world_size} devices but the process "
             f"group has {world} ranks"
         )
-    cap = capture(model, example_inputs)
-    if plan is None:
-        from autopar.planner import plan_captured
+    return world
 
-        # workers=1: solve the candidate meshes in this process. Forking here is unsafe (the process
-        # group's threads are running) and impossible under a daemonic launcher (``spawn``).
-        plan = _broadcast_plan(lambda: plan_captured(cap, cluster, memory_budget=memory_budget, workers=1))
-    backend = dist.get_backend()
-    device = _device_for(backend)
+
+def mesh_axes(plan: Plan, device: torch.device) -> list[AxisGroup]:
+    """This rank's view of every mesh axis of ``plan``: its process group and coordinate
+    (``torch.distributed.device_mesh``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_axes))
     coord = mesh.get_coordinate()
-    axes = [
+    return [
         AxisGroup(
             axis=a, name=plan.mesh_axes[a], size=plan.mesh_shape[a], coord=coord[a], group=mesh.get_group(a)
         )
         for a in range(len(plan.mesh_shape))
     ]
-    from autopar.passes.lower import lower
-
-    program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
-    return ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)

@@ -17,7 +17,11 @@ def test_explain_shows_annotations_of_every_stage() -> None:
     cap = autopar.capture(model, (idx, idx.clone()))
     bare = autopar.explain(cap.gm)
     assert "linear" in bare and " - " in bare  # nothing annotated yet
-    ctx = PassContext(captured=cap, cluster=autopar.Cluster.preset("A100-80GB"), mesh_shape=(8,))
+    ctx = PassContext(
+        captured=cap,
+        cluster=autopar.Cluster.preset("A100-80GB"),
+        mesh=autopar.Mesh((8,), autopar.Cluster.preset("A100-80GB")),
+    )
     run_passes(cap.gm, ctx, [annotate_tensors, annotate_cost, annotate_strategies])
     text = autopar.explain(cap.gm)
     lines = text.splitlines()

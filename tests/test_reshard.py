@@ -13,8 +13,10 @@ import torch
 
 from autopar import Cluster
 from autopar.cost.comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
+from autopar.cost.reshard import edge_cost, reshard_cost
+from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard, divides, local_shape, parse_spec, shard_slices
-from autopar.reshard import edge_cost, reshard_cost, reshard_steps
+from autopar.reshard import reshard_steps
 
 R, P = Replicate(), Partial()
 
@@ -68,7 +70,7 @@ def test_same_spec_needs_no_steps():
         assert reshard_steps((16, 8), parse_spec(spec), parse_spec(spec), (2,)) == []
     assert (
         reshard_cost(
-            (16, 8), 4, parse_spec(("S(0)", "S(1)")), parse_spec(("S(0)", "S(1)")), (2, 4), _cluster()
+            (16, 8), 4, parse_spec(("S(0)", "S(1)")), parse_spec(("S(0)", "S(1)")), Mesh((2, 4), _cluster())
         )
         == 0
     )
@@ -212,11 +214,13 @@ def test_edge_cost_of_a_replicated_input_to_split_work_is_one_gradient_all_reduc
     cl = _cluster()
     link = cl.axis_link((8,), 0)
     shape, nbytes = (64, 256), 64 * 256 * 4
-    cost = edge_cost(shape, 4, (R,), (R,), (True,), True, (8,), cl)
+    cost = edge_cost(shape, 4, (R,), (R,), (True,), True, Mesh((8,), cl))
     assert cost == pytest.approx(all_reduce_cost(nbytes, 8, link))
-    assert edge_cost(shape, 4, (R,), (R,), (True,), False, (8,), cl) == 0  # no gradient, no sync
-    assert edge_cost(shape, 4, (R,), (R,), (False,), True, (8,), cl) == 0  # replicated work: full gradient
-    bucketed = edge_cost(shape, 4, (R,), (R,), (True,), True, (8,), cl, bucketed_sync=True)
+    assert edge_cost(shape, 4, (R,), (R,), (True,), False, Mesh((8,), cl)) == 0  # no gradient, no sync
+    assert (
+        edge_cost(shape, 4, (R,), (R,), (False,), True, Mesh((8,), cl)) == 0
+    )  # replicated work: full gradient
+    bucketed = edge_cost(shape, 4, (R,), (R,), (True,), True, Mesh((8,), cl), bucketed_sync=True)
     assert bucketed == pytest.approx(2 * 7 / 8 * nbytes / link.bandwidth)  # bandwidth only, no latency
     assert bucketed < cost
 
@@ -226,10 +230,10 @@ def test_edge_cost_fuses_gather_and_gradient_sync_into_reduce_scatter():
     cl = _cluster()
     link = cl.axis_link((8,), 0)
     shape, nbytes = (64, 256), 64 * 256 * 4
-    cost = edge_cost(shape, 4, (Shard(0),), (R,), (True,), True, (8,), cl)
+    cost = edge_cost(shape, 4, (Shard(0),), (R,), (True,), True, Mesh((8,), cl))
     assert cost == pytest.approx(all_gather_cost(nbytes, 8, link) + reduce_scatter_cost(nbytes, 8, link))
     # Without a gradient only the forward all-gather is paid.
-    assert edge_cost(shape, 4, (Shard(0),), (R,), (True,), False, (8,), cl) == pytest.approx(
+    assert edge_cost(shape, 4, (Shard(0),), (R,), (True,), False, Mesh((8,), cl)) == pytest.approx(
         all_gather_cost(nbytes, 8, link)
     )
 
@@ -237,8 +241,8 @@ def test_edge_cost_fuses_gather_and_gradient_sync_into_reduce_scatter():
 def test_edge_cost_uses_the_link_of_each_axis():
     two_nodes = Cluster.preset("A100-80GB", gpus_per_node=8, nodes=2)
     shape = (1024, 1024)  # large enough that bandwidth, not latency, dominates
-    inner = edge_cost(shape, 4, (R, Shard(0)), (R, R), (False, False), False, (2, 8), two_nodes)
-    outer = edge_cost(shape, 4, (Shard(0), R), (R, R), (False, False), False, (8, 2), two_nodes)
+    inner = edge_cost(shape, 4, (R, Shard(0)), (R, R), (False, False), False, Mesh((2, 8), two_nodes))
+    outer = edge_cost(shape, 4, (Shard(0), R), (R, R), (False, False), False, Mesh((8, 2), two_nodes))
     nbytes = 1024 * 1024 * 4
     assert inner == pytest.approx(all_gather_cost(nbytes, 8, two_nodes.intra_node))
     assert outer == pytest.approx(all_gather_cost(nbytes, 8, two_nodes.inter_node))

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar.graph import tensor_inputs
 from autopar.placement import Partial, Replicate
-from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule, tensor_inputs
+from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 
 R, P = Replicate(), Partial()
 
@@ -168,3 +169,16 @@ def test_op_without_rule_runs_replicated_with_one_warning(a100x8):
     assert len(index_nodes) == 2
     for n in index_nodes:
         assert all(spec == ("R",) for spec in n.inputs) and n.outputs == (("R",),)
+
+
+def test_unruled_op_warning_reaches_the_caller_once_when_meshes_are_solved_in_parallel(a100x8):
+    """Candidate meshes are solved in forked processes (``workers=2``); the warning is raised once,
+    in the caller's process, where ``warnings.catch_warnings`` sees it, and points at this file."""
+    inputs = (torch.randn(16, 8), torch.tensor([0, 3, 5, 7]), torch.tensor([1, 2, 4, 6]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.plan(_Gather(), inputs, a100x8, workers=2)
+    assert len(plan.info["meshes_tried"]) > 1
+    ours = [w for w in caught if "no sharding rule" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert ours[0].filename == __file__

@@ -1,4 +1,5 @@
-"""The Plan: everything codegen needs to run a model in parallel, and a person needs to read it.
+"""The Plan record and its file format (``autopar.plan`` is the function that makes one): everything
+codegen needs to run a model in parallel, and a person needs to read it.
 
 A Plan records the mesh (shape and axis names), for every graph node the strategy chosen (the spec
 of each tensor input and output, per-axis rewrites and in-op collectives), the placement of every
@@ -23,7 +24,8 @@ from autopar.placement import Spec, parse_spec
 
 __all__ = ["NodePlan", "Plan", "Predicted", "ReshardPlan"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2: ``NodePlan.zero_stage`` replaced the ``zero1``/``zero2`` rewrite tags of version 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +43,15 @@ class NodePlan:
     input_names: tuple[str, ...]
     outputs: tuple[tuple[str, ...], ...]
     rewrites: tuple[str, ...]
+    """Per mesh axis: the ``autopar.ir.Rewrite`` value the lowering applies ("" for none)."""
     comms: tuple[str, ...]
     split: tuple[bool, ...]
     shape: tuple[int, ...]
     compute_time: float
     comm_time: float
     memory: float
+    zero_stage: int = 0
+    """ZeRO stage (1, 2, 3) of a trainable parameter stored sharded; 0 otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +120,11 @@ class Plan:
 
     def zero_stages(self) -> dict[str, int]:
         """Parameters stored sharded and gathered for use, with their ZeRO stage (1, 2 or 3)."""
-        from autopar.rules import zero_stage_of
-
         gathered = {
             r.producer for r in self.reshards if any(c.startswith("all_gather") for c in r.collectives)
         }
         return {
-            n.fqn: zero_stage_of(n.rewrites)
+            n.fqn: n.zero_stage
             for n in self.nodes
             if n.kind == "param" and n.name in gathered and any(p.startswith("S") for p in n.outputs[0])
         }
@@ -166,7 +169,10 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         if d.get("format") != FORMAT_VERSION:
-            raise ValueError(f"plan format {d.get('format')} is not supported (expected {FORMAT_VERSION})")
+            raise ValueError(
+                f"plan format {d.get('format')} is not supported (this autopar reads format {FORMAT_VERSION}): "
+                f"plan the model again with this version"
+            )
 
         def tup(x: Any) -> Any:
             if isinstance(x, list):

@@ -14,7 +14,8 @@ the local cluster we measure rather than assume:
   ``Link.measured``.
 
 ``measure_local(world_size)`` spawns the processes (``autopar.runtime.launch.spawn``), measures,
-and returns a ``Cluster`` ready for ``autopar.plan``. It takes a few seconds.
+and returns a ``Cluster`` ready for ``autopar.plan``. It takes a few seconds. The α-β fits are
+``autopar.cost.fit``'s.
 """
 
 from __future__ import annotations
@@ -26,21 +27,11 @@ from collections.abc import Sequence
 import torch
 
 from autopar.cluster import Cluster, Link
+from autopar.cost.fit import fit_alpha_beta
 
-__all__ = ["fit_alpha_beta", "measure_local"]
+__all__ = ["measure_local"]
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
-
-
-def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``t = α + β·S`` with both coefficients clamped at zero."""
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    var = sum((x - mx) ** 2 for x in sizes)
-    beta = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / var if var > 0 else 0.0
-    beta = max(beta, 1e-15)
-    alpha = max(my - beta * mx, 0.0)
-    return alpha, beta
 
 
 def _time(fn, repeats: int) -> float:

@@ -1,0 +1,86 @@
+"""The user's entry points, composing the layers below: ``plan`` (capture → planner) and
+``parallelize`` (capture → plan or broadcast → lowering → ``ParallelModule``).
+
+Every planning option travels as one ``PlanConfig`` (``config=``, or its fields as keyword
+arguments), so ``plan`` and ``parallelize`` honor the same options the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from autopar.capture import capture
+from autopar.cluster import Cluster
+from autopar.config import PlanConfig
+from autopar.planfile import Plan
+from autopar.runtime.module import (
+    ParallelModule,
+    broadcast_plan,
+    check_world,
+    device_for_backend,
+    mesh_axes,
+)
+
+__all__ = ["parallelize", "plan"]
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    config: PlanConfig | None = None,
+    **options: Any,
+) -> Plan:
+    """Plan ``model`` on ``cluster``; ``example_inputs`` is one global batch.
+
+    Options (``PlanConfig``'s fields, as ``config=`` or keywords): ``memory_budget`` (bytes per
+    device, default the device's memory), ``mesh_shape`` (fix the mesh instead of trying the
+    candidates), ``fixed`` (``{name: spec}`` for parameters or user inputs, honored exactly, e.g.
+    ``{"lm_head.weight": ("S(0)",)}``), ``optimizer``, ``mixed_precision`` (default: detected from
+    the parameters' dtype), ``zero_stage`` (1, 2 or 3; default the solver picks 2 or 3 per
+    parameter), ``time_limit``, ``workers``, ``disable`` (pass names).
+    """
+    from autopar.planner import plan_captured
+
+    config = PlanConfig.build(config, **options)
+    return plan_captured(capture(model, example_inputs), cluster, config)
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    plan: Plan | None = None,
+    *,
+    config: PlanConfig | None = None,
+    gather_outputs: bool = True,
+    local_inputs: bool = False,
+    **options: Any,
+) -> ParallelModule:
+    """This rank's module. Call on every rank after ``torch.distributed.init_process_group``.
+
+    ``example_inputs`` is one global batch of the shapes training will use. ``plan``: a Plan (e.g.
+    ``autopar.Plan.load(path)``); without one, rank 0 plans with ``config`` (or the ``PlanConfig``
+    fields given as keywords, e.g. ``memory_budget``) and broadcasts the plan, so the other ranks
+    never import the solver. ``gather_outputs=False`` returns non-scalar outputs as local shards.
+    ``local_inputs=True``: each rank passes its own shard of every input (``pm.input_specs``).
+    """
+    import torch.distributed as dist
+
+    from autopar.passes.lower import lower
+
+    config = PlanConfig.build(config, **options)
+    check_world(plan, cluster)
+    cap = capture(model, example_inputs)
+    if plan is None:
+        from autopar.planner import plan_captured
+
+        # workers=1: solve the candidate meshes in this process. Forking here is unsafe (the process
+        # group's threads are running) and impossible under a daemonic launcher (``spawn``).
+        plan = broadcast_plan(lambda: plan_captured(cap, cluster, config.replace(workers=1)))
+    device = device_for_backend(dist.get_backend())
+    axes = mesh_axes(plan, device)
+    program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
+    return ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)

@@ -1,0 +1,109 @@
+"""``PlanConfig``: every planning option in one validated record.
+
+``autopar.plan``, ``autopar.layouts`` and ``autopar.parallelize`` take one ``PlanConfig`` (or its
+fields as keyword arguments, which build one) and pass it whole down to the passes and the solver,
+so an option set once is honored everywhere. Fields are validated when the record is built, and
+an error says what was wrong with the arithmetic that shows it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from autopar.cost.memory import OPTIMIZER_BYTES_PER_PARAM
+from autopar.placement import parse_spec
+
+__all__ = ["PlanConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanConfig:
+    """Planning options (see module docstring)."""
+
+    memory_budget: float | None = None
+    """Bytes per device the plan may use; ``None``: the device's memory."""
+    mesh_shape: tuple[int, ...] | None = None
+    """Fix the device mesh, e.g. ``(2, 8)``; ``None``: try every candidate mesh."""
+    fixed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """``{name: spec}``: placements honored exactly, one per mesh axis, for parameters (their
+    ``named_parameters`` names) or user inputs (``"input_ids"``, ``"args[0]"``), e.g.
+    ``{"lm_head.weight": ("S(0)",)}``."""
+    optimizer: str = "adamw"
+    """Optimizer whose state is counted per parameter (``autopar.cost.memory``)."""
+    mixed_precision: bool | None = None
+    """Count an fp32 master weight per parameter (ZeRO's 16 bytes per parameter); ``None``:
+    detected from the parameters' dtype (bf16/fp16 parameters mean mixed precision)."""
+    zero_stage: int | None = None
+    """ZeRO stage of parameters stored sharded (1, 2 or 3); ``None``: the solver picks 2 or 3
+    per parameter."""
+    time_limit: float = 60.0
+    """Seconds CP-SAT may search one mesh before returning its best plan."""
+    workers: int | None = None
+    """Candidate meshes solved side by side in forked processes (default: up to 2); 1: one after
+    another in this process."""
+    max_strategies: int = 64
+    """Cap on strategies per node (the cheapest kept; replicated always kept)."""
+    disable: tuple[str, ...] = ()
+    """Names of passes to skip (planning passes and rank-program passes alike)."""
+
+    def __post_init__(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"PlanConfig: {msg}")
+
+        if self.memory_budget is not None:
+            b = self.memory_budget
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+                fail(f"memory_budget must be positive (bytes per device), got {b!r}")
+        if self.mesh_shape is not None:
+            shape = tuple(self.mesh_shape)
+            if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+                fail(f"mesh_shape must be a tuple of positive integers, got {self.mesh_shape!r}")
+            object.__setattr__(self, "mesh_shape", shape)
+        if self.optimizer not in OPTIMIZER_BYTES_PER_PARAM:
+            fail(f"unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_BYTES_PER_PARAM)}")
+        if self.zero_stage not in (None, 1, 2, 3):
+            fail(f"zero_stage must be 1, 2, 3 or None (solver's choice), got {self.zero_stage!r}")
+        if not (
+            isinstance(self.time_limit, (int, float))
+            and math.isfinite(self.time_limit)
+            and self.time_limit > 0
+        ):
+            fail(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            fail(f"workers must be a positive integer or None, got {self.workers!r}")
+        if self.max_strategies < 2:
+            fail(f"max_strategies must be at least 2, got {self.max_strategies}")
+        fixed = {}
+        for name, spec in dict(self.fixed or {}).items():
+            texts = (spec,) if isinstance(spec, str) else tuple(spec)
+            try:
+                parse_spec(texts)
+            except ValueError as e:
+                fail(f"fixed[{name!r}]: {e}")
+            fixed[name] = texts
+        object.__setattr__(self, "fixed", fixed)
+        object.__setattr__(self, "disable", tuple(self.disable))
+
+    def replace(self, **changes: Any) -> PlanConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def build(cls, config: PlanConfig | None = None, **options: Any) -> PlanConfig:
+        """``config`` with keyword ``options`` applied (``None`` options are left as they are), so
+        ``plan(..., memory_budget=x)`` and ``plan(..., config=PlanConfig(memory_budget=x))`` agree."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown planning option(s) {unknown}; PlanConfig has {sorted(known)}")
+        changes = {k: v for k, v in options.items() if v is not None}
+        base = config if config is not None else cls()
+        return base.replace(**changes) if changes else base
+
+    def with_fixed(self, fixed: Mapping[str, Sequence[str] | str]) -> PlanConfig:
+        merged = dict(self.fixed)
+        merged.update({k: ((v,) if isinstance(v, str) else tuple(v)) for k, v in fixed.items()})
+        return self.replace(fixed=merged)

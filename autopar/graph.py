@@ -1,0 +1,204 @@
+"""Graph vocabulary shared by every layer: which nodes are tensors, what an op is called, and the
+one table of op facts (``OPS``) that the cost passes, the rules, the layouts and the lowering read.
+
+Words:
+
+* **op name** — the aten packet name of a ``call_function`` node (``linear`` for
+  ``aten.linear.default``), see :func:`op_name`.
+* **family** — what kind of work an op does (:class:`OpFamily`): the cost formulas
+  (``autopar.cost.compute``), the rules (``autopar.rules``) and the layouts dispatch on it.
+* **op facts** — :class:`OpInfo`: the family plus what autograd keeps for backward (its
+  derivative formula in ``tools/autograd/derivatives.yaml``), whether the op is cheap enough to
+  *follow* its producer's layout (Alpa's follow heuristic), whether it only reshapes, casts or
+  copies its input (``identity_like``), and which argument holds a shape the lowering must make
+  local.
+
+This module imports nothing from autopar but ``torch``: it is the bottom of the package.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+__all__ = [
+    "OPS",
+    "OpFamily",
+    "OpInfo",
+    "is_tensor_node",
+    "op_family",
+    "op_info",
+    "op_name",
+    "tensor_inputs",
+    "tensor_outputs",
+]
+
+
+class OpFamily(enum.Enum):
+    """What kind of work an op does."""
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    CONV = "conv"
+    NORM = "norm"
+    """Per-row normalizations (layer norm, RMS norm, group norm)."""
+    BATCH_NORM = "batch_norm"
+    POINTWISE = "pointwise"
+    VIEW = "view"
+    REDUCTION = "reduction"
+    SOFTMAX = "softmax"
+    EMBEDDING = "embedding"
+    LOSS = "loss"
+    ROUTING = "routing"
+    """Mixture-of-experts routing and indexing: top-k, sort, histograms, scatters and gathers."""
+    ASSERT = "assert"
+    """Shape and metadata assertions export inserts; they compute nothing and are lowered away."""
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """Facts about one aten op (see module docstring)."""
+
+    family: OpFamily
+    saves_inputs: bool = False
+    """Autograd keeps (some of) the op's inputs for backward."""
+    saves_output: bool = False
+    """Autograd keeps the op's output for backward."""
+    cheap: bool = False
+    """A one-input op cheap enough to follow its producer's layout (no solver variable)."""
+    identity_like: bool = False
+    """The value passes through unchanged up to shape, dtype or a dropout mask."""
+    shape_arg: int | None = None
+    """Position of an argument holding the output shape (made local by the lowering)."""
+
+
+def _table() -> dict[str, OpInfo]:
+    F = OpFamily
+    t: dict[str, OpInfo] = {}
+
+    def put(names: str, info: OpInfo) -> None:
+        for n in names.split():
+            t[n] = info
+
+    put("mm addmm bmm baddbmm matmul linear", OpInfo(F.MATMUL, saves_inputs=True))
+    put(
+        "scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu "
+        "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
+        "_scaled_dot_product_cudnn_attention",
+        OpInfo(F.ATTENTION, saves_inputs=True, saves_output=True),
+    )
+    put("convolution conv1d conv2d conv3d", OpInfo(F.CONV, saves_inputs=True))
+    put("layer_norm rms_norm native_layer_norm group_norm", OpInfo(F.NORM, saves_inputs=True))
+    put(
+        "batch_norm native_batch_norm _native_batch_norm_legit_functional "
+        "_native_batch_norm_legit_no_training _native_batch_norm_legit instance_norm",
+        OpInfo(F.BATCH_NORM, saves_inputs=True),
+    )
+    # Pointwise ops whose derivative reads their input (and follow their producer when unary).
+    put("gelu silu relu erf abs", OpInfo(F.POINTWISE, saves_inputs=True, cheap=True))
+    put(
+        "rsqrt sqrt exp tanh sigmoid",
+        OpInfo(F.POINTWISE, saves_inputs=True, saves_output=True, cheap=True),
+    )
+    put("pow", OpInfo(F.POINTWISE, saves_inputs=True, cheap=True))
+    put(
+        "mul div log sin cos where masked_fill maximum minimum softplus hardswish mish elu "
+        "leaky_relu clamp reciprocal square",
+        OpInfo(F.POINTWISE, saves_inputs=True),
+    )
+    put("neg", OpInfo(F.POINTWISE, cheap=True))
+    put("dropout", OpInfo(F.POINTWISE, cheap=True, identity_like=True))
+    put("native_dropout", OpInfo(F.POINTWISE, identity_like=True))
+    put(
+        "add sub rsub eq ne lt le gt ge __and__ __or__ bitwise_and bitwise_or bitwise_not "
+        "logical_and logical_or logical_not fmod remainder lerp addcmul addcdiv tril triu floor_divide "
+        "clamp_min clamp_max hardtanh hardsigmoid isnan isinf sign floor ceil round log1p expm1 "
+        "gelu_ relu_ silu_ zeros_like ones_like full_like empty_like rand_like",
+        OpInfo(F.POINTWISE),
+    )
+    put(
+        "to _to_copy type_as clone contiguous alias detach",
+        OpInfo(F.POINTWISE, cheap=True, identity_like=True),
+    )
+    put("view reshape _unsafe_view", OpInfo(F.VIEW, cheap=True, identity_like=True, shape_arg=1))
+    put("expand", OpInfo(F.VIEW, cheap=True, shape_arg=1))
+    put("unsqueeze squeeze flatten transpose permute t", OpInfo(F.VIEW, cheap=True))
+    put("unflatten", OpInfo(F.VIEW))
+    put("getitem", OpInfo(F.VIEW, cheap=True))
+    put(
+        "slice narrow select split split_with_sizes chunk unbind cat concat stack pad constant_pad_nd",
+        OpInfo(F.VIEW),
+    )
+    put("new_ones new_zeros new_empty new_full", OpInfo(F.OTHER, shape_arg=1))
+    put("sum mean argmax argmin any all cumsum", OpInfo(F.REDUCTION))
+    put("amax amin prod var std norm logsumexp cumprod", OpInfo(F.REDUCTION, saves_inputs=True))
+    put("_softmax softmax _log_softmax log_softmax", OpInfo(F.SOFTMAX, saves_output=True))
+    put("embedding", OpInfo(F.EMBEDDING, saves_inputs=True))
+    put(
+        "cross_entropy_loss nll_loss nll_loss_nd nll_loss_forward mse_loss",
+        OpInfo(F.LOSS, saves_inputs=True),
+    )
+    put(
+        "topk sort argsort histc bincount index_put index_put_ index_add index_add_ scatter "
+        "scatter_add scatter_add_ scatter_reduce repeat repeat_interleave one_hot",
+        OpInfo(F.ROUTING),
+    )
+    put("index gather", OpInfo(F.ROUTING, saves_inputs=True))
+    put(
+        "_assert_tensor_metadata _assert_scalar sym_constrain_range_for_size _assert_async",
+        OpInfo(F.ASSERT),
+    )
+    return t
+
+
+OPS: dict[str, OpInfo] = _table()
+"""Op name -> facts. Ops not listed are :attr:`OpFamily.OTHER` with no facts set."""
+
+_UNKNOWN = OpInfo(OpFamily.OTHER)
+
+
+def op_name(node: Node) -> str:
+    """The aten packet name of a call (``linear`` for ``aten.linear.default``), else the node op."""
+    t = node.target
+    if node.op != "call_function":
+        return node.op
+    packet = getattr(t, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(t, "__name__", str(t))
+
+
+def op_info(node_or_name: Node | str) -> OpInfo:
+    """The facts of an op (by node or by op name); placeholders and unknown ops get no facts."""
+    if isinstance(node_or_name, Node):
+        if node_or_name.op != "call_function":
+            return _UNKNOWN
+        node_or_name = op_name(node_or_name)
+    return OPS.get(node_or_name, _UNKNOWN)
+
+
+def op_family(node: Node) -> OpFamily:
+    return op_info(node).family
+
+
+def is_tensor_node(n: Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: Node) -> list[Node]:
+    """The distinct tensor-valued producer nodes of ``node``, in first-use order."""
+    return [n for n in node.all_input_nodes if is_tensor_node(n)]
+
+
+def tensor_outputs(node: Node) -> list[torch.Tensor]:
+    """The tensors ``node`` produces, flattened (most ops: one)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []

@@ -1,0 +1,120 @@
+"""The device mesh: devices arranged as an N-D grid over a cluster, with the cost of collectives
+along each axis (Alpa's ``LogicalDeviceMesh.all_gather_cost(num_bytes, mesh_dim)``).
+
+Words:
+
+* **mesh** — ``shape`` (row-major, the last axis innermost, so its devices sit closest together:
+  consecutive ranks, one node first), laid over the first ``prod(shape)`` ranks of ``cluster``.
+  A pipeline stage's mesh covers ``world_size / pp`` ranks; the pipeline axis is outermost.
+* **axis kind** — what the axis does (:class:`AxisKind`): ``dp`` splits the batch, ``tp`` the
+  weights, ``sp`` the sequence, ``cp`` the context (attention's keys and values), ``ep`` the
+  experts, ``pp`` the pipeline stages, ``rep`` nothing (every device repeats the same work).
+  Candidate meshes carry no kinds; a plan's mesh is named from the strategies the solver chose.
+* **link** — the ``autopar.cluster.Link`` an axis's collectives use: the node's NVLink when all
+  its devices share a node, the inter-node network otherwise (``Cluster.axis_link``).
+
+The cost methods apply the α-β formulas of ``autopar.cost.comm`` on the axis's link.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster, Link, mesh_arithmetic
+from autopar.cost import comm
+
+__all__ = ["AxisKind", "Mesh"]
+
+
+class AxisKind(str, enum.Enum):
+    """What a mesh axis does (see module docstring)."""
+
+    DP = "dp"
+    TP = "tp"
+    SP = "sp"
+    CP = "cp"
+    EP = "ep"
+    PP = "pp"
+    REP = "rep"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """An N-D device mesh on a cluster (see module docstring)."""
+
+    shape: tuple[int, ...]
+    cluster: Cluster
+    names: tuple[str, ...] = ()
+    """Axis names, e.g. ``("dp", "tp")``; ``("ax0", "ax1", ...)`` when not named yet."""
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        object.__setattr__(self, "shape", shape)
+        if not shape or any(not isinstance(n, int) or n < 1 for n in shape):
+            raise ValueError(f"mesh shape {shape} must be a non-empty tuple of positive integers")
+        devices = math.prod(shape)
+        world = self.cluster.world_size
+        if world % devices:
+            raise ValueError(
+                f"mesh {mesh_arithmetic(shape)} does not divide the cluster's {world} devices "
+                f"({self.cluster.nodes} node(s) × {self.cluster.gpus_per_node})"
+            )
+        if not self.names:
+            object.__setattr__(self, "names", tuple(f"ax{i}" for i in range(len(shape))))
+        elif len(self.names) != len(shape):
+            raise ValueError(
+                f"mesh shape {shape} has {len(shape)} axes but {len(self.names)} names {self.names}"
+            )
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...], cluster: Cluster, names: tuple[str, ...] = ()) -> Mesh:
+        """A mesh over the whole cluster (``prod(shape)`` must equal its world size)."""
+        cluster.validate_mesh(tuple(shape))
+        return cls(tuple(shape), cluster, names)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, axis: int) -> int:
+        return self.shape[axis]
+
+    def link(self, axis: int) -> Link:
+        """The link mesh axis ``axis`` uses (``Cluster.axis_link``)."""
+        return self.cluster.axis_link(self.shape, axis)
+
+    def kind(self, axis: int) -> AxisKind | None:
+        """The axis's kind when its name is one (``"dp"``, ``"tp"`` … or ``"dp0"``), else None."""
+        name = self.names[axis].rstrip("0123456789")
+        return AxisKind(name) if name in AxisKind._value2member_map_ else None
+
+    # ----------------------------------------------------------------- α-β costs on one axis
+    def all_reduce_cost(self, nbytes: float, axis: int, *, bucketed: bool = False) -> float:
+        """All-reduce of an ``nbytes`` buffer over ``axis``; ``bucketed``: fused into a bucket with
+        others (DDP's gradient buckets), so it pays bandwidth but no per-message latency."""
+        link = self.link(axis)
+        return comm.all_reduce_cost(nbytes, self.shape[axis], comm.bandwidth_only(link) if bucketed else link)
+
+    def all_gather_cost(self, nbytes: float, axis: int) -> float:
+        """All-gather producing an ``nbytes`` buffer over ``axis``."""
+        return comm.all_gather_cost(nbytes, self.shape[axis], self.link(axis))
+
+    def reduce_scatter_cost(self, nbytes: float, axis: int) -> float:
+        """Reduce-scatter of an ``nbytes`` input over ``axis``."""
+        return comm.reduce_scatter_cost(nbytes, self.shape[axis], self.link(axis))
+
+    def all_to_all_cost(self, nbytes: float, axis: int) -> float:
+        """All-to-all of ``nbytes`` per device over ``axis``."""
+        return comm.all_to_all_cost(nbytes, self.shape[axis], self.link(axis))
+
+    def __str__(self) -> str:
+        return " × ".join(f"{a}={n}" for a, n in zip(self.names, self.shape))

@@ -1,0 +1,49 @@
+"""Cross-entropy and NLL: shard the rows (output ``Partial``) and/or the classes (vocabulary-parallel
+cross-entropy; its max and sum-exp all-reduces are part of the op, costed as in-op communication)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from autopar.graph import tensor_outputs
+from autopar.ir import Rewrite
+from autopar.placement import Partial, Replicate, Shard
+from autopar.rules.base import (
+    AxisStrategy,
+    op_key,
+    register,
+    shape_of,
+)
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial()
+
+
+@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss_forward)
+def _cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    x, t = node.args[0], node.args[1]
+    key = op_key(node)
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    n_out = len(tensor_outputs(node))
+    if weight is not None or reduction not in (1, 2) or n_out != 1 or smoothing:
+        return []
+    xs = shape_of(x)
+    if len(xs) != 2 or len(shape_of(t)) != 1:
+        return []
+    out = []
+    if xs[0] > 1:
+        out.append(AxisStrategy(tuple(Shard(0) for _ in ins), (P,), rewrite=Rewrite.LOSS_ROWS))
+    if key is aten.cross_entropy_loss and xs[1] > 1:
+        out.append(
+            AxisStrategy(
+                tuple(Shard(1) if i is x else R for i in ins),
+                (R,),
+                rewrite=Rewrite.LOSS_CLASSES,
+                comm="all_reduce:3",
+            )
+        )
+    return out

@@ -1,0 +1,85 @@
+"""Reductions, cumulative ops and softmax: shard any dimension not reduced over; ``sum``/``mean``
+over a sharded dimension give ``Partial`` (the mean with a local rewrite)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from autopar.ir import Rewrite
+from autopar.placement import Partial, Replicate, Shard
+from autopar.rules.base import (
+    AxisStrategy,
+    norm_dim,
+    op_key,
+    register,
+    shape_of,
+)
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial()
+
+
+REDUCTIONS = (
+    aten.sum,
+    aten.mean,
+    aten.amax,
+    aten.amin,
+    aten.var,
+    aten.std,
+    aten.prod,
+    aten.argmax,
+    aten.argmin,
+    aten.any,
+    aten.all,
+    aten.logsumexp,
+    aten.norm,
+)
+
+
+def _reduced_dims(node: Node, rank: int) -> tuple[set[int], bool]:
+    key = op_key(node)
+    args = node.args
+    if key in REDUCTIONS:
+        dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
+        keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
+        if dims is None or dims == [] or dims == ():
+            return set(range(rank)), bool(keep)
+        if isinstance(dims, int):
+            dims = [dims]
+        return {norm_dim(d, rank) for d in dims}, bool(keep)
+    return set(), True
+
+
+@register(*REDUCTIONS)
+def _reduction(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    src = node.args[0]
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return []
+    rank = len(shape_of(src))
+    reduced, keep = _reduced_dims(node, rank)
+    key = op_key(node)
+    out = []
+    for d in range(rank):
+        if shape_of(src)[d] == 1:
+            continue
+        if d in reduced:
+            if key is aten.sum:
+                out.append(AxisStrategy((Shard(d),), (P,)))
+            elif key is aten.mean:
+                out.append(AxisStrategy((Shard(d),), (P,), rewrite=Rewrite.MEAN_PARTIAL))
+            continue
+        od = d if keep else d - sum(1 for r in reduced if r < d)
+        out.append(AxisStrategy((Shard(d),), (Shard(od),)))
+    if key in (aten.sum, aten.mean):
+        out.append(AxisStrategy((P,), (P,)))
+    return out
+
+
+@register(aten.cumsum, aten.cumprod, aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax)
+def _along_dim(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    src = node.args[0]
+    rank = len(shape_of(src))
+    dim = norm_dim(node.args[1], rank)
+    return [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(rank) if d != dim and shape_of(src)[d] > 1]

@@ -1,0 +1,124 @@
+"""Costs of reshards (``autopar.reshard``): each step's collective, its backward conjugate, and the
+whole producer→consumer edge with gradient synchronization and ZeRO's gathers.
+
+Forward step costs use the NCCL formulas of ``autopar.cost.comm`` on the step's mesh axis
+(``Mesh.all_gather_cost`` …); backward conjugates are those of ``autopar.reshard``'s docstring:
+all-gather ↔ reduce-scatter (when the gradient arrives partial) or a free slice, slice and
+reduce-scatter ↔ all-gather, all-to-all ↔ all-to-all, all-reduce ↔ identity. ZeRO stages follow
+Rajbhandari et al. (arXiv 1910.02054 §5); bucketed gradient all-reduces follow PyTorch DDP
+(Li et al., VLDB 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from autopar.mesh import Mesh
+from autopar.placement import Spec, local_shape
+from autopar.reshard import ReshardStep, StepKind, grad_sync_axes, reshard_steps
+
+__all__ = ["edge_cost", "kept_gather_bytes", "reshard_cost", "step_backward_cost", "step_cost"]
+
+
+def _bytes(shape: Sequence[int], itemsize: int) -> float:
+    return float(math.prod(shape)) * itemsize
+
+
+# Forward cost of each step kind: which collective, on the local shape before or after the step.
+_FWD = {
+    StepKind.ALL_GATHER: (Mesh.all_gather_cost, "out"),
+    StepKind.ALL_REDUCE: (Mesh.all_reduce_cost, "in"),
+    StepKind.REDUCE_SCATTER: (Mesh.reduce_scatter_cost, "in"),
+    StepKind.ALL_TO_ALL: (Mesh.all_to_all_cost, "in"),
+}
+# Backward conjugate of each step kind (an all-gather's is free unless its gradient arrives
+# partial, see ``step_backward_cost``).
+_BWD = {
+    StepKind.SLICE: (Mesh.all_gather_cost, "in"),
+    StepKind.REDUCE_SCATTER: (Mesh.all_gather_cost, "in"),
+    StepKind.ALL_TO_ALL: (Mesh.all_to_all_cost, "out"),
+}
+
+
+def _apply(table: dict, step: ReshardStep, itemsize: int, mesh: Mesh) -> float:
+    entry = table.get(step.kind)
+    if entry is None:
+        return 0.0
+    fn, which = entry
+    return fn(mesh, _bytes(step.out_shape if which == "out" else step.in_shape, itemsize), step.axis)
+
+
+def step_cost(step: ReshardStep, itemsize: int, mesh: Mesh) -> float:
+    """Forward seconds of one step."""
+    return _apply(_FWD, step, itemsize, mesh)
+
+
+def step_backward_cost(step: ReshardStep, itemsize: int, mesh: Mesh, fused_sync: bool) -> float:
+    """Backward seconds of the step's conjugate (``fused_sync``: an all-gather whose gradient
+    arrives partial becomes a reduce-scatter)."""
+    if step.kind == StepKind.ALL_GATHER:
+        return mesh.reduce_scatter_cost(_bytes(step.out_shape, itemsize), step.axis) if fused_sync else 0.0
+    return _apply(_BWD, step, itemsize, mesh)
+
+
+def reshard_cost(shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh: Mesh) -> float:
+    """Forward seconds to reshard (no backward)."""
+    return sum(step_cost(s, itemsize, mesh) for s in reshard_steps(shape, src, dst, mesh.shape))
+
+
+def edge_cost(
+    shape: Sequence[int],
+    itemsize: int,
+    src: Spec,
+    dst: Spec,
+    consumer_split: Sequence[bool],
+    requires_grad: bool,
+    mesh: Mesh,
+    bucketed_sync: bool = False,
+    zero_stage: int = 0,
+) -> float:
+    """Forward + backward seconds of a producer→consumer edge, gradient synchronization included.
+
+    ``zero_stage`` (1, 2, 3; 0 for values that are not parameters): how a parameter stored sharded
+    behaves where it is gathered (Rajbhandari et al., arXiv 1910.02054 §5): stage 3 frees the
+    gathered copy after use and gathers again for backward (all-gathers paid twice); stage 2 keeps
+    it, its gradient reduce-scattered; stage 1 keeps it and all-reduces the full gradient.
+
+    ``bucketed_sync``: the gradient all-reduce is bucketed with others (parameters' gradients,
+    as PyTorch DDP does, Li et al., VLDB 2020), so it pays bandwidth but no per-tensor latency.
+    """
+    steps = reshard_steps(shape, src, dst, mesh.shape)
+    fwd = sum(step_cost(s, itemsize, mesh) for s in steps)
+    if not requires_grad:
+        return fwd
+    bwd = 0.0
+    last_on_axis = {s.axis: s for s in steps}
+    fusable = zero_stage != 1
+    for s in steps:
+        fused = (
+            fusable and s is last_on_axis[s.axis] and s.kind == StepKind.ALL_GATHER and consumer_split[s.axis]
+        )
+        bwd += step_backward_cost(s, itemsize, mesh, fused)
+        if zero_stage == 3 and s.kind == StepKind.ALL_GATHER:
+            bwd += step_cost(s, itemsize, mesh)
+    local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
+    for a in grad_sync_axes(consumer_split, dst):
+        last = last_on_axis.get(a)
+        if fusable and last is not None and last.kind == StepKind.ALL_GATHER:
+            continue  # fused into the all-gather's backward reduce-scatter
+        bwd += mesh.all_reduce_cost(local, a, bucketed=bucketed_sync)
+    return fwd + bwd
+
+
+def kept_gather_bytes(
+    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh: Mesh, zero_stage: int
+) -> float:
+    """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) holds
+    from forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered."""
+    if zero_stage not in (1, 2):
+        return 0.0
+    if not any(s.kind == StepKind.ALL_GATHER for s in reshard_steps(shape, src, dst, mesh.shape)):
+        return 0.0
+    full = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
+    return full * (2 if zero_stage == 1 else 1)

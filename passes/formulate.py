@@ -1,0 +1,304 @@
+"""``formulate``: the annotated graph on one mesh becomes the solver's input, a ``StrategyGraph``.
+
+Steps (the solver's formulation, ``autopar.solver``, reads the result):
+
+1. **roots** — every node with strategies either leads or follows (``NodeStrategies.follows``);
+   a follower's choice is a function of its root leader's.
+2. **decisions** — leaders are merged with the same position of every repeated layer (equal tie
+   key, the same strategy list, the same ``fixed`` spec), so depth does not grow the program;
+   ``fixed`` forbids every strategy whose output spec differs.
+3. **unary terms** — each decision's time per strategy sums its members' compute and in-op
+   collectives; its memory their saved activations or training state.
+4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
+   and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
+   of repeated layers are costed once and counted; an edge inside one decision is folded into its
+   unary terms. Scalar outputs (a loss) must end replicated.
+
+The pass writes ``gm.meta["autopar.strategy_graph"]``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar.capture import Captured
+from autopar.config import PlanConfig
+from autopar.cost.reshard import edge_cost, kept_gather_bytes
+from autopar.graph import tensor_inputs
+from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
+from autopar.mesh import Mesh
+from autopar.passes import PassContext
+from autopar.placement import Replicate, Spec, format_spec, parse_spec
+from autopar.reshard import bucketed_grad_sync
+from autopar.strategy_graph import Decision, Edge, StrategyGraph
+
+__all__ = ["STRATEGY_GRAPH", "formulate", "parse_fixed"]
+
+STRATEGY_GRAPH = "autopar.strategy_graph"
+
+
+def parse_fixed(cap: Captured, config: PlanConfig, n_axes: int) -> dict[str, Spec]:
+    """``config.fixed`` as ``{first name: spec}``, checked against the model and the mesh."""
+    if not config.fixed:
+        return {}
+    alias_to_first = {a: first for first, names in cap.param_aliases.items() for a in names}
+    known = set(cap.params.values()) | set(cap.inputs.values())
+    out = {}
+    for name, spec in config.fixed.items():
+        first = alias_to_first.get(name, name)
+        if first not in known:
+            close = difflib.get_close_matches(name, sorted(cap.params.values()), n=3)
+            raise ValueError(
+                f"fixed names {name!r}, which is neither a parameter nor an input of the model (inputs: "
+                f"{sorted(cap.inputs.values())}; similar parameters: {close})"
+            )
+        parsed = parse_spec(spec)
+        if len(parsed) != n_axes:
+            raise ValueError(
+                f"fixed spec for {name!r} has {len(parsed)} entries but the mesh has {n_axes} axes; give one "
+                f"placement per mesh axis"
+            )
+        out[first] = parsed
+    return out
+
+
+def spec_matches(spec: Spec, want: Spec) -> bool:
+    """``want`` from ``fixed``: a Shard matches any block count on that dim."""
+    if len(spec) != len(want):
+        return False
+    for p, q in zip(spec, want):
+        if type(p) is not type(q):
+            return False
+        if hasattr(q, "dim") and p.dim != q.dim:
+            return False
+    return True
+
+
+def _roots(nodes: list[Node]) -> dict[Node, tuple[Node, tuple[int, ...]]]:
+    """For each node, its root leader and the map leader strategy -> node strategy."""
+    by_name = {n.name: n for n in nodes}
+    roots: dict[Node, tuple[Node, tuple[int, ...]]] = {}
+    for n in nodes:  # topological order: producers first
+        ns: NodeStrategies = n.meta[STRATEGIES]
+        if ns.follows and ns.follows in by_name and by_name[ns.follows] in roots:
+            leader, pmap = roots[by_name[ns.follows]]
+            roots[n] = (leader, tuple(ns.follow_map[k] for k in pmap))
+        else:
+            roots[n] = (n, tuple(range(len(ns.strategies))))
+    return roots
+
+
+def _src_key(info, s: Strategy) -> tuple:
+    """What an edge's cost depends on at the producer: its output spec, and for a trainable
+    parameter the ZeRO stage it runs with where it is gathered (0 for other values)."""
+    return (s.outputs[0], s.zero_stage if info.kind == "param" and info.requires_grad else 0)
+
+
+def _dst_key(s: Strategy, j: int) -> tuple:
+    """What an edge's cost depends on at the consumer: the input spec, and for the axes where that
+    spec is Replicate, whether the consumer splits work there (gradient sync)."""
+    spec = s.inputs[j]
+    if spec is None:
+        return (None, ())
+    return (spec, tuple(sp and isinstance(p, Replicate) for sp, p in zip(s.split, spec)))
+
+
+class _Builder:
+    def __init__(self, gm: GraphModule, mesh: Mesh, fixed: dict[str, Spec]) -> None:
+        self.gm = gm
+        self.mesh = mesh
+        self.nodes = [n for n in gm.graph.nodes if STRATEGIES in n.meta]
+        self.roots = _roots(self.nodes)
+        self.decisions: list[Decision] = []
+        self.index: dict[Node, int] = {}
+        self.edges: dict[tuple, Edge] = {}
+        self.edge_cache: dict[tuple, tuple[float, float]] = {}
+        self.fixed = fixed
+
+    # Step 2 ------------------------------------------------------------------------------------
+    def build_decisions(self) -> None:
+        by_key: dict[object, int] = {}
+        for n in self.nodes:
+            leader, _ = self.roots[n]
+            if leader is not n:
+                continue
+            info = n.meta[TENSOR]
+            want = self.fixed.get(info.fqn) if info.kind in ("param", "input") else None
+            ns: NodeStrategies = n.meta[STRATEGIES]
+            tie = n.meta.get("autopar.tie")
+            key = (tie, id(ns.strategies), want) if tie is not None else n.name
+            ci = by_key.get(key)
+            if ci is None:
+                k = len(ns.strategies)
+                ci = by_key[key] = len(self.decisions)
+                self.decisions.append(
+                    Decision(
+                        name=n.name,
+                        members=(),
+                        unary=[0.0] * k,
+                        memory=[0.0] * k,
+                        allowed=[True] * k,
+                        labels=tuple(
+                            ",".join(format_spec(s.outputs[0])) if s.outputs else "" for s in ns.strategies
+                        ),
+                    )
+                )
+                if want is not None:
+                    d = self.decisions[ci]
+                    for k, s in enumerate(ns.strategies):
+                        if not spec_matches(s.outputs[0], want):
+                            d.allowed[k] = False
+                    if not any(d.allowed):
+                        raise ValueError(
+                            f"fixed placement {format_spec(want)} for {info.fqn} is not a valid layout of "
+                            f"shape {info.shape} on mesh {self.mesh.shape} (a sharded dimension must divide evenly)"
+                        )
+            d = self.decisions[ci]
+            d.members = (*d.members, n.name)
+            self.index[n] = ci
+
+    # Step 3 ------------------------------------------------------------------------------------
+    def add_unary(self) -> None:
+        for n in self.nodes:
+            leader, fmap = self.roots[n]
+            d = self.decisions[self.index[leader]]
+            strategies = n.meta[STRATEGIES].strategies
+            for k in range(d.size):
+                s = strategies[fmap[k]]
+                d.unary[k] += s.compute_time + s.comm_time
+                d.memory[k] += s.memory
+
+    # Step 4 ------------------------------------------------------------------------------------
+    def _edge_cost_fn(self, i: Node) -> Callable[[tuple, tuple], tuple[float, float]]:
+        info = i.meta[TENSOR]
+        val = i.meta["val"]
+        shape, itemsize, rg = tuple(val.shape), val.element_size(), info.requires_grad
+        bucketed = bucketed_grad_sync(i)
+        mesh, cache = self.mesh, self.edge_cache
+
+        def cost(src_key: tuple, dst: tuple) -> tuple[float, float]:
+            """(seconds, bytes kept) of carrying ``src_key`` into ``dst``."""
+            src, stage = src_key
+            key = (shape, itemsize, src_key, dst, rg, bucketed)
+            v = cache.get(key)
+            if v is None:
+                spec, split = dst
+                if spec is None:
+                    v = (0.0, 0.0)
+                else:
+                    t = edge_cost(
+                        shape, itemsize, src, spec, split, rg, mesh, bucketed_sync=bucketed, zero_stage=stage
+                    )
+                    v = (t, kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
+                cache[key] = v
+            return v
+
+        return cost
+
+    def add_edges(self) -> None:
+        pending: dict[tuple, list] = {}
+        for c in self.nodes:
+            c_leader, c_map = self.roots[c]
+            c_i = self.index[c_leader]
+            c_strats = c.meta[STRATEGIES].strategies
+            for j, i in enumerate(tensor_inputs(c)):
+                if i not in self.roots:
+                    continue
+                i_leader, i_map = self.roots[i]
+                i_i = self.index[i_leader]
+                i_strats = i.meta[STRATEGIES].strategies
+                info = i.meta[TENSOR]
+                val = i.meta["val"]
+                src_groups = tuple(
+                    _src_key(info, i_strats[i_map[k]]) for k in range(self.decisions[i_i].size)
+                )
+                dst_groups = tuple(_dst_key(c_strats[c_map[k]], j) for k in range(self.decisions[c_i].size))
+                key = (
+                    i_i,
+                    c_i,
+                    src_groups,
+                    dst_groups,
+                    tuple(val.shape),
+                    val.element_size(),
+                    info.requires_grad,
+                    bucketed_grad_sync(i),
+                )
+                entry = pending.get(key)
+                if entry is None:
+                    pending[key] = [i_i, c_i, src_groups, dst_groups, self._edge_cost_fn(i), 1]
+                else:
+                    entry[-1] += 1
+        for i_i, c_i, src_groups, dst_groups, cost, count in pending.values():
+            if i_i == c_i:
+                d = self.decisions[c_i]
+                for k in range(d.size):
+                    t, m = cost(src_groups[k], dst_groups[k])
+                    d.unary[k] += t * count
+                    d.memory[k] += m * count
+                continue
+            self._add_edge(i_i, c_i, src_groups, dst_groups, cost, count)
+
+    def _add_edge(self, a: int, b: int, src_groups: tuple, dst_groups: tuple, cost, count: int) -> None:
+        g_keys = list(dict.fromkeys(src_groups))
+        h_keys = list(dict.fromkeys(dst_groups))
+        key = (a, b, src_groups, dst_groups)
+        e = self.edges.get(key)
+        if e is None:
+            e = self.edges[key] = Edge(
+                src=a,
+                dst=b,
+                src_groups=tuple(tuple(k for k, s in enumerate(src_groups) if s == g) for g in g_keys),
+                dst_groups=tuple(tuple(k for k, d in enumerate(dst_groups) if d == h) for h in h_keys),
+                cost=[[0.0] * len(h_keys) for _ in g_keys],
+                memory=[[0.0] * len(h_keys) for _ in g_keys],
+            )
+        for gi, g in enumerate(g_keys):
+            for hi, h in enumerate(h_keys):
+                t, m = cost(g, h)
+                e.cost[gi][hi] += t * count
+                e.memory[gi][hi] += m * count
+
+    def add_output_edges(self) -> None:
+        """Scalar outputs (a loss) must end replicated; larger outputs are returned as laid out."""
+        target = tuple(Replicate() for _ in self.mesh.shape)
+        no_split = tuple(False for _ in self.mesh.shape)
+        for out in (n for n in self.gm.graph.nodes if n.op == "output"):
+            for i in out.all_input_nodes:
+                val = i.meta.get("val")
+                if i not in self.roots or not isinstance(val, torch.Tensor) or val.dim() > 0:
+                    continue
+                leader, fmap = self.roots[i]
+                d = self.decisions[self.index[leader]]
+                strats = i.meta[STRATEGIES].strategies
+                for k in range(d.size):
+                    src = strats[fmap[k]].outputs[0]
+                    if src != target:
+                        d.unary[k] += edge_cost(
+                            (), val.element_size(), src, target, no_split, False, self.mesh
+                        )
+
+    def graph(self) -> StrategyGraph:
+        node_choice = {n.name: (self.index[self.roots[n][0]], self.roots[n][1]) for n in self.nodes}
+        return StrategyGraph(
+            decisions=self.decisions,
+            edges=list(self.edges.values()),
+            node_choice=node_choice,
+            mesh_shape=self.mesh.shape,
+        )
+
+
+def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Build the ``StrategyGraph`` of ``gm`` on ``ctx.mesh`` (see module docstring)."""
+    assert ctx.mesh is not None, "formulate needs a mesh"
+    fixed = parse_fixed(ctx.captured, ctx.config, ctx.mesh.ndim)
+    b = _Builder(gm, ctx.mesh, fixed)
+    b.build_decisions()
+    b.add_unary()
+    b.add_edges()
+    b.add_output_edges()
+    gm.meta[STRATEGY_GRAPH] = b.graph()
+    return gm
