@@ -83,4 +83,49 @@ def parallelize(
     device = device_for_backend(dist.get_backend())
     axes = mesh_axes(plan, device)
     program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
-    return ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)
+    pm = ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)
+    _capture_step(pm, plan, cluster, config, example_inputs)
+    return pm
+
+
+def _capture_step(
+    pm: ParallelModule, plan: Plan, cluster: Cluster, config: PlanConfig, example_inputs: Any
+) -> None:
+    """Trace this rank's whole training step (forward and backward, every collective a node) and
+    run the rank-program passes over it; where the backward cannot be traced, the forward program
+    runs under autograd (the collectives' backward run as autograd calls them) and one warning
+    names what blocked the capture."""
+    import warnings
+
+    from autopar.capture import normalize_inputs
+    from autopar.passes import PassContext
+    from autopar.passes.joint import PrimalInfo, RankInfo, build_step
+
+    if not pm.grad_primals():
+        return  # nothing to train: the forward program is the whole step
+    stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
+    info = RankInfo(
+        primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
+        num_outputs=0,
+        axis_names={ax.group_name: ax.name for ax in pm.axes},
+    )
+    args, kwargs = normalize_inputs(example_inputs)
+    ctx = PassContext(captured=pm.captured, cluster=cluster, config=config)
+    for ax in pm.axes:
+        ax.counting = False  # tracing runs the collectives' Python code once: not a step
+    try:
+        step = build_step(
+            pm.program, pm.primal_values(args, kwargs, local_inputs=False), pm.grad_primals(), info, ctx
+        )
+    except Exception as exc:  # the step still trains, through autograd: say why, once
+        warnings.warn(
+            f"autopar: the backward could not be captured into the per-rank program "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); training runs the forward "
+            f"program under autograd (correct; collectives are not overlapped by the rank-program passes)",
+            stacklevel=3,
+        )
+        return
+    finally:
+        for ax in pm.axes:
+            ax.counting = True
+    pm.set_step(step)

@@ -14,9 +14,9 @@ The per-rank program is a new ``torch.fx.GraphModule`` (printable with ``.code``
   (identity forward, all-reduce of the gradient backward: Megatron-LM's ``f``) — once per value
   and set of axes, however many consumers share it; when the value was just all-gathered along that
   axis the all-gather's backward becomes a reduce-scatter instead (``grad_partial=True``); a weight
-  whose gradient is partial as a whole (data parallelism) gets no node: it is listed in
-  ``_bucketed_params`` and ``autopar.runtime.buckets`` all-reduces it in buckets, overlapped with
-  the rest of backward;
+  whose gradient is partial as a whole (data parallelism) is synced once, at the weight itself
+  (``plan_param_syncs``), so its all-reduce is the last thing its gradient goes through: the
+  bucketing pass (``passes.overlap.bucket_gradients``) merges those into buckets;
 * outputs are resharded to ``Replicate`` (``gather_outputs``), so the program returns what the
   model returns.
 
@@ -82,7 +82,8 @@ class _Lowerer:
         self.root._gathered_params = self.gathered
         self.store_node: Node | None = None
         self.bucketed_values: set[tuple[Node, tuple[int, ...]]] = set()
-        self.bucket_order: list[tuple[str, tuple[int, ...]]] = []
+        self.param_syncs: dict[str, tuple[int, ...]] = {}
+        """Parameter placeholder name -> axes its gradient is all-reduced over at the weight."""
 
     # -------------------------------------------------------------- helpers
     def ax(self, a: int) -> Node:
@@ -147,7 +148,7 @@ class _Lowerer:
             self.reshard_memo[key] = value
         rest = tuple(sorted(sync - fused))
         if not rest or (not steps and (producer, rest) in self.bucketed_values):
-            return value  # nothing to sync, or the weight's gradient is all-reduced in a bucket
+            return value  # nothing to sync, or the weight itself is synced (``plan_param_syncs``)
         skey = (value, rest)
         synced = self.sync_memo.get(skey)
         if synced is None:
@@ -156,8 +157,8 @@ class _Lowerer:
         return synced
 
     # -------------------------------------------------------------- main walk
-    def plan_buckets(self) -> None:
-        """Find weights whose gradient sync can be bucketed (``autopar.runtime.buckets``).
+    def plan_param_syncs(self) -> None:
+        """Find weights whose gradient is synced at the weight itself (and can be bucketed).
 
         A weight qualifies when every use reads it as laid out (no reshard) and splits work along
         the same axes, so its whole gradient is partial there; or when it feeds, through a chain
@@ -202,19 +203,18 @@ class _Lowerer:
                 if [i for i in tensor_inputs(u) if i in derived] != [v]:
                     break
                 v = u
-        # Backward produces gradients roughly in reverse order of first use: fill buckets so.
-        first_use = {}
-        for i, node in enumerate(self.cap.graph.nodes):
-            for inp in node.all_input_nodes:
-                first_use.setdefault(inp.name, i)
-        order.sort(key=lambda item: -first_use.get(item[0], 0))
-        self.bucket_order = order
+        self.param_syncs = dict(order)
 
     def run(self) -> GraphModule:
-        self.plan_buckets()
+        self.plan_param_syncs()
         for node in self.cap.graph.nodes:
             if node.op == "placeholder":
                 self.env[node] = self.g.placeholder(node.name)
+                axes = self.param_syncs.get(node.name)
+                if axes:
+                    self.env[node] = self.g.call_function(
+                        C.grad_sync, (self.env[node], *(self.ax(a) for a in axes))
+                    )
             elif node.op == "get_attr":
                 obj = _fetch(self.cap.gm, node.target)
                 _install(self.root, node.target, obj)
@@ -228,7 +228,6 @@ class _Lowerer:
         self.g.lint()
         gm = GraphModule(self.root, self.g, class_name="RankProgram")
         gm._gathered_params = self.gathered  # read by ParallelModule even when no node uses it
-        gm._bucketed_params = list(self.bucket_order)
         return gm
 
     def lower_call(self, node: Node) -> None:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # registers torch.ops._c10d_functional
 
 from autopar.reshard import ReshardStep, StepKind
-from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scatter_into
 
 __all__ = [
     "STEP_OPS",
@@ -51,6 +51,7 @@ __all__ = [
     "apply_step",
     "grad_sync",
     "reduce_scatter",
+    "reduce_values",
     "shard_slice",
     "step_call",
     "to_partial",
@@ -69,23 +70,43 @@ class AxisGroup:
     group: dist.ProcessGroup | None
     counts: Counter = field(default_factory=Counter)
     """Collectives issued on this axis, by kind and direction ("all_reduce/fwd")."""
+    counting: bool = True
+    """Count collectives as they run (off while a program is traced: a traced program's
+    collectives are counted from its graph each time it runs)."""
 
     def __repr__(self) -> str:
         return f"AxisGroup({self.name}, size={self.size}, coord={self.coord})"
 
+    @property
+    def group_name(self) -> str:
+        """The process group's name, as functional collectives take it."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        return group.group_name
+
     def note(self, kind: str, direction: str) -> None:
-        self.counts[f"{kind}/{direction}"] += 1
+        if self.counting:
+            self.counts[f"{kind}/{direction}"] += 1
 
 
 # ------------------------------------------------------------------------ plain (no autograd)
+#
+# Each primitive issues one functional collective (``torch.ops._c10d_functional``: out of place,
+# asynchronous, traceable by ``make_fx``) and completes it with ``wait_tensor``. Run eagerly, the
+# wait follows at once; traced into the per-rank program, issue and wait are separate graph nodes
+# that the overlap passes (``autopar.passes.overlap``) move apart.
+
+_fc = torch.ops._c10d_functional
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _fc.wait_tensor(t)
 
 
 def _gather(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direction: str) -> torch.Tensor:
     ax.note("all_gather", direction)
     n = ax.size
     x = x.contiguous()
-    flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-    all_gather_into(flat, x.view(-1), ax.group)
+    flat = _wait(_fc.all_gather_into_tensor(x.view(-1), n, ax.group_name))
     buf = flat.view(n, *x.shape)
     # buf[r] is rank r's piece; interleave along dim (per block when blocks > 1).
     if blocks == 1:
@@ -111,11 +132,10 @@ def _slice(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int) -> torch.Tenso
     return v.reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :]).contiguous()
 
 
-def _all_reduce(x: torch.Tensor, ax: AxisGroup, direction: str) -> torch.Tensor:
+def reduce_values(x: torch.Tensor, ax: AxisGroup, direction: str = "fwd", op: str = "sum") -> torch.Tensor:
+    """All-reduce with no autograd (``op``: ``"sum"`` or ``"max"``): statistics, counts."""
     ax.note("all_reduce", direction)
-    y = x.contiguous().clone()
-    dist.all_reduce(y, group=ax.group)
-    return y
+    return _wait(_fc.all_reduce(x.contiguous(), op, ax.group_name))
 
 
 def _reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direction: str) -> torch.Tensor:
@@ -123,17 +143,15 @@ def _reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direc
     n = ax.size
     if blocks == 1:
         moved = x.movedim(dim, 0).contiguous()
-        out = torch.empty(moved.numel() // n, dtype=x.dtype, device=x.device)
-        reduce_scatter_into(out, moved.view(-1), ax.group)
-        return out.view(moved.shape[0] // n, *moved.shape[1:]).movedim(0, dim).contiguous()
+        out = _wait(_fc.reduce_scatter_tensor(moved, "sum", n, ax.group_name))
+        return out.movedim(0, dim).contiguous()
     # Blocked layout: reorder so each rank's pieces are contiguous, then scatter.
     shape = list(x.shape)
     per_block = shape[dim] // blocks
     piece = per_block // n
     v = x.reshape(*shape[:dim], blocks, n, piece, *shape[dim + 1 :]).movedim(dim + 1, 0).contiguous()
-    out = torch.empty(v.numel() // n, dtype=x.dtype, device=x.device)
-    reduce_scatter_into(out, v.view(-1), ax.group)
-    return out.view(v.shape[1:]).reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :])
+    out = _wait(_fc.reduce_scatter_tensor(v, "sum", n, ax.group_name))
+    return out.reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :])
 
 
 def _all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, direction: str) -> torch.Tensor:
@@ -141,8 +159,8 @@ def _all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, direction: 
     ax.note("all_to_all", direction)
     n = ax.size
     chunks = torch.stack(list(x.chunk(n, dim=dim2)), 0).contiguous()
-    out = torch.empty_like(chunks)
-    all_to_all_into(out.view(-1), chunks.view(-1), ax.group)
+    split = [chunks.shape[0] // n] * n
+    out = _wait(_fc.all_to_all_single(chunks, split, split, ax.group_name))
     return torch.cat(list(out.unbind(0)), dim=dim)
 
 
@@ -178,7 +196,7 @@ class _Slice(torch.autograd.Function):
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax):  # type: ignore[override]
-        return _all_reduce(x, ax, "fwd")
+        return reduce_values(x, ax, "fwd")
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -228,7 +246,7 @@ class _GradSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         for ax in ctx.axes:
-            g = _all_reduce(g, ax, "bwd")
+            g = reduce_values(g, ax, "bwd")
         return g, None
 
 
@@ -320,7 +338,7 @@ def shard_slice(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1) -> to
 def all_reduce(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
     """Partial → Replicate along ``ax`` (Megatron-LM's ``g``)."""
     if not _differentiable(x):
-        return _all_reduce(x, ax, "fwd")
+        return reduce_values(x, ax, "fwd")
     return _AllReduce.apply(x, ax)
 
 

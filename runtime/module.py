@@ -41,8 +41,8 @@ from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, s
 from autopar.planfile import Plan
 from autopar.reshard import reshard_steps
 from autopar.runtime import collectives as C
-from autopar.runtime.buckets import GradBuckets
 from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.step import StepProgram, run_step
 
 __all__ = [
     "ParallelModule",
@@ -119,6 +119,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         self.program = program
         self.plan = plan
+        self.captured = cap
         self.axes = list(axes)
         self.device = device
         self.local_inputs = local_inputs
@@ -178,12 +179,9 @@ class ParallelModule(nn.Module):
         self._constants = dict(cap.constants)
         self._aliases = {a: first for first, names in cap.param_aliases.items() for a in names}
         self._state_keys = list(model.state_dict().keys())
-        bucketed = []
-        for name, axes in getattr(program, "_bucketed_params", []):
-            param = _get_path(self, "m." + cap.params[name])
-            if param.requires_grad:
-                bucketed.append((param, tuple(self.axes[a] for a in axes)))
-        self._buckets = GradBuckets(bucketed) if bucketed else None
+        self.step: StepProgram | None = None
+        """The whole training step as forward and backward programs (``set_step``); without one,
+        the forward program runs under autograd."""
 
     # ------------------------------------------------------------------ construction helpers
     def _materialize(self, full: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -203,7 +201,10 @@ class ParallelModule(nn.Module):
                 out[path] = local_shard(leaf, self._specs[key], self._mesh, self._coord)
         return out
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def primal_values(self, args: tuple, kwargs: dict, local_inputs: bool | None = None) -> list[Any]:
+        """The program's inputs for one call: this rank's parameters and buffers, constants, and
+        each user input (cut to this rank's shard unless ``local_inputs``)."""
+        local_inputs = self.local_inputs if local_inputs is None else local_inputs
         leaves = _leaves_by_path(args, kwargs)
         values = []
         for kind, key in self._bindings:
@@ -219,7 +220,7 @@ class ParallelModule(nn.Module):
                     )
                 x = leaves[key]
                 if isinstance(x, torch.Tensor):
-                    if not self.local_inputs:
+                    if not local_inputs:
                         want = self._shapes["input:" + key]
                         if tuple(x.shape) != want:
                             raise ValueError(
@@ -229,6 +230,26 @@ class ParallelModule(nn.Module):
                         x = local_shard(x, self._specs["input:" + key], self._mesh, self._coord)
                     x = x.to(self.device)
                 values.append(x)
+        return values
+
+    def primal_roles(self) -> list[tuple[str, str]]:
+        """``(kind, name)`` of every program input: ``param``/``buffer`` with its FQN, ``input``
+        with its path, ``const`` with its placeholder name."""
+        return list(self._bindings)
+
+    def grad_primals(self) -> list[int]:
+        """Indices of the program inputs that are trainable parameters."""
+        return [
+            i
+            for i, (kind, key) in enumerate(self._bindings)
+            if kind == "param" and _get_path(self, "m." + key).requires_grad
+        ]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        values = self.primal_values(args, kwargs)
+        if self.step is not None and torch.is_grad_enabled():
+            outs = run_step(self.step, values)
+            return pytree.tree_unflatten(list(outs), self._out_spec)
         gathered: C.GatheredParams = self.program._gathered_params
         if not gathered.used:
             outs = self.program(*values)
@@ -305,9 +326,20 @@ class ParallelModule(nn.Module):
                 g.mul_(coef)
         return norm.to(torch.float32)
 
+    def set_step(self, step: StepProgram) -> None:
+        """Run training steps as ``step``'s programs (built by ``autopar.passes.joint.build_step``)."""
+        step.bind(self.axes)
+        self.step = step
+
     @property
     def code(self) -> str:
-        """This rank's program as Python (each collective on its own line)."""
+        """This rank's program as Python, each collective (issue and wait) on its own line: the
+        whole training step (forward and backward) when it was captured, else the forward."""
+        return self.step.joint.code if self.step is not None else self.program.code
+
+    @property
+    def forward_code(self) -> str:
+        """The lowered forward program (before the backward was traced into it)."""
         return self.program.code
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.collectives import AxisGroup, reduce_values
 
 __all__ = ["mean_partial", "sharded_cross_entropy", "sharded_nll_loss", "vocab_parallel_embedding"]
 
@@ -52,10 +51,9 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, start, axes, ignore_index):  # type: ignore[override]
         x = logits.float()
         local_max = x.max(dim=-1).values
-        gmax = local_max.clone()
+        gmax = local_max
         for ax in axes:
-            ax.note("all_reduce", "fwd")
-            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=ax.group)
+            gmax = reduce_values(gmax, ax, "fwd", op="max")
         shifted = x - gmax.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -66,8 +64,7 @@ class _VocabParallelCE(torch.autograd.Function):
         picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * owned
         both = torch.stack([sum_exp, picked])
         for ax in axes:
-            ax.note("all_reduce", "fwd")
-            dist.all_reduce(both, group=ax.group)
+            both = reduce_values(both, ax, "fwd")
         sum_exp, picked = both[0], both[1]
         loss = sum_exp.log() - picked
         valid = target != ignore_index
@@ -118,9 +115,7 @@ def _reduce_rows(
         return total
     count = (target != ignore_index).sum().to(torch.float32)
     for ax in row_axes:
-        count = count.clone()
-        ax.note("all_reduce", "fwd")
-        dist.all_reduce(count, group=ax.group)
+        count = reduce_values(count, ax, "fwd")
     return total / count.to(total.dtype)
 
 

@@ -19,7 +19,6 @@ update at ``lr=1e-3``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -234,10 +233,11 @@ def compare_training(
 class CollectiveLog:
     """Every collective the runtime issues while the log is open: ``(kind, direction, numel)``.
 
-    ``AxisGroup.note`` (called by every collective of ``autopar.runtime`` just before it runs:
-    the differentiable collectives, their backward conjugates, the bucketed gradient all-reduce,
-    the sharded loss) opens an entry; the ``torch.distributed`` call that follows records how many
-    elements it moved (an all-gather: the local piece). Use as a context manager.
+    A module running its captured step program (``pm.step``) issues exactly the collective nodes
+    of the forward and backward programs each time they run; ``StepProgram.count`` is called as
+    each program runs, and the log appends that program's collectives with their sizes read off
+    the graph (an all-gather: the local piece). A module without a step program falls back to the
+    Python-level ``AxisGroup.note`` (kinds and directions, no sizes). Use as a context manager.
     """
 
     def __init__(self) -> None:
@@ -245,27 +245,20 @@ class CollectiveLog:
         self._patched: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> CollectiveLog:
-        import torch.distributed as dist
-
         from autopar.runtime import collectives as C
+        from autopar.runtime import step as S
+
+        def count(step: Any, direction: str, _orig=S.StepProgram.count) -> None:
+            self.calls.extend([c.kind, c.direction, c.numel] for c in step.calls.get(direction, ()))
+            _orig(step, direction)
 
         def note(ax: Any, kind: str, direction: str, _orig=C.AxisGroup.note) -> None:
-            self.calls.append([kind, direction, None])
+            if ax.counting:
+                self.calls.append([kind, direction, None])
             _orig(ax, kind, direction)
 
-        def sized(orig: Callable, which: int) -> Callable:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                pending = [c for c in self.calls if c[2] is None]
-                if pending:
-                    pending[-1][2] = args[which].numel()
-                return orig(*args, **kwargs)
-
-            return call
-
+        self._patch(S.StepProgram, "count", count)
         self._patch(C.AxisGroup, "note", note)
-        self._patch(dist, "all_reduce", sized(dist.all_reduce, 0))
-        for name in ("all_gather_into", "reduce_scatter_into", "all_to_all_into"):
-            self._patch(C, name, sized(getattr(C, name), 1))
         return self
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
@@ -276,6 +269,25 @@ class CollectiveLog:
         for owner, name, orig in reversed(self._patched):
             setattr(owner, name, orig)
         self._patched.clear()
+
+
+def regathered_params(pm: Any) -> int:
+    """All-gathers the backward program issues on a parameter shard it read from forward (ZeRO-3
+    gathering again in backward instead of keeping the gathered copy)."""
+    if pm.step is None:
+        return 0
+    joint_primals = [n.name for n in pm.step.joint.graph.nodes if n.op == "placeholder"]
+    params = {joint_primals[i] for i in pm.step.grad_primals}
+    passthrough = {"view", "reshape", "_unsafe_view", "contiguous", "clone", "_to_copy", "t", "permute"}
+    count = 0
+    for n in pm.step.backward.graph.nodes:
+        if n.op != "call_function" or "all_gather_into_tensor" not in str(n.target):
+            continue
+        src = n.args[0]
+        while src.op == "call_function" and src.target.__name__.split(".")[0] in passthrough:
+            src = src.args[0]
+        count += src.op == "placeholder" and src.name in params
+    return count
 
 
 def count_calls(calls: list, kind: str, direction: str, numel: int | None = None) -> int:

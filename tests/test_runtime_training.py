@@ -17,7 +17,6 @@ from typing import Any
 
 import _runtime_helpers as H
 import pytest
-import torch
 
 from autopar.runtime.launch import spawn
 
@@ -33,17 +32,7 @@ def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dic
     again."""
     H.quiet()
     import autopar
-    from autopar.runtime import collectives as C
 
-    regathers = Counter()
-    unpack = C.GatheredParams.unpack
-
-    def counting_unpack(obj: object) -> Any:
-        if not isinstance(obj, torch.Tensor):  # a token standing for a freed, gathered parameter
-            regathers["n"] += 1
-        return unpack(obj)
-
-    C.GatheredParams.unpack = staticmethod(counting_unpack)
     model, inputs = H.build(kind)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cluster = autopar.Cluster.local(world)
@@ -53,11 +42,10 @@ def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dic
         res: dict[str, Any] = {"mesh": tuple(pm.plan.mesh_shape), "plan_inputs": dict(pm.plan.inputs)}
         for optimizer in ("adamw", "sgd"):
             pm.load_full_state_dict(initial)
-            regathers.clear()
             losses = H.train(pm, inputs, H.make_optimizer(optimizer, pm.parameters()))
             if optimizer == "adamw":  # the steps' collectives, before full_state_dict gathers
                 res["counts"] = {ax.name: Counter(ax.counts) for ax in pm.axes}
-                res["regathers"] = regathers["n"]
+                res["regathers"] = H.regathered_params(pm)
             res[optimizer] = (losses, pm.full_state_dict())
         results[mode] = res
     return results

@@ -1,0 +1,379 @@
+"""The whole training step as one per-rank program: forward and backward in one fx graph.
+
+The lowering (``passes.lower``) gives this rank's *forward* program, whose collectives are
+autograd Functions (``autopar.runtime.collectives``). ``trace_joint`` runs that program and
+``torch.autograd.grad`` under ``make_fx`` with fake tensors, recording every op either direction
+executes — the forward's collectives and their backward conjugates alike — as nodes of one graph,
+each collective issued (``_c10d_functional.*``) and completed by an explicit ``wait_tensor`` node.
+Passes then reorder and rewrite that graph (``passes.overlap``: bucketing, prefetch, wait
+sinking; ``passes.recompute``); ``partition`` finally splits it into the forward and backward
+programs the runtime runs around the user's ``loss.backward()``.
+
+Words:
+
+* **primal** — an input of the program: a parameter, buffer, user input or lifted constant, in
+  the order of the forward program's placeholders.
+* **tangent** — the gradient arriving for one output of the forward program (for a loss: the
+  scalar ``loss.backward()`` passes, 1.0 by default).
+* **joint program** — ``(primals…, tangents…) -> (outputs…, gradients…)``: the gradients of the
+  primals that require one (parameters), in order.
+* **phase** — every node is ``fwd`` (needed for the outputs) or ``bwd`` (the rest), written as
+  ``node.meta["autopar.phase"]``. A node a pass moves or copies into backward becomes ``bwd``.
+* **saved values** — forward values the backward program reads: the forward program returns them
+  after its outputs, the backward program takes them before the tangents.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from autopar.runtime.step import StepProgram
+
+__all__ = [
+    "PHASE",
+    "RANK",
+    "JointProgram",
+    "Partitioned",
+    "Phase",
+    "PrimalInfo",
+    "RankInfo",
+    "build_step",
+    "mark_phases",
+    "partition",
+    "trace_joint",
+]
+
+PHASE = "autopar.phase"
+
+
+class Phase(str, enum.Enum):
+    FWD = "fwd"
+    BWD = "bwd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class JointProgram:
+    """A traced training step (see module docstring)."""
+
+    gm: GraphModule
+    num_primals: int
+    num_outputs: int
+    """Outputs of the forward program (the first outputs of ``gm``)."""
+    grad_primals: tuple[int, ...]
+    """Primal indices whose gradient ``gm`` returns after the outputs, in this order."""
+    tangent_outputs: tuple[int, ...]
+    """Output indices that take a tangent, in the order of the tangent placeholders."""
+    info: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def _is_float_tensor(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def trace_joint(
+    program: GraphModule, primals: Sequence[torch.Tensor | object], grad_primals: Sequence[int]
+) -> JointProgram:
+    """Trace ``program`` (this rank's forward program) and its backward into one graph.
+
+    ``primals`` are example values of the program's inputs (real or fake; only shapes, dtypes and
+    devices are read); ``grad_primals`` the indices of those that get gradients (trainable
+    parameters). Tracing uses fake tensors: no collective runs and no memory is allocated.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    grad_set = set(grad_primals)
+    # 1. Which outputs carry a gradient: a forward run on fake tensors.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = [
+            mode.from_tensor(p).requires_grad_(i in grad_set) if isinstance(p, torch.Tensor) else p
+            for i, p in enumerate(primals)
+        ]
+        with torch.enable_grad():
+            outs = program(*fake)
+    flat_outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    tangent_outputs = tuple(
+        i
+        for i, o in enumerate(flat_outs)
+        if _is_float_tensor(o) and o.requires_grad and o.grad_fn is not None
+    )
+    tangent_examples = [
+        torch.zeros(tuple(flat_outs[i].shape), dtype=flat_outs[i].dtype, device=flat_outs[i].device)
+        for i in tangent_outputs
+    ]
+    num_primals = len(primals)
+    used: list[int] = []
+
+    def joint(*args: object) -> tuple:
+        ps, ts = list(args[:num_primals]), args[num_primals:]
+        for i in grad_primals:
+            ps[i] = ps[i].detach().requires_grad_(True)
+        with torch.enable_grad():
+            outs = program(*ps)
+        flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        diff = [flat[i] for i in tangent_outputs]
+        params = [ps[i] for i in grad_primals]
+        grads = (
+            torch.autograd.grad(diff, params, list(ts), allow_unused=True) if diff else [None] * len(params)
+        )
+        used.clear()
+        used.extend(i for i, g in zip(grad_primals, grads) if g is not None)
+        return (
+            *[o.detach() if isinstance(o, torch.Tensor) else o for o in flat],
+            *[g for g in grads if g is not None],
+        )
+
+    example = [p for p in primals] + tangent_examples
+    gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    _strip_detach_noise(gm)
+    jp = JointProgram(
+        gm=gm,
+        num_primals=num_primals,
+        num_outputs=len(flat_outs),
+        grad_primals=tuple(used),
+        tangent_outputs=tangent_outputs,
+    )
+    mark_phases(jp)
+    return jp
+
+
+def _strip_detach_noise(gm: GraphModule) -> None:
+    """Drop ``detach`` nodes autograd records around saved values: they copy no data and would
+    only clutter the program."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def placeholders(jp: JointProgram) -> tuple[list[Node], list[Node]]:
+    """(primal placeholders, tangent placeholders) of ``jp.gm``."""
+    phs = [n for n in jp.gm.graph.nodes if n.op == "placeholder"]
+    return phs[: jp.num_primals], phs[jp.num_primals :]
+
+
+def output_node(gm: GraphModule) -> Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def mutates(n: Node) -> bool:
+    """True for an op that writes into one of its arguments (``add_``, a training ``batch_norm``
+    updating its running statistics)."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _forward_mutations(gm: GraphModule, num_primals: int) -> list[Node]:
+    """In-place ops run by the forward: they mutate a value that does not depend on a tangent and
+    come before the first node that does (the trace records forward before backward). Their
+    result may be unused — the write is what matters — so they are forward roots."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangent_dep: set[Node] = set(phs[num_primals:])
+    first_bwd = None
+    out = []
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        if any(a in tangent_dep for a in n.all_input_nodes):
+            tangent_dep.add(n)
+            if first_bwd is None:
+                first_bwd = i
+            continue
+        if first_bwd is None and mutates(n):
+            out.append(n)
+    return out
+
+
+def mark_phases(jp: JointProgram) -> None:
+    """Write ``Phase`` on every node: ``fwd`` for what the outputs need (placeholders of primals
+    included) and the forward's in-place writes, ``bwd`` for everything else (tangents and what
+    depends on them, and forward-only ops that backward alone reads)."""
+    out = output_node(jp.gm)
+    outs = out.args[0]
+    fwd: set[Node] = set()
+    stack = [o for o in outs[: jp.num_outputs] if isinstance(o, Node)]
+    stack += _forward_mutations(jp.gm, jp.num_primals)
+    primals, _ = placeholders(jp)
+    fwd.update(primals)
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in jp.gm.graph.nodes:
+        if n.op == "output":
+            continue
+        n.meta[PHASE] = Phase.FWD if n in fwd else Phase.BWD
+    _getitems_follow_their_source(jp.gm)
+
+
+def _getitems_follow_their_source(gm: GraphModule) -> None:
+    """An element of a forward op's tuple output is a forward value (what gets saved is the
+    element, never the tuple)."""
+    for n in gm.graph.nodes:
+        if is_getitem(n) and n.args[0].meta.get(PHASE) == Phase.FWD:
+            n.meta[PHASE] = Phase.FWD
+
+
+@dataclass
+class Partitioned:
+    """The forward and backward programs of a joint program."""
+
+    forward: GraphModule
+    """``primals -> (outputs…, saved…)``."""
+    backward: GraphModule
+    """``(saved…, tangents…) -> gradients`` (in ``JointProgram.grad_primals`` order)."""
+    num_outputs: int
+    saved: tuple[str, ...]
+    """Names of the saved values (forward nodes or primals read by backward)."""
+
+
+def partition(jp: JointProgram) -> Partitioned:
+    """Split ``jp`` by phase: forward nodes run in the forward program, the others in backward;
+    every forward value a backward node reads is saved (returned by forward, passed to backward)."""
+    g = jp.gm.graph
+    out = output_node(jp.gm)
+    outs = list(out.args[0])
+    fwd_nodes = [n for n in g.nodes if n.op != "output" and n.meta.get(PHASE) == Phase.FWD]
+    bwd_nodes = [n for n in g.nodes if n.op != "output" and n.meta.get(PHASE) == Phase.BWD]
+    fwd_set = set(fwd_nodes)
+    grads = outs[jp.num_outputs :]
+    saved: list[Node] = []
+    seen: set[Node] = set()
+    for n in bwd_nodes:
+        for i in n.all_input_nodes:
+            if i in fwd_set and i not in seen:
+                seen.add(i)
+                saved.append(i)
+    for gnode in grads:  # a gradient that is a forward value (rare: a constant zero) is saved too
+        if isinstance(gnode, Node) and gnode in fwd_set and gnode not in seen:
+            seen.add(gnode)
+            saved.append(gnode)
+    # Forward program.
+    fg = Graph()
+    env: dict[Node, Node] = {}
+    for n in fwd_nodes:
+        env[n] = fg.node_copy(n, lambda x: env[x])
+    fg.output(
+        tuple(env[o] if isinstance(o, Node) else o for o in outs[: jp.num_outputs])
+        + tuple(env[s] for s in saved)
+    )
+    # Backward program.
+    bg = Graph()
+    benv: dict[Node, Node] = {}
+    for s in saved:
+        benv[s] = bg.placeholder(s.name)
+        benv[s].meta.update(s.meta)
+    for n in bwd_nodes:
+        benv[n] = bg.node_copy(n, lambda x: benv[x])
+    bg.output(tuple(benv[gn] if isinstance(gn, Node) else gn for gn in grads))
+    fg.lint()
+    bg.lint()
+    return Partitioned(
+        forward=GraphModule(jp.gm, fg, class_name="ForwardProgram"),
+        backward=GraphModule(jp.gm, bg, class_name="BackwardProgram"),
+        num_outputs=jp.num_outputs,
+        saved=tuple(s.name for s in saved),
+    )
+
+
+def is_getitem(n: Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
+
+
+# ---------------------------------------------------------------------------------- the step
+
+
+@dataclass(frozen=True, slots=True)
+class PrimalInfo:
+    """What one primal is, for the rank-program passes."""
+
+    kind: str
+    """``param``, ``buffer``, ``input`` or ``const``."""
+    name: str
+    """Parameter/buffer FQN or user input path."""
+    zero_stage: int = 0
+    """ZeRO stage of a parameter stored sharded and gathered for use (0 otherwise)."""
+
+
+RANK = "autopar.rank"
+"""``gm.meta`` key of the joint program's :class:`RankInfo`."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What the rank-program passes read besides the graph (``gm.meta[RANK]``)."""
+
+    primals: tuple[PrimalInfo, ...]
+    num_outputs: int
+    axis_names: dict[str, str]
+    """Process-group name -> mesh axis name (``dp``, ``tp`` …)."""
+
+
+def build_step(
+    program: GraphModule,
+    primals: Sequence[object],
+    grad_primals: Sequence[int],
+    info: RankInfo,
+    ctx: object,
+    passes: Sequence[object] | None = None,
+) -> StepProgram:
+    """Trace ``program``'s whole step, run the rank-program passes over it (``RANK_PASSES`` unless
+    given; ``ctx.config.disable`` turns any off by name) and partition it (see module docstring)."""
+    from autopar.passes import run_passes
+    from autopar.passes.overlap import RANK_PASSES
+
+    jp = trace_joint(program, primals, grad_primals)
+    jp.gm.meta[RANK] = info
+    gm = run_passes(jp.gm, ctx, RANK_PASSES if passes is None else passes)
+    jp.gm = gm
+    mark_phases_keep(jp)
+    parts = partition(jp)
+    ran = tuple(
+        getattr(p, "__name__", repr(p))
+        for p in (RANK_PASSES if passes is None else passes)
+        if getattr(p, "__name__", "") not in ctx.config.disable
+    )
+    return StepProgram(
+        joint=jp.gm,
+        forward=parts.forward,
+        backward=parts.backward,
+        num_outputs=jp.num_outputs,
+        grad_primals=jp.grad_primals,
+        tangent_outputs=jp.tangent_outputs,
+        passes=ran,
+    )
+
+
+def mark_phases_keep(jp: JointProgram) -> None:
+    """Phase nodes a pass added without one (copies inherit the phase a pass gave them)."""
+    missing = [n for n in jp.gm.graph.nodes if n.op != "output" and PHASE not in n.meta]
+    if missing:
+        fwd_needed: set[Node] = set()
+        stack = [o for o in output_node(jp.gm).args[0][: jp.num_outputs] if isinstance(o, Node)]
+        stack += [n for n in jp.gm.graph.nodes if mutates(n) and n.meta.get(PHASE) == Phase.FWD]
+        while stack:
+            n = stack.pop()
+            if n not in fwd_needed:
+                fwd_needed.add(n)
+                stack.extend(n.all_input_nodes)
+        for n in missing:
+            n.meta[PHASE] = Phase.FWD if n in fwd_needed else Phase.BWD
+    _getitems_follow_their_source(jp.gm)

@@ -1,0 +1,307 @@
+"""Rank-program passes over the whole-step program: where communication runs, and what it overlaps.
+
+Each pass is ``(gm, ctx) -> gm`` over the joint program (``passes.joint``), logs what it changed,
+and can be turned off by name (``PlanConfig.disable``). ``RANK_PASSES`` is the list, in order:
+
+1. ``regather_zero3_params`` — a ZeRO-3 parameter (stored sharded, gathered for use) is gathered
+   again in backward instead of keeping the gathered copy from forward: only the shard is saved
+   (Rajbhandari et al., arXiv 1910.02054 §5.3). The copies are recomputation
+   (``passes.recompute.recompute_in_backward``) of the nodes computed from that parameter alone.
+2. ``bucket_gradients`` — gradient all-reduces whose result is only returned as a gradient
+   (data-parallel weights) are merged into flat buckets of up to 25 MiB, in the order backward
+   produces them, each issued as soon as its last gradient is ready (PyTorch DDP's bucketing,
+   Li et al., VLDB 2020).
+3. ``prefetch_params`` — each ZeRO-3 gather is issued while the previous gathered layer
+   computes (one layer ahead), in forward and in backward (FSDP's prefetch), rather than just
+   before its first use.
+4. ``sink_waits`` — every collective is issued as early as its input allows (except parameter
+   gathers, which ``prefetch_params`` places to bound memory) and waited for as late as its first
+   use allows (lightning-thunder's ``sort_waits``), so communication overlaps whatever compute
+   lies between.
+
+Words: a collective is an *issue* node (``_c10d_functional.all_reduce`` …) and a *wait* node
+(``wait_tensor``); the issue starts the transfer and returns at once, the wait blocks until it is
+done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar.passes import PassContext
+from autopar.passes.joint import PHASE, RANK, Phase, output_node
+from autopar.passes.recompute import recompute_in_backward
+from autopar.runtime.step import FUNCTIONAL_COLLECTIVES
+
+__all__ = [
+    "BUCKET_BYTES",
+    "RANK_PASSES",
+    "bucket_gradients",
+    "prefetch_params",
+    "regather_zero3_params",
+    "sink_waits",
+]
+
+log = logging.getLogger("autopar.passes")
+
+BUCKET_BYTES = 25 * 1024 * 1024
+"""DDP's default bucket size."""
+
+aten = torch.ops.aten
+_fc = torch.ops._c10d_functional
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default}
+
+
+def is_issue(n: Node) -> bool:
+    return n.op == "call_function" and n.target in FUNCTIONAL_COLLECTIVES
+
+
+def is_wait(n: Node) -> bool:
+    return n.op == "call_function" and n.target is _fc.wait_tensor.default
+
+
+def _primal_sources(gm: GraphModule) -> dict[Node, frozenset[Node]]:
+    """For every node, the placeholders it is computed from."""
+    src: dict[Node, frozenset[Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            src[n] = frozenset({n})
+        else:
+            acc: frozenset[Node] = frozenset()
+            for i in n.all_input_nodes:
+                acc = acc | src.get(i, frozenset())
+            src[n] = acc
+    return src
+
+
+def _zero3_params(gm: GraphModule) -> list[Node]:
+    info = gm.meta.get(RANK)
+    if info is None:
+        return []
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [ph for ph, p in zip(phs, info.primals) if p.kind == "param" and p.zero_stage == 3]
+
+
+def _param_gathers(gm: GraphModule, phase: Phase) -> list[Node]:
+    """All-gathers (issue nodes) in ``phase`` computed from exactly one ZeRO-3 parameter."""
+    params = set(_zero3_params(gm))
+    if not params:
+        return []
+    src = _primal_sources(gm)
+    return [
+        n
+        for n in gm.graph.nodes
+        if is_issue(n)
+        and n.target is _fc.all_gather_into_tensor.default
+        and n.meta.get(PHASE) == phase
+        and len(src[n]) == 1
+        and next(iter(src[n])) in params
+    ]
+
+
+# ------------------------------------------------------------------------------------------ 1
+
+
+def regather_zero3_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Gather ZeRO-3 parameters again in backward (see module docstring, 1)."""
+    src = _primal_sources(gm)
+    copied = 0
+    for p in _zero3_params(gm):
+        chain = {
+            n
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.meta.get(PHASE) == Phase.FWD and src[n] == frozenset({p})
+        }
+        if not any(is_issue(n) for n in chain):
+            continue  # used where it lies: nothing gathered, nothing to free
+        copied += recompute_in_backward(gm, chain)
+    if copied:
+        log.info(
+            "regather_zero3_params: %d nodes recomputed in backward (the gathered weights are not saved)",
+            copied,
+        )
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ------------------------------------------------------------------------------------------ 2
+
+
+def _only_returned(n: Node, out: Node) -> bool:
+    """True when ``n``'s value reaches nothing but the output (through views)."""
+    for u in n.users:
+        if u is out:
+            continue
+        if u.op == "call_function" and u.target in _VIEWS and _only_returned(u, out):
+            continue
+        return False
+    return True
+
+
+def _fake_of(n: Node) -> torch.Tensor:
+    return n.meta["val"]
+
+
+def bucket_gradients(gm: GraphModule, ctx: PassContext, bucket_bytes: int = BUCKET_BYTES) -> GraphModule:
+    """Merge gradient all-reduces into buckets (see module docstring, 2)."""
+    out = output_node(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict[tuple, list[tuple[Node, Node]]] = {}
+    for n in gm.graph.nodes:
+        if not (is_issue(n) and n.target is _fc.all_reduce.default and n.args[1] == "sum"):
+            continue
+        if n.meta.get(PHASE) != Phase.BWD or len(n.users) != 1:
+            continue
+        (w,) = n.users
+        if not is_wait(w) or not _only_returned(w, out):
+            continue
+        val = _fake_of(n.args[0])
+        groups.setdefault((n.args[2], val.dtype, val.device), []).append((n, w))
+    made = merged = 0
+    for members in groups.values():
+        buckets: list[list[tuple[Node, Node]]] = [[]]
+        size = 0
+        for ar, w in sorted(members, key=lambda m: order[m[0]]):
+            nbytes = _fake_of(ar.args[0]).numel() * _fake_of(ar.args[0]).element_size()
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((ar, w))
+            size += nbytes
+        for bucket in buckets:
+            if len(bucket) < 2:
+                continue
+            _make_bucket(gm, bucket)
+            made += 1
+            merged += len(bucket)
+    if made:
+        log.info("bucket_gradients: %d gradient all-reduces merged into %d buckets", merged, made)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _make_bucket(gm: GraphModule, bucket: list[tuple[Node, Node]]) -> None:
+    g = gm.graph
+    last_ar = bucket[-1][0]
+    group = last_ar.args[2]
+    ins = [ar.args[0] for ar, _ in bucket]
+    fake = [_fake_of(i) for i in ins]
+    mode = fake[0].fake_mode if hasattr(fake[0], "fake_mode") else None
+
+    def node(target: Callable, args: tuple, val_fn: Callable) -> Node:
+        n = g.call_function(target, args)
+        n.meta[PHASE] = Phase.BWD
+        if mode is not None:
+            with mode:
+                n.meta["val"] = val_fn()
+        return n
+
+    with g.inserting_before(last_ar):
+        flats = [node(aten.reshape.default, (i, [-1]), lambda f=f: f.reshape(-1)) for i, f in zip(ins, fake)]
+        total = sum(f.numel() for f in fake)
+        cat = node(aten.cat.default, (flats,), lambda: torch.cat([f.reshape(-1) for f in fake]))
+        ar = node(_fc.all_reduce.default, (cat, "sum", group), lambda: cat.meta["val"].clone())
+        w = node(_fc.wait_tensor.default, (ar,), lambda: ar.meta["val"].clone())
+    offset = 0
+    for (old_ar, old_w), f in zip(bucket, fake):
+        with g.inserting_after(w):
+            piece = node(
+                aten.slice.Tensor,
+                (w, 0, offset, offset + f.numel()),
+                lambda o=offset, f=f: w.meta["val"][o : o + f.numel()],
+            )
+        with g.inserting_after(piece):
+            view = node(
+                aten.view.default, (piece, list(f.shape)), lambda p=piece, f=f: p.meta["val"].view(f.shape)
+            )
+        old_w.replace_all_uses_with(view)
+        g.erase_node(old_w)
+        g.erase_node(old_ar)
+        offset += f.numel()
+    assert offset == total
+
+
+# ------------------------------------------------------------------------------------------ 3
+
+
+def _first_use(n: Node, order: dict[Node, int]) -> Node | None:
+    """The first node (in program order) reading the wait that completes issue ``n``."""
+    users = [u for w in n.users for u in w.users]
+    return min(users, key=lambda u: order[u]) if users else None
+
+
+def _hoist(issue: Node, before: Node, order: dict[Node, int]) -> int:
+    """Move ``issue`` and the inputs it alone needs (views of one primal, later than ``before``)
+    so they run just before ``before``. Returns the number of nodes moved."""
+    chain = []
+    stack = [issue]
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function" or order[n] <= order[before]:
+            continue
+        chain.append(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(chain, key=lambda x: order[x]):
+        before.prepend(n)
+    return len(chain)
+
+
+def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Issue each ZeRO-3 gather one layer ahead (see module docstring, 3)."""
+    moved = 0
+    for phase in (Phase.FWD, Phase.BWD):
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        gathers = [g for g in _param_gathers(gm, phase) if _first_use(g, order) is not None]
+        gathers.sort(key=lambda g: order[_first_use(g, order)])
+        for prev, cur in itertools.pairwise(gathers):
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            target = _first_use(prev, order)
+            if target is not None and order[cur] > order[target]:
+                moved += _hoist(cur, target, order)
+    if moved:
+        log.info("prefetch_params: %d nodes moved to gather parameters one layer ahead", moved)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ------------------------------------------------------------------------------------------ 4
+
+
+def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Issue collectives early and wait late (see module docstring, 4)."""
+    param_gathers = set(_param_gathers(gm, Phase.FWD)) | set(_param_gathers(gm, Phase.BWD))
+    raised = sunk = 0
+    # Issue early: right after the producer of the issue's tensor input.
+    for n in list(gm.graph.nodes):
+        if not is_issue(n) or n in param_gathers:
+            continue
+        src = n.args[0]
+        if isinstance(src, Node) and src.op != "placeholder" and src.next is not n:
+            src.append(n)
+            raised += 1
+    # Wait late: right before the first user.
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for w in [n for n in gm.graph.nodes if is_wait(n)]:
+        if not w.users:
+            continue
+        first = min(w.users, key=lambda u: order[u])
+        if w.next is not first:
+            first.prepend(w)
+            sunk += 1
+    if raised or sunk:
+        log.info("sink_waits: %d collectives issued earlier, %d waits moved later", raised, sunk)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+RANK_PASSES = (regather_zero3_params, bucket_gradients, prefetch_params, sink_waits)
+"""The rank-program passes, in order (data: ``PlanConfig.disable`` turns any off by name)."""

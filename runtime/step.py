@@ -1,0 +1,205 @@
+"""Running a rank's whole training step: the forward and backward programs split from the joint
+program (``autopar.passes.joint``), joined to the user's autograd by one ``autograd.Function``.
+
+``StepProgram`` holds the three graphs — the joint program (what ``pm.code`` prints), and the
+forward and backward programs it was partitioned into — and what binds them: which outputs take a
+tangent, which inputs get a gradient. ``run_step(step, primals)`` runs the forward program and
+returns its outputs; when the user calls ``backward()`` on them, the backward program runs with
+the saved values and the incoming gradients, and the parameter gradients it returns flow into
+``.grad`` as autograd's own would (accumulating across calls).
+
+Collectives in these programs are graph nodes, so how many run per step is read off the graphs
+(``collective_tally``) and added to each axis's ``counts`` every time a program runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule
+
+from autopar.runtime.collectives import AxisGroup
+
+__all__ = ["FUNCTIONAL_COLLECTIVES", "StepProgram", "StepTimes", "WaitClock", "collective_tally", "run_step"]
+
+_fc = torch.ops._c10d_functional
+FUNCTIONAL_COLLECTIVES = {
+    _fc.all_reduce.default: "all_reduce",
+    _fc.all_gather_into_tensor.default: "all_gather",
+    _fc.reduce_scatter_tensor.default: "reduce_scatter",
+    _fc.all_to_all_single.default: "all_to_all",
+}
+"""Collective ops of a traced program and the kind each is counted as."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCall:
+    """One collective node of a program: its kind, mesh axis, direction and size."""
+
+    kind: str
+    axis: int
+    direction: str
+    """``fwd`` (forward program) or ``bwd`` (backward program)."""
+    numel: int
+    """Elements of its input (an all-gather: the local piece)."""
+
+
+def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str) -> list[CollectiveCall]:
+    """Every collective node of ``gm`` in program order."""
+    by_group = {ax.group_name: ax.axis for ax in axes}
+    out = []
+    for n in gm.graph.nodes:
+        kind = FUNCTIONAL_COLLECTIVES.get(n.target) if n.op == "call_function" else None
+        if kind is None:
+            continue
+        group = next((a for a in n.args if isinstance(a, str) and a in by_group), None)
+        inp = n.args[0]
+        val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
+        numel = val.numel() if isinstance(val, torch.Tensor) else 0
+        out.append(CollectiveCall(kind, by_group.get(group, -1), direction, numel))
+    return out
+
+
+class WaitClock:
+    """Seconds this rank spent blocked in ``wait_tensor`` (exposed communication) and when the
+    current step started; read and reset per step."""
+
+    def __init__(self) -> None:
+        self.waiting = 0.0
+        self.started = 0.0
+
+
+def timed_wait(x: torch.Tensor, clock: WaitClock) -> torch.Tensor:
+    """``wait_tensor`` that adds the time it blocks to ``clock``."""
+    t0 = time.perf_counter()
+    y = _fc.wait_tensor(x)
+    clock.waiting += time.perf_counter() - t0
+    return y
+
+
+def _timed_copy(gm: GraphModule, clock: WaitClock) -> GraphModule:
+    """A copy of ``gm`` whose waits record into ``clock``."""
+    new = copy.deepcopy(gm)
+    new._wait_clock = clock
+    attr = None
+    for n in list(new.graph.nodes):
+        if n.op == "call_function" and n.target is _fc.wait_tensor.default:
+            if attr is None:
+                first = next(m for m in new.graph.nodes if m.op != "placeholder")
+                with new.graph.inserting_before(first):
+                    attr = new.graph.get_attr("_wait_clock")
+            n.target = timed_wait
+            n.args = (n.args[0], attr)
+    new.recompile()
+    return new
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """Measured on one rank for one training step (forward call to the end of backward)."""
+
+    step: float
+    """Seconds from the forward call to the end of the backward program."""
+    exposed_comm: float
+    """Seconds blocked waiting for collectives (communication not hidden behind compute)."""
+
+    @property
+    def compute(self) -> float:
+        """The rest: compute, and Python and launch overhead."""
+        return self.step - self.exposed_comm
+
+
+@dataclass(eq=False)
+class StepProgram:
+    """A rank's training step as programs (see module docstring)."""
+
+    joint: GraphModule
+    """Forward and backward as one graph: ``(primals…, tangents…) -> (outputs…, gradients…)``."""
+    forward: GraphModule
+    """``primals -> (outputs…, saved…)``."""
+    backward: GraphModule
+    """``(saved…, tangents…) -> gradients``."""
+    num_outputs: int
+    grad_primals: tuple[int, ...]
+    """Primal indices that receive the backward program's gradients, in order."""
+    tangent_outputs: tuple[int, ...]
+    """Output indices whose gradients the backward program takes, in order."""
+    passes: tuple[str, ...] = ()
+    """The rank-program passes that ran, in order (with what each changed, in the log)."""
+    calls: dict[str, list[CollectiveCall]] = field(default_factory=dict)
+    """Collectives per direction (filled by ``bind``)."""
+    axes: list[AxisGroup] = field(default_factory=list)
+    clock: WaitClock | None = None
+    """Set by ``enable_timing``: waits are timed and every step's ``StepTimes`` recorded."""
+    times: list[StepTimes] = field(default_factory=list)
+    """``StepTimes`` of the steps run since ``enable_timing``."""
+
+    def enable_timing(self) -> None:
+        """Time every following step (waits timed: a few microseconds each)."""
+        if self.clock is None:
+            self.clock = WaitClock()
+            self._untimed = (self.forward, self.backward)
+            self.forward = _timed_copy(self.forward, self.clock)
+            self.backward = _timed_copy(self.backward, self.clock)
+
+    def bind(self, axes: Sequence[AxisGroup]) -> None:
+        """Attach this rank's axes (for counting) and tally the programs' collectives."""
+        self.axes = list(axes)
+        self.calls = {
+            "fwd": collective_tally(self.forward, axes, "fwd"),
+            "bwd": collective_tally(self.backward, axes, "bwd"),
+        }
+
+    def count(self, direction: str) -> None:
+        for c in self.calls.get(direction, ()):
+            if 0 <= c.axis < len(self.axes):
+                self.axes[c.axis].counts[f"{c.kind}/{direction}"] += 1
+
+
+class _RunStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: StepProgram, *primals: torch.Tensor):  # type: ignore[override]
+        if step.clock is not None:
+            step.clock.waiting = 0.0
+            step.clock.started = time.perf_counter()
+        res = step.forward(*primals)
+        step.count("fwd")
+        outs, saved = res[: step.num_outputs], res[step.num_outputs :]
+        ctx.step = step
+        ctx.num_primals = len(primals)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
+        ctx.save_for_backward(*saved)
+        tangent = set(step.tangent_outputs)
+        ctx.mark_non_differentiable(
+            *[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in tangent]
+        )
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs: torch.Tensor | None):  # type: ignore[override]
+        step: StepProgram = ctx.step
+        tangents = []
+        for i in step.tangent_outputs:
+            g = grad_outs[i]
+            if g is None:
+                shape, dtype, device = ctx.out_meta[i]
+                g = torch.zeros(shape, dtype=dtype, device=device)
+            tangents.append(g.contiguous())
+        grads = step.backward(*ctx.saved_tensors, *tangents)
+        step.count("bwd")
+        if step.clock is not None:
+            clock = step.clock
+            step.times.append(StepTimes(step=time.perf_counter() - clock.started, exposed_comm=clock.waiting))
+        result: list[torch.Tensor | None] = [None] * ctx.num_primals
+        for i, g in zip(step.grad_primals, grads):
+            result[i] = g
+        return (None, *result)
+
+
+def run_step(step: StepProgram, primals: Sequence[object]) -> tuple:
+    """Run the forward program on ``primals`` under autograd (see module docstring)."""
+    return _RunStep.apply(step, *primals)
