@@ -123,7 +123,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
     shape = (args.layers, args.hidden, args.seq, args.batch)
-    print(f"GPT {args.layers} layers × {args.hidden}, batch {args.batch} × {args.seq}; median of {args.steps} steps")
+    print(
+        f"GPT {args.layers} layers × {args.hidden}, batch {args.batch} × {args.seq}; median of {args.steps} steps"
+    )
     print(
         f"{'world':>5} {'layout':>6} {'step off':>10} {'step on':>10} {'ratio':>6} "
         f"{'exposed off':>12} {'exposed on':>11} {'comm share':>10} {'hidden':>7}"

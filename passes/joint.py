@@ -176,7 +176,9 @@ def mutates(n: Node) -> bool:
     """True for an op that writes into one of its arguments (``add_``, a training ``batch_norm``
     updating its running statistics)."""
     schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 def _forward_mutations(gm: GraphModule, num_primals: int) -> list[Node]:
