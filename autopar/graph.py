@@ -32,6 +32,7 @@ __all__ = [
     "op_family",
     "op_info",
     "op_name",
+    "outer_instance",
     "tensor_inputs",
     "tensor_outputs",
 ]
@@ -183,6 +184,17 @@ def op_info(node_or_name: Node | str) -> OpInfo:
 
 def op_family(node: Node) -> OpFamily:
     return op_info(node).family
+
+
+def outer_instance(path: str) -> str:
+    """The outermost repeated-module instance a module path lies in: ``transformer.h.3`` for
+    ``transformer.h.3.attn.c_proj`` (the path up to its first numeric component); the path itself
+    when it lies in no repeated module."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
 
 
 def is_tensor_node(n: Node) -> bool:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule, Node
 
+from autopar.graph import outer_instance
 from autopar.passes import PassContext
 from autopar.passes.joint import PHASE, RANK, Phase, output_node
 from autopar.passes.recompute import recompute_in_backward
@@ -253,26 +254,77 @@ def _hoist(issue: Node, before: Node, order: dict[Node, int]) -> int:
     return len(chain)
 
 
+def _layer_of_gather(gm: GraphModule, gather: Node, src: dict[Node, frozenset[Node]]) -> str:
+    """The layer a parameter gather belongs to: the outermost repeated module holding the
+    parameter (``blocks.3``), or the parameter's own module outside repeated layers."""
+    info = gm.meta[RANK]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (p,) = src[gather]
+    name = info.primals[phs.index(p)].name
+    return outer_instance(name.rsplit(".", 1)[0] if "." in name else name)
+
+
 def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Issue each ZeRO-3 gather one layer ahead (see module docstring, 3)."""
+    """Issue each layer's ZeRO-3 gathers while the previous layer computes (see module
+    docstring, 3): gathers are grouped by layer, and the groups ordered by first use."""
     moved = 0
+    src = _primal_sources(gm)
     for phase in (Phase.FWD, Phase.BWD):
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        gathers = [g for g in _param_gathers(gm, phase) if _first_use(g, order) is not None]
-        gathers.sort(key=lambda g: order[_first_use(g, order)])
-        for prev, cur in itertools.pairwise(gathers):
+        groups: dict[str, list[Node]] = {}
+        for g in _param_gathers(gm, phase):
+            if _first_use(g, order) is not None:
+                groups.setdefault(_layer_of_gather(gm, g, src), []).append(g)
+        layers = sorted(groups.values(), key=lambda gs: min(order[_first_use(g, order)] for g in gs))
+        for prev, cur in itertools.pairwise(layers):
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            target = _first_use(prev, order)
-            if target is not None and order[cur] > order[target]:
-                moved += _hoist(cur, target, order)
+            target = min((_first_use(g, order) for g in prev), key=lambda u: order[u])
+            for g in sorted(cur, key=lambda g: order[g]):
+                order = {n: i for i, n in enumerate(gm.graph.nodes)}
+                if order[g] > order[target]:
+                    moved += _hoist(g, target, order)
     if moved:
-        log.info("prefetch_params: %d nodes moved to gather parameters one layer ahead", moved)
+        log.info("prefetch_params: %d nodes moved to gather each layer's parameters one layer ahead", moved)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
 # ------------------------------------------------------------------------------------------ 4
+
+
+_TAIL_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.t.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.slice.Tensor,
+    aten.cat.default,
+}
+
+
+def _returned_tail(w: Node, out: Node) -> set[Node] | None:
+    """The nodes between ``w`` and the output when ``w``'s value is only returned, through
+    layout-only ops each reading nothing but the tail (else None)."""
+    tail: set[Node] = set()
+    stack = [w]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u is out:
+                continue
+            if u.op != "call_function" or u.target not in _TAIL_OPS:
+                return None
+            if any(i is not w and i not in tail and i is not n for i in u.all_input_nodes):
+                return None
+            if u not in tail:
+                tail.add(u)
+                stack.append(u)
+    return tail
 
 
 def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -287,10 +339,18 @@ def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if isinstance(src, Node) and src.op != "placeholder" and src.next is not n:
             src.append(n)
             raised += 1
-    # Wait late: right before the first user.
+    # Wait late: right before the first user; a wait whose value is only returned (through views
+    # and copies: a gradient's reduce-scatter) goes to the end with that tail.
+    out = output_node(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for w in [n for n in gm.graph.nodes if is_wait(n)]:
         if not w.users:
+            continue
+        tail = _returned_tail(w, out)
+        if tail is not None:
+            for n in [w, *sorted(tail, key=lambda x: order[x])]:
+                out.prepend(n)
+            sunk += 1
             continue
         first = min(w.users, key=lambda u: order[u])
         if w.next is not first:

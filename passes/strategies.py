@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.cost.compute import roofline_time
 from autopar.cost.memory import training_state_bytes
-from autopar.graph import op_info, op_name, tensor_inputs, tensor_outputs
+from autopar.graph import op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, value_is_saved
@@ -61,16 +61,8 @@ def _pattern(path: str) -> str:
     return re.sub(r"\.(\d+)(?=\.|$)", ".*", path)
 
 
-def _outer_instance(path: str) -> str:
-    parts = path.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return path
-
-
 def _outer_pattern(path: str) -> str:
-    inst = _outer_instance(path)
+    inst = outer_instance(path)
     return _pattern(inst)
 
 
@@ -205,7 +197,7 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is not None and info.module:
-            inst = _outer_instance(info.module)
+            inst = outer_instance(info.module)
             ordinal[node] = counters[inst]
             counters[inst] += 1
     cache: dict[tuple, NodeStrategies] = {}

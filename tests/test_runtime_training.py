@@ -39,7 +39,11 @@ def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dic
     results: dict[str, dict[str, Any]] = {}
     for mode, plan in plans.items():
         pm = autopar.parallelize(model, cluster, inputs, plan=plan)
-        res: dict[str, Any] = {"mesh": tuple(pm.plan.mesh_shape), "plan_inputs": dict(pm.plan.inputs)}
+        res: dict[str, Any] = {
+            "mesh": tuple(pm.plan.mesh_shape),
+            "plan_inputs": dict(pm.plan.inputs),
+            "captured": pm.step is not None,
+        }
         for optimizer in ("adamw", "sgd"):
             pm.load_full_state_dict(initial)
             losses = H.train(pm, inputs, H.make_optimizer(optimizer, pm.parameters()))
@@ -96,6 +100,7 @@ def test_training_matches_one_process(kind: str, world: int) -> None:
     assert not problems, "\n".join(problems)
 
     res = results[0]
+    assert all(r["captured"] for r in res.values()), {m: r["captured"] for m, r in res.items()}
     assert math.prod(res["auto"]["mesh"]) == world
     assert "lm_head.weight" in res["auto"]["adamw"][1]  # tied to the embedding in GPT-2 and our GPT
     # ZeRO-3 gathers a parameter again in backward where the op that used it saved it (a matmul);
