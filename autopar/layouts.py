@@ -42,8 +42,10 @@ from autopar.planner import plan_captured
 
 __all__ = ["megatron", "megatron_weight_roles"]
 
-_MATMUL = {"linear", "addmm", "mm", "matmul"}
-"""The 2-D matmuls a weight enters as a plain matrix (bmm/baddbmm take batched weights)."""
+
+def _is_weight_matmul(node: Node) -> bool:
+    """A matmul a weight can enter as a plain matrix (``bmm``/``baddbmm`` take batched operands)."""
+    return op_family(node) is OpFamily.MATMUL and op_name(node) not in ("bmm", "baddbmm")
 
 
 def _is_norm(node: Node) -> bool:
@@ -87,7 +89,7 @@ def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:
         name = op_name(n)
         if _is_norm(n):
             norm = True
-        w, b, out_d, in_d = _weight_of(n) if name in _MATMUL else (None, None, 0, 0)
+        w, b, out_d, in_d = _weight_of(n) if _is_weight_matmul(n) else (None, None, 0, 0)
         if w is not None:
             x = n.args[1] if name == "addmm" else n.args[0]
             xu, xnorm = upstream.get(x, (frozenset(), False))
@@ -199,7 +201,7 @@ def residual_adds(graph: torch.fx.Graph, roles: dict[str, str]) -> set[Node]:
     """
     out: set[Node] = set()
     for n in graph.nodes:
-        if n.op != "call_function" or op_name(n) not in _MATMUL:
+        if not _is_weight_matmul(n):
             continue
         w, _, _, _ = _weight_of(n)
         if w is None or not roles.get(w.meta[TENSOR].fqn, "").startswith("row"):

@@ -33,7 +33,7 @@ from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
 from autopar.placement import Replicate, Spec, format_spec, parse_spec
-from autopar.reshard import bucketed_grad_sync
+from autopar.reshard import bucketed_grad_sync, grad_sync_axes
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
 __all__ = ["STRATEGY_GRAPH", "formulate", "parse_fixed"]
@@ -104,7 +104,8 @@ def _dst_key(s: Strategy, j: int) -> tuple:
     spec = s.inputs[j]
     if spec is None:
         return (None, ())
-    return (spec, tuple(sp and isinstance(p, Replicate) for sp, p in zip(s.split, spec)))
+    axes = grad_sync_axes(s.split, spec)
+    return (spec, tuple(a in axes for a in range(len(spec))))
 
 
 class _Builder:

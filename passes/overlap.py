@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.graph import outer_instance
+from autopar.graph import OpFamily, op_family, op_info, outer_instance
 from autopar.passes import PassContext
 from autopar.passes.joint import PHASE, RANK, Phase, output_node
 from autopar.passes.recompute import recompute_in_backward
@@ -55,7 +55,6 @@ BUCKET_BYTES = 25 * 1024 * 1024
 
 aten = torch.ops.aten
 _fc = torch.ops._c10d_functional
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default}
 
 
 def is_issue(n: Node) -> bool:
@@ -139,7 +138,7 @@ def _only_returned(n: Node, out: Node) -> bool:
     for u in n.users:
         if u is out:
             continue
-        if u.op == "call_function" and u.target in _VIEWS and _only_returned(u, out):
+        if _layout_only(u) and _only_returned(u, out):
             continue
         return False
     return True
@@ -293,18 +292,10 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
 # ------------------------------------------------------------------------------------------ 4
 
 
-_TAIL_OPS = {
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.t.default,
-    aten.permute.default,
-    aten.transpose.int,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.slice.Tensor,
-    aten.cat.default,
-}
+def _layout_only(n: Node) -> bool:
+    """Ops that only view, copy or rearrange their input (the op table's view family and
+    identity-like ops)."""
+    return n.op == "call_function" and (op_family(n) is OpFamily.VIEW or op_info(n).identity_like)
 
 
 def _returned_tail(w: Node, out: Node) -> set[Node] | None:
@@ -317,7 +308,7 @@ def _returned_tail(w: Node, out: Node) -> set[Node] | None:
         for u in n.users:
             if u is out:
                 continue
-            if u.op != "call_function" or u.target not in _TAIL_OPS:
+            if not _layout_only(u):
                 return None
             if any(i is not w and i not in tail and i is not n for i in u.all_input_nodes):
                 return None
