@@ -22,6 +22,7 @@ from autopar.runtime.module import (
     device_for_backend,
     mesh_axes,
 )
+from autopar.runtime.monitor import DEFAULT_TIMEOUT
 
 __all__ = ["parallelize", "plan"]
 
@@ -57,6 +58,8 @@ def parallelize(
     config: PlanConfig | None = None,
     gather_outputs: bool = True,
     local_inputs: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    check_inputs: str | None = None,
     **options: Any,
 ) -> ParallelModule:
     """This rank's module. Call on every rank after ``torch.distributed.init_process_group``.
@@ -66,6 +69,9 @@ def parallelize(
     fields given as keywords, e.g. ``memory_budget``) and broadcasts the plan, so the other ranks
     never import the solver. ``gather_outputs=False`` returns non-scalar outputs as local shards.
     ``local_inputs=True``: each rank passes its own shard of every input (``pm.input_specs``).
+    ``timeout``: seconds a collective may wait for its peers before the step fails with an error
+    naming the rank that stopped (``autopar.runtime.monitor``). ``check_inputs="hash"``: verify
+    every call that all ranks were given the same global batch (one small all-gather).
     """
     import torch.distributed as dist
 
@@ -81,9 +87,21 @@ def parallelize(
         # group's threads are running) and impossible under a daemonic launcher (``spawn``).
         plan = broadcast_plan(lambda: plan_captured(cap, cluster, config.replace(workers=1)))
     device = device_for_backend(dist.get_backend())
-    axes = mesh_axes(plan, device)
+    axes, device_mesh, world_group = mesh_axes(plan, device, timeout)
     program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
-    pm = ParallelModule(program, plan, cap, axes, model, device, local_inputs=local_inputs)
+    pm = ParallelModule(
+        program,
+        plan,
+        cap,
+        axes,
+        model,
+        device,
+        local_inputs=local_inputs,
+        device_mesh=device_mesh,
+        world_group=world_group,
+        timeout=timeout,
+        check_inputs=check_inputs,
+    )
     _capture_step(pm, plan, cluster, config, example_inputs)
     return pm
 

@@ -24,11 +24,30 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["CaptureError", "Captured", "capture", "input_paths", "normalize_inputs"]
+__all__ = [
+    "CaptureError",
+    "Captured",
+    "IndexBound",
+    "capture",
+    "index_bounds",
+    "input_paths",
+    "normalize_inputs",
+]
 
 
 class CaptureError(RuntimeError):
     """The model could not be exported; the message names the module or op and suggests a fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexBound:
+    """A user input used as indices: valid values are ``0 <= v < bound`` (or ``ignore``)."""
+
+    bound: int
+    ignore: int | None
+    """A value allowed besides the range (cross-entropy's ``ignore_index``), or None."""
+    what: str
+    """What the values index, for messages: ``"the embedding table (64 rows)"``."""
 
 
 @dataclass
@@ -52,6 +71,9 @@ class Captured:
     """placeholder name -> lifted constant tensor."""
     fingerprint: str = ""
     """Hash of the graph's ops and shapes: a Plan records it to refuse a mismatched model."""
+    index_inputs: dict[str, list[IndexBound]] = field(default_factory=dict)
+    """User input path -> the ranges its values must lie in (``index_bounds``): sharded lookups
+    and losses would silently mask ids the single-device model rejects, so the runtime checks."""
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -172,6 +194,7 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
         constants=constants,
     )
     cap.fingerprint = graph_fingerprint(gm.graph)
+    cap.index_inputs = index_bounds(gm.graph, inputs)
     return cap
 
 
@@ -214,3 +237,45 @@ def graph_fingerprint(graph: torch.fx.Graph) -> str:
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ""
         h.update(f"{n.op}|{n.name}|{n.target}|{shape}\n".encode())
     return h.hexdigest()[:16]
+
+
+def index_bounds(graph: torch.fx.Graph, inputs: dict[str, str]) -> dict[str, list[IndexBound]]:
+    """For each user input (placeholder name -> path in ``inputs``) that reaches, through views and
+    casts, the indices of an ``embedding`` or the targets of a cross-entropy/NLL loss: the range
+    its values must lie in."""
+    from autopar.graph import OpFamily, op_info, op_name
+
+    out: dict[str, list[IndexBound]] = {}
+    for ph in graph.nodes:
+        if ph.op != "placeholder" or ph.name not in inputs:
+            continue
+        bounds: list[IndexBound] = []
+        frontier, seen = [ph], set()
+        while frontier:
+            n = frontier.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for u in n.users:
+                name = op_name(u)
+                info = op_info(u)
+                if name == "embedding" and len(u.args) > 1 and u.args[1] is n:
+                    rows = int(u.args[0].meta["val"].shape[0])
+                    bounds.append(IndexBound(rows, None, f"the embedding table ({rows} rows)"))
+                elif (
+                    info.family is OpFamily.LOSS and name != "mse_loss" and len(u.args) > 1 and u.args[1] is n
+                ):
+                    logits = u.args[0].meta["val"]
+                    classes = int(logits.shape[1] if logits.dim() > 1 else logits.shape[0])
+                    ignore = u.args[4] if len(u.args) > 4 else u.kwargs.get("ignore_index", -100)
+                    bounds.append(IndexBound(classes, int(ignore), f"the loss's {classes} classes"))
+                elif (
+                    u.op == "call_function"
+                    and (info.family is OpFamily.VIEW or info.identity_like)
+                    and isinstance(u.args[0], torch.fx.Node)
+                    and u.args[0] is n
+                ):
+                    frontier.append(u)
+        if bounds:
+            out[inputs[ph.name]] = sorted(set(bounds), key=lambda b: (b.bound, b.what))
+    return out

@@ -2,16 +2,22 @@
 
 Used by the tests, the demo and the benchmarks to emulate N devices on one machine. Each process
 sets one compute thread (so timings are not skewed by oversubscription), joins a gloo group
-through a TCP store on a free local port, runs ``fn(rank, world_size, *args)`` and sends back its
-return value or its traceback. ``timeout`` bounds the whole run: on expiry every process is killed
-and ``TimeoutError`` names the ranks that had not finished, so a crash or deadlock never hangs.
+through a TCP store on a free local port (its collectives time out after ``pg_timeout`` seconds),
+runs ``fn(rank, world_size, *args)`` and sends back its return value or its traceback. ``timeout``
+bounds the whole run: on expiry every process is killed and ``TimeoutError`` names the ranks that
+had not finished, so a crash or deadlock never hangs. When a rank fails, the error names first
+the ranks that died without reporting (their signal or exit code: the likely cause), then the
+rank whose error arrived first.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import queue
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +25,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from autopar.runtime.monitor import GRACE
+
 __all__ = ["spawn"]
+
+SETTLE = GRACE + 4.0
+"""Seconds ``spawn`` keeps collecting after the first failure: the survivors' errors come after
+their grace period (``autopar.runtime.monitor.GRACE``), and they name the cause."""
 
 
 def _free_port() -> int:
@@ -28,14 +40,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, threads: int, fn: Callable, args: tuple, q: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, threads: int, pg_timeout: float, fn: Callable, args: tuple, q: Any
+) -> None:
     try:
         torch.set_num_threads(threads)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)
+        import datetime
+
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         try:
             result = fn(rank, world, *args)
         finally:
@@ -47,50 +69,98 @@ def _worker(rank: int, world: int, port: int, threads: int, fn: Callable, args: 
         q.put((rank, "error", traceback.format_exc()))
 
 
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _failure(errors: dict[int, str], procs: list, results: dict[int, Any], order: list[int]) -> RuntimeError:
+    """The error ``spawn`` raises: ranks that died without reporting first, then the reports."""
+    silent = [
+        r for r, p in enumerate(procs) if r not in errors and r not in results and p.exitcode not in (None, 0)
+    ]
+    parts = [
+        f"spawn: rank {r} died without reporting an error: {_exit_reason(procs[r].exitcode)}" for r in silent
+    ]
+    for i, r in enumerate(order):
+        text = errors[r].rstrip()
+        if i == 0:
+            parts.append(f"rank {r} failed{' afterwards' if silent else ''}:\n{text}")
+        else:
+            parts.append(f"rank {r} failed too: {text.splitlines()[-1] if text else ''}")
+    return RuntimeError("\n".join(parts))
+
+
 def spawn(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int = 1,
+    pg_timeout: float = 1800.0,
+    settle: float = SETTLE,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
-    ``fn`` must be importable (a module-level function). Raises ``RuntimeError`` with the failing
-    rank's traceback, or ``TimeoutError`` after ``timeout`` seconds.
+    ``fn`` must be importable (a module-level function). ``pg_timeout``: seconds a collective of the
+    default process group waits for its peers. ``settle``: seconds to keep collecting the other
+    ranks' errors after the first failure (they name its cause). Raises ``RuntimeError`` naming
+    the rank that died or failed (see module docstring), or ``TimeoutError`` after ``timeout``.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, args, q), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, threads, pg_timeout, fn, args, q), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    import queue
-    import time
-
+    errors: dict[int, str] = {}
+    order: list[int] = []
     deadline = time.monotonic() + timeout
+    settle_until: float | None = None  # after a failure: a moment for the other ranks' fates to show
     try:
-        while len(results) < world_size:
-            left = deadline - time.monotonic()
+        while len(results) + len(errors) < world_size:
+            now = time.monotonic()
+            if settle_until is not None and now >= settle_until:
+                break
+            left = deadline - now
             if left <= 0:
+                if errors:
+                    break
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(f"spawn: ranks {missing} did not finish within {timeout:.0f} s")
             try:
-                rank, status, value = q.get(timeout=min(left, 1.0))
+                rank, status, value = q.get(timeout=min(left, 0.2))
             except queue.Empty:
                 dead = [
                     r
                     for r, p in enumerate(procs)
-                    if not p.is_alive() and r not in results and p.exitcode not in (0, None)
+                    if not p.is_alive()
+                    and r not in results
+                    and r not in errors
+                    and p.exitcode not in (0, None)
                 ]
-                if dead:
-                    raise RuntimeError(
-                        f"spawn: rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-                    ) from None
+                if dead and settle_until is None:
+                    settle_until = time.monotonic() + settle
                 continue
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                errors[rank] = value
+                order.append(rank)
+                if settle_until is None:
+                    settle_until = time.monotonic() + settle
+                continue
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        if errors or len(results) < world_size:
+            raise _failure(errors, procs, results, order)
     finally:
         for p in procs:
             if p.is_alive():

@@ -25,6 +25,7 @@ Data-parallel weight gradients are all-reduced in buckets while backward runs
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ from autopar.planfile import Plan
 from autopar.reshard import reshard_steps
 from autopar.runtime import collectives as C
 from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.compat import all_gather_into
+from autopar.runtime.monitor import DEFAULT_TIMEOUT, StepMonitor
 from autopar.runtime.step import StepProgram, run_step
 
 __all__ = [
@@ -115,8 +118,15 @@ class ParallelModule(nn.Module):
         model: nn.Module,
         device: torch.device,
         local_inputs: bool = False,
+        *,
+        device_mesh: Any = None,
+        world_group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        check_inputs: str | None = None,
     ) -> None:
         super().__init__()
+        if check_inputs not in (None, "hash"):
+            raise ValueError(f"check_inputs must be None or 'hash', got {check_inputs!r}")
         self.program = program
         self.plan = plan
         self.captured = cap
@@ -132,6 +142,11 @@ class ParallelModule(nn.Module):
         self._bindings: list[tuple[str, str]] = []
         self._specs: dict[str, Spec] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self.index_inputs = dict(cap.index_inputs)
+        """User input path -> the ranges its values must lie in (checked every call)."""
+        self.check_inputs = check_inputs
+        """``"hash"``: check every rank got the same global batch (one small all-gather per call)."""
         self.input_specs: dict[str, tuple[str, ...]] = {}
         """User input path -> spec each rank's input shard has (for ``local_inputs=True``)."""
         full_params = dict(model.named_parameters())
@@ -171,6 +186,8 @@ class ParallelModule(nn.Module):
                 path = cap.inputs[name]
                 self._specs["input:" + path], self._shapes["input:" + path] = spec, shape
                 self.input_specs[path] = tuple(str(p) for p in spec)
+                if isinstance(val, torch.Tensor):
+                    self._dtypes["input:" + path] = val.dtype
                 self._bindings.append(("input", path))
             elif name in cap.constants:
                 self._bindings.append(("const", name))
@@ -179,6 +196,15 @@ class ParallelModule(nn.Module):
         self._constants = dict(cap.constants)
         self._aliases = {a: first for first, names in cap.param_aliases.items() for a in names}
         self._state_keys = list(model.state_dict().keys())
+        self.device_mesh = device_mesh
+        """The ``torch.distributed.DeviceMesh`` over this module's axis groups (DTensor checkpoints)."""
+        self.world_group = world_group
+        """A process group of every rank with this module's collective timeout (input checks)."""
+        self.monitor = StepMonitor(
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            world=dist.get_world_size() if dist.is_initialized() else 1,
+            timeout=timeout,
+        )
         self.step: StepProgram | None = None
         """The whole training step as forward and backward programs (``set_step``); without one,
         the forward program runs under autograd."""
@@ -201,9 +227,12 @@ class ParallelModule(nn.Module):
                 out[path] = local_shard(leaf, self._specs[key], self._mesh, self._coord)
         return out
 
-    def primal_values(self, args: tuple, kwargs: dict, local_inputs: bool | None = None) -> list[Any]:
+    def primal_values(
+        self, args: tuple, kwargs: dict, local_inputs: bool | None = None, check: bool = True
+    ) -> list[Any]:
         """The program's inputs for one call: this rank's parameters and buffers, constants, and
-        each user input (cut to this rank's shard unless ``local_inputs``)."""
+        each user input (cut to this rank's shard unless ``local_inputs``), checked against the plan
+        (dtype, shape, index ranges; with ``check_inputs="hash"``, the same batch on every rank)."""
         local_inputs = self.local_inputs if local_inputs is None else local_inputs
         leaves = _leaves_by_path(args, kwargs)
         values = []
@@ -220,17 +249,97 @@ class ParallelModule(nn.Module):
                     )
                 x = leaves[key]
                 if isinstance(x, torch.Tensor):
+                    self._check_input(key, x, local_inputs)
                     if not local_inputs:
-                        want = self._shapes["input:" + key]
-                        if tuple(x.shape) != want:
-                            raise ValueError(
-                                f"input {key!r} has shape {tuple(x.shape)} but the plan was made for the global "
-                                f"batch shape {want}; plan again for this shape, or pass local_inputs=True with shards"
-                            )
                         x = local_shard(x, self._specs["input:" + key], self._mesh, self._coord)
                     x = x.to(self.device)
                 values.append(x)
+        if check and self.index_inputs:
+            self._check_indices(leaves, local_inputs)
+        if check and self.check_inputs == "hash":
+            self._check_same_batch(leaves)
         return values
+
+    def _check_input(self, key: str, x: torch.Tensor, local_inputs: bool) -> None:
+        """dtype and shape against the plan (the global batch, or this rank's shard of it)."""
+        spec, shape = self._specs["input:" + key], self._shapes["input:" + key]
+        dtype = self._dtypes.get("input:" + key)
+        if dtype is not None and x.dtype != dtype:
+            raise TypeError(
+                f"input {key!r} has dtype {x.dtype} but the plan was made for {dtype}; convert it, or plan again"
+            )
+        if local_inputs:
+            want = local_shape(shape, spec, self._mesh)
+            if tuple(x.shape) != want:
+                raise ValueError(
+                    f"input {key!r} has shape {tuple(x.shape)} but this rank's shard of the global batch {shape} "
+                    f"laid out {tuple(str(p) for p in spec)} is {want} (pm.shard_inputs cuts a global batch)"
+                )
+        elif tuple(x.shape) != shape:
+            raise ValueError(
+                f"input {key!r} has shape {tuple(x.shape)} but the plan was made for the global "
+                f"batch shape {shape}; plan again for this shape, or pass local_inputs=True with shards"
+            )
+
+    def _check_indices(self, leaves: dict[str, Any], local_inputs: bool) -> None:
+        """Ids and targets in range, as the single-device model requires (a sharded lookup or loss
+        would mask them silently). With local inputs every rank learns whether any rank's shard
+        is out of range (one small all-gather), so all of them raise."""
+        problem = ""
+        for key, bounds in self.index_inputs.items():
+            x = leaves.get(key)
+            if not isinstance(x, torch.Tensor) or x.numel() == 0:
+                continue
+            for b in bounds:
+                bad = (x < 0) | (x >= b.bound)
+                if b.ignore is not None:
+                    bad &= x != b.ignore
+                if bool(bad.any()):
+                    v = int(x[bad].flatten()[0])
+                    allowed = f"0 ≤ id < {b.bound}" + (
+                        f" (or {b.ignore}, ignored)" if b.ignore is not None else ""
+                    )
+                    problem = (
+                        f"input {key!r} holds {v}, out of range for {b.what}: {allowed}; the single-device model "
+                        f"raises IndexError here"
+                    )
+                    break
+            if problem:
+                break
+        if local_inputs and dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+            mine = torch.tensor([1 if problem else 0], dtype=torch.int32)
+            all_gather_into(flags, mine, self.world_group)
+            bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
+            if bad_ranks and not problem:
+                problem = (
+                    f"rank(s) {bad_ranks} received ids out of range (see their errors); every rank stops"
+                )
+        if problem:
+            raise IndexError(problem)
+
+    def _check_same_batch(self, leaves: dict[str, Any]) -> None:
+        """``check_inputs="hash"``: every rank got the same global batch (a fingerprint of each
+        input, all-gathered), else an error on every rank naming the ranks that differ."""
+        if not dist.is_initialized() or dist.get_world_size() == 1 or self.local_inputs:
+            return
+        prints = []
+        for key in sorted(k for k in leaves if "input:" + k in self._specs):
+            x = leaves[key]
+            if isinstance(x, torch.Tensor):
+                v = x.detach().reshape(-1).to(torch.float64).cpu()
+                w = torch.arange(1, v.numel() + 1, dtype=torch.float64)
+                prints += [float(v.sum()), float((v * w).sum()), float((v * v).sum())]
+        mine = torch.tensor(prints, dtype=torch.float64)
+        every = torch.zeros(dist.get_world_size() * mine.numel(), dtype=torch.float64)
+        all_gather_into(every, mine, self.world_group)
+        every = every.view(dist.get_world_size(), -1)
+        differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+        if differ:
+            raise ValueError(
+                f"ranks {differ} were given a different global batch than rank 0 (check_inputs='hash'): every rank "
+                f"must pass the same global batch, or pass local_inputs=True with each rank's shard"
+            )
 
     def primal_roles(self) -> list[tuple[str, str]]:
         """``(kind, name)`` of every program input: ``param``/``buffer`` with its FQN, ``input``
@@ -246,19 +355,31 @@ class ParallelModule(nn.Module):
         ]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = self.primal_values(args, kwargs)
+        try:
+            values = self.primal_values(args, kwargs)
+        except Exception as exc:  # a bad input here: noted, so the other ranks name it
+            err = self.monitor.fail(exc, "checking the inputs")
+            if err is None:
+                raise
+            raise err from exc
         if self.step is not None and torch.is_grad_enabled():
             outs = run_step(self.step, values)
             return pytree.tree_unflatten(list(outs), self._out_spec)
         gathered: C.GatheredParams = self.program._gathered_params
-        if not gathered.used:
-            outs = self.program(*values)
-        else:
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
-                    outs = self.program(*values)
-            finally:
-                gathered.clear()
+        try:
+            if not gathered.used:
+                outs = self.program(*values)
+            else:
+                try:
+                    with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
+                        outs = self.program(*values)
+                finally:
+                    gathered.clear()
+        except Exception as exc:  # noted for the other ranks; a peer's failure is named (runtime.monitor)
+            err = self.monitor.fail(exc, "the forward program")
+            if err is None:
+                raise
+            raise err from exc
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     # ------------------------------------------------------------------ state
@@ -299,6 +420,44 @@ class ParallelModule(nn.Module):
             local = _get_path(self, "m." + fqn)
             local.copy_(local_shard(full.to(local.device), self._specs[fqn], self._mesh, self._coord))
 
+    # ------------------------------------------------------------------ sharded checkpoints (DCP)
+    def _state_fqns(self) -> list[str]:
+        """Parameters (first names of tied ones) and persistent buffers, in model order."""
+        persistent = {self._aliases.get(k, k) for k in self._state_keys}
+        return [f for f in self._param_names + self._buffer_names if f in persistent]
+
+    def _local(self, fqn: str) -> torch.Tensor:
+        return _get_path(self, "m." + fqn)
+
+    def state_dict(self, *args: Any, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Any:
+        """This rank's part of the model (and ``optimizer``'s state) as DTensors in the checkpoint's
+        canonical layout, for ``torch.distributed.checkpoint.save``/``load``: loads under any other
+        plan, mesh or world size (``autopar.runtime.checkpoint``). Called with ``nn.Module``'s own
+        arguments (``destination``, ``prefix``, as a parent module does), it is ``nn.Module``'s."""
+        if args or kwargs:
+            return super().state_dict(*args, **kwargs)
+        from autopar.runtime import checkpoint
+
+        return checkpoint.state_dict(self, optimizer)
+
+    def load_state_dict(  # type: ignore[override]
+        self,
+        state_dict: dict[str, Any],
+        strict: bool = True,
+        assign: bool = False,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> Any:
+        """Load a state from ``pm.state_dict()`` filled by ``torch.distributed.checkpoint.load``
+        (reshards to this module's plan; ``optimizer``'s state too). A plain ``nn.Module`` state
+        dict (``m.``-prefixed local shards) is loaded as ``nn.Module`` does."""
+        from autopar.runtime import checkpoint
+
+        if any(k.startswith(checkpoint.MODEL) for k in state_dict):
+            checkpoint.load_state_dict(self, state_dict, optimizer)
+            return None
+        return super().load_state_dict(state_dict, strict, assign)
+
     def named_local_parameters(self) -> dict[str, nn.Parameter]:
         return {fqn: _get_path(self, "m." + fqn) for fqn in self._param_names}  # type: ignore[misc]
 
@@ -328,7 +487,7 @@ class ParallelModule(nn.Module):
 
     def set_step(self, step: StepProgram) -> None:
         """Run training steps as ``step``'s programs (built by ``autopar.passes.joint.build_step``)."""
-        step.bind(self.axes)
+        step.bind(self.axes, self.monitor)
         self.step = step
 
     @property
@@ -401,16 +560,32 @@ def check_world(plan: Plan | None, cluster: Cluster) -> int:
     return world
 
 
-def mesh_axes(plan: Plan, device: torch.device) -> list[AxisGroup]:
-    """This rank's view of every mesh axis of ``plan``: its process group and coordinate
-    (``torch.distributed.device_mesh``)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def mesh_axes(
+    plan: Plan, device: torch.device, timeout: float = DEFAULT_TIMEOUT
+) -> tuple[list[AxisGroup], Any, Any]:
+    """This rank's view of every mesh axis of ``plan`` — its own process group, created with the
+    collective ``timeout`` (seconds), and its coordinate — a ``DeviceMesh`` over those groups (for
+    DTensor checkpoints) and a group of all ranks with the same timeout (input checks). Every rank
+    must call this (groups are created collectively, in the same order everywhere)."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    mesh = init_device_mesh(device.type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_axes))
-    coord = mesh.get_coordinate()
-    return [
-        AxisGroup(
-            axis=a, name=plan.mesh_axes[a], size=plan.mesh_shape[a], coord=coord[a], group=mesh.get_group(a)
-        )
-        for a in range(len(plan.mesh_shape))
+    shape = tuple(plan.mesh_shape)
+    rank = dist.get_rank()
+    ranks = torch.arange(math.prod(shape)).reshape(shape)
+    coord = [int(c) for c in torch.nonzero(ranks == rank)[0]]
+    span = datetime.timedelta(seconds=timeout)
+    groups = []
+    for a, n in enumerate(shape):
+        mine = None
+        for sub in ranks.movedim(a, -1).reshape(-1, n).tolist():  # every group of axis a
+            g = dist.new_group(sub, timeout=span)
+            if rank in sub:
+                mine = g
+        groups.append(mine)
+    world_group = dist.new_group(list(range(ranks.numel())), timeout=span)
+    mesh = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=tuple(plan.mesh_axes))
+    axes = [
+        AxisGroup(axis=a, name=plan.mesh_axes[a], size=n, coord=coord[a], group=groups[a])
+        for a, n in enumerate(shape)
     ]
+    return axes, mesh, world_group

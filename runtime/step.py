@@ -14,7 +14,6 @@ Collectives in these programs are graph nodes, so how many run per step is read 
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,8 +22,9 @@ import torch
 from torch.fx import GraphModule
 
 from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.monitor import StepMonitor
 
-__all__ = ["FUNCTIONAL_COLLECTIVES", "StepProgram", "StepTimes", "WaitClock", "collective_tally", "run_step"]
+__all__ = ["FUNCTIONAL_COLLECTIVES", "StepProgram", "StepTimes", "collective_tally", "run_step"]
 
 _fc = torch.ops._c10d_functional
 FUNCTIONAL_COLLECTIVES = {
@@ -64,38 +64,29 @@ def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str)
     return out
 
 
-class WaitClock:
-    """Seconds this rank spent blocked in ``wait_tensor`` (exposed communication) and when the
-    current step started; read and reset per step."""
-
-    def __init__(self) -> None:
-        self.waiting = 0.0
-        self.started = 0.0
+def monitored_wait(x: torch.Tensor, monitor: StepMonitor, label: str) -> torch.Tensor:
+    """``wait_tensor`` through the module's monitor (which collective is waiting; timing)."""
+    return monitor.wait(x, label)
 
 
-def timed_wait(x: torch.Tensor, clock: WaitClock) -> torch.Tensor:
-    """``wait_tensor`` that adds the time it blocks to ``clock``."""
-    t0 = time.perf_counter()
-    y = _fc.wait_tensor(x)
-    clock.waiting += time.perf_counter() - t0
-    return y
-
-
-def _timed_copy(gm: GraphModule, clock: WaitClock) -> GraphModule:
-    """A copy of ``gm`` whose waits record into ``clock``."""
-    new = copy.deepcopy(gm)
-    new._wait_clock = clock
+def _monitor_waits(gm: GraphModule, monitor: StepMonitor, axis_names: dict[str, str], direction: str) -> None:
+    """Route every ``wait_tensor`` of ``gm`` through ``monitor``, labelled with its collective."""
+    gm._monitor = monitor
     attr = None
-    for n in list(new.graph.nodes):
-        if n.op == "call_function" and n.target is _fc.wait_tensor.default:
-            if attr is None:
-                first = next(m for m in new.graph.nodes if m.op != "placeholder")
-                with new.graph.inserting_before(first):
-                    attr = new.graph.get_attr("_wait_clock")
-            n.target = timed_wait
-            n.args = (n.args[0], attr)
-    new.recompile()
-    return new
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not _fc.wait_tensor.default:
+            continue
+        if attr is None:
+            first = next(m for m in gm.graph.nodes if m.op != "placeholder")
+            with gm.graph.inserting_before(first):
+                attr = gm.graph.get_attr("_monitor")
+        issue = n.args[0]
+        kind = FUNCTIONAL_COLLECTIVES.get(getattr(issue, "target", None), "collective")
+        group = next((a for a in getattr(issue, "args", ()) if isinstance(a, str) and a in axis_names), None)
+        label = f"{kind} on {axis_names.get(group, 'axis ?')} ({'forward' if direction == 'fwd' else 'backward'}, node {issue.name})"
+        n.target = monitored_wait
+        n.args = (issue, attr, label)
+    gm.recompile()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,26 +124,28 @@ class StepProgram:
     calls: dict[str, list[CollectiveCall]] = field(default_factory=dict)
     """Collectives per direction (filled by ``bind``)."""
     axes: list[AxisGroup] = field(default_factory=list)
-    clock: WaitClock | None = None
-    """Set by ``enable_timing``: waits are timed and every step's ``StepTimes`` recorded."""
+    monitor: StepMonitor | None = None
+    """Set by ``bind``: every wait goes through it (which collective waits; timing; failures)."""
     times: list[StepTimes] = field(default_factory=list)
     """``StepTimes`` of the steps run since ``enable_timing``."""
 
     def enable_timing(self) -> None:
         """Time every following step (waits timed: a few microseconds each)."""
-        if self.clock is None:
-            self.clock = WaitClock()
-            self._untimed = (self.forward, self.backward)
-            self.forward = _timed_copy(self.forward, self.clock)
-            self.backward = _timed_copy(self.backward, self.clock)
+        assert self.monitor is not None, "bind the step first"
+        self.monitor.timing = True
 
-    def bind(self, axes: Sequence[AxisGroup]) -> None:
-        """Attach this rank's axes (for counting) and tally the programs' collectives."""
+    def bind(self, axes: Sequence[AxisGroup], monitor: StepMonitor) -> None:
+        """Attach this rank's axes (for counting) and monitor (for waits and failures), and tally
+        the programs' collectives."""
         self.axes = list(axes)
+        self.monitor = monitor
         self.calls = {
             "fwd": collective_tally(self.forward, axes, "fwd"),
             "bwd": collective_tally(self.backward, axes, "bwd"),
         }
+        names = {ax.group_name: ax.name for ax in axes}
+        _monitor_waits(self.forward, monitor, names, "fwd")
+        _monitor_waits(self.backward, monitor, names, "bwd")
 
     def count(self, direction: str) -> None:
         for c in self.calls.get(direction, ()):
@@ -163,10 +156,15 @@ class StepProgram:
 class _RunStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: StepProgram, *primals: torch.Tensor):  # type: ignore[override]
-        if step.clock is not None:
-            step.clock.waiting = 0.0
-            step.clock.started = time.perf_counter()
-        res = step.forward(*primals)
+        monitor = step.monitor
+        monitor.start_step()
+        try:
+            res = step.forward(*primals)
+        except Exception as exc:  # noted for the other ranks; a peer's failure is named (runtime.monitor)
+            err = monitor.fail(exc, "the forward program")
+            if err is None:
+                raise
+            raise err from exc
         step.count("fwd")
         outs, saved = res[: step.num_outputs], res[step.num_outputs :]
         ctx.step = step
@@ -189,11 +187,19 @@ class _RunStep(torch.autograd.Function):
                 shape, dtype, device = ctx.out_meta[i]
                 g = torch.zeros(shape, dtype=dtype, device=device)
             tangents.append(g.contiguous())
-        grads = step.backward(*ctx.saved_tensors, *tangents)
+        monitor = step.monitor
+        try:
+            grads = step.backward(*ctx.saved_tensors, *tangents)
+        except Exception as exc:
+            err = monitor.fail(exc, "the backward program")
+            if err is None:
+                raise
+            raise err from exc
         step.count("bwd")
-        if step.clock is not None:
-            clock = step.clock
-            step.times.append(StepTimes(step=time.perf_counter() - clock.started, exposed_comm=clock.waiting))
+        if monitor.timing:
+            step.times.append(
+                StepTimes(step=time.perf_counter() - monitor.started, exposed_comm=monitor.waiting)
+            )
         result: list[torch.Tensor | None] = [None] * ctx.num_primals
         for i, g in zip(step.grad_primals, grads):
             result[i] = g

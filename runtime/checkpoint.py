@@ -1,0 +1,170 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP) that resume under another plan.
+
+Words:
+
+* **canonical layout** — how a tensor is stored in a checkpoint: split along its first dimension
+  that divides evenly over all ranks (``S(d)`` on every mesh axis, the first axis taking the
+  outer split), replicated when none does. It is a plain ``DTensor`` layout, independent of the
+  plan that trained the model; block-sharded weights (a fused QKV's ``S(0)x3``, which no DTensor
+  placement expresses) are stored the same way.
+* **save** — each rank reshards its parameters, buffers and optimizer state from the plan's
+  layout to the canonical one with the runtime's collectives (``run_reshard``) and hands DCP
+  ``DTensor`` views of its piece: every rank writes only its piece, nothing is gathered whole.
+* **load** — the module (under any plan, mesh or world size) asks DCP for its own canonical
+  pieces (DCP reads the overlapping parts of what was saved) and reshards them to its plan.
+
+Optimizer state follows the parameters: a state tensor shaped like its parameter is stored in
+the parameter's canonical layout (AdamW's moments), others (AdamW's ``step``) replicated.
+
+Usage::
+
+    dcp.save(pm.state_dict(optimizer=opt), checkpoint_id=path)       # or autopar.runtime.checkpoint.save
+    sd = pm.state_dict(optimizer=opt)                                 # under the new plan
+    dcp.load(sd, checkpoint_id=path)
+    pm.load_state_dict(sd, optimizer=opt)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.placement import Replicate, Shard, Spec
+
+__all__ = ["canonical_spec", "load", "save"]
+
+MODEL = "model."
+OPTIM = "optim."
+
+
+def canonical_spec(shape: Sequence[int], mesh_shape: Sequence[int]) -> Spec:
+    """The canonical layout of a tensor of ``shape`` (see module docstring)."""
+    world = math.prod(mesh_shape)
+    for d, n in enumerate(shape):
+        if n % world == 0 and n >= world:
+            return tuple(Shard(d) for _ in mesh_shape)
+    return tuple(Replicate() for _ in mesh_shape)
+
+
+def _placements(spec: Spec) -> list[Any]:
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    return [DShard(p.dim) if isinstance(p, Shard) else DReplicate() for p in spec]
+
+
+def to_canonical(pm: Any, local: torch.Tensor, shape: tuple[int, ...], spec: Spec) -> Any:
+    """A ``DTensor`` of this rank's canonical piece of a tensor held as ``spec``."""
+    from torch.distributed.tensor import DTensor
+
+    from autopar.runtime.module import run_reshard
+
+    canon = canonical_spec(shape, pm._mesh)
+    piece = run_reshard(local.detach(), shape, spec, canon, pm.axes).contiguous()
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(
+        piece, pm.device_mesh, _placements(canon), run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def from_canonical(pm: Any, dt: Any, shape: tuple[int, ...], spec: Spec) -> torch.Tensor:
+    """This rank's local tensor under ``spec``, from its canonical piece ``dt``."""
+    from autopar.runtime.module import run_reshard
+
+    canon = canonical_spec(shape, pm._mesh)
+    return run_reshard(dt.to_local(), shape, canon, spec, pm.axes)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state (as a first step does), so a checkpoint has
+    tensors to load into: one step with zero gradients and a learning rate of zero, after which
+    the loaded state replaces everything it touched."""
+    if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        return
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    saved_grads = []
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            saved_grads.append(p.grad)
+            p.grad = torch.zeros_like(p)
+    with torch.no_grad():
+        optimizer.step()
+    i = 0
+    for g, lr in zip(optimizer.param_groups, saved_lr):
+        g["lr"] = lr
+        for p in g["params"]:
+            p.grad = saved_grads[i]
+            i += 1
+
+
+def state_dict(pm: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """``pm``'s parameters, persistent buffers and ``optimizer``'s state as canonical DTensors."""
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for fqn in pm._state_fqns():
+            local = pm._local(fqn)
+            out[MODEL + fqn] = to_canonical(pm, local, pm._shapes[fqn], pm._specs[fqn])
+        if optimizer is not None:
+            init_optimizer_state(optimizer)
+            names = {id(p): fqn for fqn, p in pm.named_local_parameters().items()}
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    fqn = names.get(id(p))
+                    if fqn is None:
+                        raise ValueError("the optimizer holds a parameter that is not this module's")
+                    for k, v in optimizer.state.get(p, {}).items():
+                        key = f"{OPTIM}{fqn}.{k}"
+                        if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
+                            out[key] = to_canonical(pm, v, pm._shapes[fqn], pm._specs[fqn])
+                        else:
+                            out[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def load_state_dict(pm: Any, sd: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Copy a loaded canonical state (from ``state_dict`` then ``dcp.load``) into ``pm``'s shards
+    and ``optimizer``'s state."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for fqn in pm._state_fqns():
+            dt = sd[MODEL + fqn]
+            pm._local(fqn).copy_(from_canonical(pm, dt, pm._shapes[fqn], pm._specs[fqn]))
+        if optimizer is not None:
+            names = {id(p): fqn for fqn, p in pm.named_local_parameters().items()}
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    fqn = names[id(p)]
+                    state = optimizer.state[p]
+                    for k in list(state):
+                        v = sd[f"{OPTIM}{fqn}.{k}"]
+                        if isinstance(v, DTensor):
+                            state[k] = from_canonical(pm, v, pm._shapes[fqn], pm._specs[fqn]).clone()
+                        elif isinstance(v, torch.Tensor):
+                            state[k] = v.to(state[k].device) if isinstance(state[k], torch.Tensor) else v
+                        else:
+                            state[k] = v
+
+
+def save(pm: Any, checkpoint_id: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write ``pm`` (and ``optimizer``) to ``checkpoint_id`` with DCP; every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict(pm, optimizer), checkpoint_id=checkpoint_id)
+
+
+def load(pm: Any, checkpoint_id: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Read ``checkpoint_id`` into ``pm`` (and ``optimizer``) under ``pm``'s plan, whatever plan,
+    mesh or world size wrote it; every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = state_dict(pm, optimizer)
+    dcp.load(sd, checkpoint_id=checkpoint_id)
+    load_state_dict(pm, sd, optimizer)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,164 @@
+"""Bounded waiting and failures that name their cause.
+
+Words:
+
+* **collective timeout** — how long a collective on autopar's process groups (one per mesh axis)
+  may wait for its peers before it fails (``parallelize(..., timeout=)``, default
+  ``DEFAULT_TIMEOUT``; torch's own default is 30 minutes). A frozen peer therefore costs at most
+  this long, under any launcher.
+* **note** — when a rank fails inside a training step it writes what happened (its error and the
+  collective it was waiting in) to the process group's store under ``autopar/failed/<rank>``
+  before raising. A rank that fails afterwards because a peer stopped (a timeout, or gloo's
+  "Connection closed by peer") reads the notes, waits a short grace period for the others', and
+  raises an error that names the rank that failed first — or, when a rank wrote nothing, the rank
+  that stopped without reporting (killed, or frozen).
+* **waiting** — every wait of a step program goes through :meth:`StepMonitor.wait`, which records
+  which collective the rank is blocked in (and, when timing is on, for how long).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEFAULT_TIMEOUT", "CollectiveFailure", "StepMonitor"]
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a collective on autopar's groups may wait for its peers (torch's default: 1800)."""
+GRACE = 3.0
+"""Seconds a failing rank waits for the other ranks' notes before naming the cause."""
+
+_fc = torch.ops._c10d_functional
+
+
+class CollectiveFailure(RuntimeError):
+    """A training step failed on this rank because of another rank (named in the message), or
+    failed here first (the other ranks' errors name this one)."""
+
+
+@dataclass
+class StepMonitor:
+    """One per ParallelModule: the collective this rank waits in, timing, and failure notes."""
+
+    rank: int
+    world: int
+    timeout: float
+    current: str = ""
+    """The collective being waited for (``"all_reduce on tp (backward)"``), or "" outside waits."""
+    waiting: float = 0.0
+    """Seconds blocked in waits since ``start_step`` (counted when ``timing`` is on)."""
+    started: float = 0.0
+    timing: bool = False
+
+    def start_step(self) -> None:
+        self.waiting = 0.0
+        self.started = time.perf_counter()
+
+    def wait(self, x: torch.Tensor, label: str) -> torch.Tensor:
+        """``wait_tensor`` on ``x``, remembering ``label`` while blocked."""
+        self.current = label
+        if not self.timing:
+            y = _fc.wait_tensor(x)
+        else:
+            t0 = time.perf_counter()
+            y = _fc.wait_tensor(x)
+            self.waiting += time.perf_counter() - t0
+        self.current = ""
+        return y
+
+    # ---------------------------------------------------------------------------- failures
+    def _store(self) -> dist.Store | None:
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # no process group (single-process tests): nothing to share
+            return None
+
+    def fail(self, exc: BaseException, where: str) -> CollectiveFailure | None:
+        """Record this rank's failure (a note in the store) and return the error to raise: None
+        when the failure is this rank's own (re-raise it unchanged: the other ranks' errors will
+        name this rank), a :class:`CollectiveFailure` naming the cause when a peer stopped."""
+        waiting_in = self.current or "no collective"
+        self.current = ""
+        store = self._store()
+        caused_by_peer = _looks_like_peer_failure(exc)
+        note = {"error": f"{type(exc).__name__}: {_first_line(exc)}", "where": where, "waiting_in": waiting_in,
+                "peer": caused_by_peer, "time": time.time()}  # fmt: skip
+        if store is None:
+            return None
+        try:
+            store.set(f"autopar/failed/{self.rank}", json.dumps(note))
+        except Exception:  # the store may be gone with rank 0: report what we know
+            if not caused_by_peer:
+                return None
+            return CollectiveFailure(
+                f"rank {self.rank} failed in {where} while waiting in {waiting_in}: {note['error']}"
+            )
+        if not caused_by_peer:
+            return None
+        notes = self._collect(store)
+        first_own = sorted(
+            ((r, n) for r, n in notes.items() if not n["peer"] and r != self.rank),
+            key=lambda rn: rn[1]["time"],
+        )
+        silent = [r for r in range(self.world) if r not in notes]
+        if first_own:
+            r, n = first_own[0]
+            cause = f"rank {r} failed first, in {n['where']}: {n['error']}"
+        elif silent:
+            cause = (
+                f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped without reporting "
+                f"(killed, crashed or frozen)"
+            )
+        else:
+            cause = "every rank reports a peer failure (the cause is outside the training step)"
+        return CollectiveFailure(
+            f"rank {self.rank} stopped in {where} while waiting in {waiting_in}: {cause}. "
+            f"(this rank saw: {note['error']})"
+        )
+
+    def _collect(self, store: dist.Store) -> dict[int, dict]:
+        """Every rank's note, waiting up to ``GRACE`` seconds for those still missing."""
+        notes: dict[int, dict] = {}
+        deadline = time.monotonic() + GRACE
+        while True:
+            for r in range(self.world):
+                if r in notes:
+                    continue
+                key = f"autopar/failed/{r}"
+                try:
+                    if store.check([key]):
+                        notes[r] = json.loads(store.get(key))
+                except Exception:
+                    return notes
+            if len(notes) == self.world or time.monotonic() > deadline:
+                return notes
+            time.sleep(0.1)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+_PEER_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out",
+    "timed out",
+    "Timeout",
+    "Read error",
+    "Write error",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+
+
+def _looks_like_peer_failure(exc: BaseException) -> bool:
+    """An error a rank sees because another rank stopped (gloo/NCCL transport errors, timeouts)."""
+    text = str(exc)
+    return any(s in text for s in _PEER_SIGNS)

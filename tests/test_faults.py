@@ -1,0 +1,159 @@
+"""Faults end in a clear error on every rank, within a bounded time (issue 11): never a silent wrong
+result, never a hang.
+
+Each worker runs a fault, catches what its rank raised, and returns the message and how long the
+failing call took; a rank that dies or freezes returns nothing, and ``spawn`` names it. Collective
+timeouts are set short (``TIMEOUT`` seconds) so a frozen peer costs little.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import _runtime_helpers as H
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.runtime.launch import spawn
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:autopar. no sharding rule")]
+
+TIMEOUT = 6.0
+"""Collective timeout of the modules under test (seconds)."""
+
+
+def _catch(fn: Any) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # the error each rank raised, for the test to read
+        return f"{type(exc).__name__}: {exc}", time.perf_counter() - t0
+    return "", time.perf_counter() - t0
+
+
+def _step(pm: Any, inputs: Any) -> None:
+    loss = H.loss_of(H.call(pm, inputs))
+    loss.backward()
+
+
+def input_faults_worker(rank: int, world: int) -> dict[str, tuple[str, float]]:
+    """Bad inputs: every rank raises the same clear error before any collective."""
+    H.quiet()
+    out = {}
+    cluster = autopar.Cluster.local(world)
+    model, (ids, targets) = H.build("gpt")
+    plan = autopar.layouts.megatron(model, (ids, targets), cluster, tp=world)  # vocabulary-parallel
+    pm = autopar.parallelize(model, cluster, (ids, targets), plan=plan, timeout=TIMEOUT)
+    bad_ids = ids.clone()
+    bad_ids[1, 3] = H.VOCAB + 5
+    out["id out of range"] = _catch(lambda: _step(pm, (bad_ids, targets)))
+    bad_t = targets.clone()
+    bad_t[0, 0] = H.VOCAB
+    out["target out of range"] = _catch(lambda: _step(pm, (ids, bad_t)))
+    out["wrong dtype"] = _catch(lambda: _step(pm, (ids.to(torch.int32), targets)))
+    # Different batches on different ranks: caught with check_inputs="hash".
+    pm_hash = autopar.parallelize(
+        model, cluster, (ids, targets), plan=plan, timeout=TIMEOUT, check_inputs="hash"
+    )
+    mine = (ids + rank) % H.VOCAB
+    out["different batches"] = _catch(lambda: _step(pm_hash, (mine, targets)))
+    # Local shards: only rank 1's shard is out of range; every rank stops.
+    pm_local = autopar.parallelize(
+        model, cluster, (ids, targets), plan=plan, timeout=TIMEOUT, local_inputs=True
+    )
+    shards = pm_local.shard_inputs(ids, targets)
+    local_ids = shards["args[0]"].clone()
+    if rank == 1:
+        local_ids[0, 0] = -3
+    out["one rank's shard out of range"] = _catch(lambda: _step(pm_local, (local_ids, shards["args[1]"])))
+    # Still trains after the refused calls: the errors came before any collective.
+    out["after"] = (str(H.loss_of(H.call(pm, (ids, targets))).item()), 0.0)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_bad_inputs_raise_the_same_clear_error_on_every_rank():
+    runs = spawn(input_faults_worker, 2, timeout=180)
+    for rank, r in enumerate(runs):
+        msg = r["id out of range"][0]
+        assert msg.startswith("IndexError") and str(H.VOCAB + 5) in msg and "embedding table" in msg, (
+            rank,
+            msg,
+        )
+        msg = r["target out of range"][0]
+        assert msg.startswith("IndexError") and "classes" in msg and str(H.VOCAB) in msg, (rank, msg)
+        assert r["wrong dtype"][0].startswith("TypeError") and "int32" in r["wrong dtype"][0]
+        msg = r["different batches"][0]
+        assert msg.startswith("ValueError") and "ranks [1]" in msg, (rank, msg)
+        msg = r["one rank's shard out of range"][0]
+        assert msg.startswith("IndexError"), (rank, msg)
+        assert ("-3" in msg) if rank == 1 else ("rank(s) [1]" in msg), (rank, msg)
+        for case, (_, took) in r.items():
+            assert took < TIMEOUT, (case, took)  # refused before any collective could wait
+    model, (ids, targets) = H.build("gpt")
+    ref = H.loss_of(H.call(model, (ids, targets))).item()
+    assert abs(float(runs[0]["after"][0]) - ref) <= 1e-5 * abs(ref)
+
+
+def peer_faults_worker(rank: int, world: int, fault: str) -> tuple[str, float]:
+    """Rank 1 fails in the middle of training (``fault``); the others must stop, naming it."""
+    H.quiet()
+    cluster = autopar.Cluster.local(world)
+    model, inputs = H.build("gpt")
+    fixed = {n: ("R",) for n, _ in model.named_parameters()}
+    plan = autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
+    pm = autopar.parallelize(model, cluster, inputs, plan=plan, timeout=TIMEOUT, local_inputs=True)
+    shards = pm.shard_inputs(*inputs)
+    local = (shards["args[0]"], shards["args[1]"])
+    _step(pm, local)  # one good step
+    if rank == 1:
+        if fault == "killed":
+            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        elif fault == "frozen":
+            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        elif fault == "bad shape, caught":
+            msg, took = _catch(lambda: _step(pm, (local[0][:, :-1], local[1])))
+            # ... and carries on elsewhere: into a barrier the others never reach.
+            dist.barrier()
+            return msg, took
+    t0 = time.perf_counter()
+    for _ in range(200):  # train until the fault stops this rank, then fail with how long it took
+        msg, _took = _catch(lambda: _step(pm, local))
+        if msg:
+            raise RuntimeError(f"{msg} [stopped {time.perf_counter() - t0:.1f} s into the faulty step]")
+    return "", time.perf_counter() - t0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_dead_or_frozen_rank_is_named_by_every_survivor_within_the_timeout(fault):
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+        spawn(peer_faults_worker, 3, fault, timeout=90, pg_timeout=30, settle=TIMEOUT + 10)
+    took = time.perf_counter() - t0
+    text = str(info.value)
+    if fault == "killed":
+        assert "rank 1 died without reporting an error: killed by signal SIGKILL" in text, text
+    # Both survivors stop with an error naming rank 1, within the collective timeout and a few seconds.
+    assert text.count("rank 1 stopped without reporting") >= 1, text
+    for survivor in (0, 2):
+        assert f"rank {survivor} " in text, text
+    assert "CollectiveFailure" in text and "waiting in" in text, text
+    assert took < 60, took
+
+
+@pytest.mark.timeout(120)
+def test_one_ranks_shape_error_caught_and_carried_on_does_not_hang_the_others():
+    with pytest.raises(RuntimeError) as info:
+        spawn(peer_faults_worker, 2, "bad shape, caught", timeout=90, pg_timeout=20, settle=TIMEOUT + 10)
+    text = str(info.value)
+    # Rank 0 waited in a collective rank 1 never joined; it stops after the timeout naming rank 1's
+    # own error (the shape), not a bare "connection closed".
+    assert "rank 1 failed first, in checking the inputs: ValueError" in text, text
+    assert "shape" in text
