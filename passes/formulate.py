@@ -32,7 +32,7 @@ from autopar.graph import tensor_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
-from autopar.placement import Replicate, Spec, format_spec, parse_spec
+from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec
 from autopar.reshard import bucketed_grad_sync, grad_sync_axes
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
@@ -67,13 +67,14 @@ def parse_fixed(cap: Captured, config: PlanConfig, n_axes: int) -> dict[str, Spe
 
 
 def spec_matches(spec: Spec, want: Spec) -> bool:
-    """``want`` from ``fixed``: a Shard matches any block count on that dim."""
+    """``want`` from ``fixed``: ``S(d)`` matches a shard of dimension ``d`` with any block count
+    (the user asks which dimension is split); ``S(d)xk`` only ``k`` blocks exactly."""
     if len(spec) != len(want):
         return False
     for p, q in zip(spec, want):
         if type(p) is not type(q):
             return False
-        if hasattr(q, "dim") and p.dim != q.dim:
+        if isinstance(q, Shard) and (p.dim != q.dim or (q.blocks > 1 and p.blocks != q.blocks)):
             return False
     return True
 
@@ -154,9 +155,11 @@ class _Builder:
                         if not spec_matches(s.outputs[0], want):
                             d.allowed[k] = False
                     if not any(d.allowed):
+                        near = sorted({",".join(format_spec(s.outputs[0])) for s in ns.strategies})
                         raise ValueError(
                             f"fixed placement {format_spec(want)} for {info.fqn} is not a valid layout of "
-                            f"shape {info.shape} on mesh {self.mesh.shape} (a sharded dimension must divide evenly)"
+                            f"shape {info.shape} on mesh {self.mesh.shape} (a sharded dimension must divide "
+                            f"evenly; block counts must match the weight's split): valid layouts are {near}"
                         )
             d = self.decisions[ci]
             d.members = (*d.members, n.name)

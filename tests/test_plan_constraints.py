@@ -100,3 +100,14 @@ def test_unparseable_spec_is_refused(make_gpt2, batch, a100x8):
             mesh_shape=(8,),
             fixed={"transformer.wpe.weight": "shard0"},
         )
+
+
+def test_fixed_block_count_must_match_the_weights_split(make_gpt2, batch, a100x8):
+    """``S(1)x5`` on GPT-2's fused QKV (split in 3) is refused with the valid layouts, not silently
+    turned into ``S(1)x3``; ``S(1)x3`` and plain ``S(1)`` are accepted."""
+    model, inputs = make_gpt2(), batch(8, 32, 256)
+    name = "transformer.h.0.attn.c_attn.weight"
+    with pytest.raises(ValueError, match=r"S\(1\)x5.*valid layouts are .*S\(1\)x3"):
+        autopar.plan(model, inputs, a100x8, mesh_shape=(8,), fixed={name: ("S(1)x5",)})
+    plan = autopar.plan(model, inputs, a100x8, mesh_shape=(8,), fixed={name: ("S(1)x3",)})
+    assert plan.param_placements(detailed=True)[name] == ("S(1)x3",)
