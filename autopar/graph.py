@@ -35,6 +35,7 @@ __all__ = [
     "outer_instance",
     "tensor_inputs",
     "tensor_outputs",
+    "written_inputs",
 ]
 
 
@@ -75,6 +76,9 @@ class OpInfo:
     """The value passes through unchanged up to shape, dtype or a dropout mask."""
     shape_arg: int | None = None
     """Position of an argument holding the output shape (made local by the lowering)."""
+    writes: tuple[int, ...] = ()
+    """Positions of arguments the op writes into although its schema does not mark them (batch
+    norm updates its running statistics in place when training); see :func:`written_inputs`."""
 
 
 def _table() -> dict[str, OpInfo]:
@@ -86,6 +90,9 @@ def _table() -> dict[str, OpInfo]:
             t[n] = info
 
     put("mm addmm bmm baddbmm matmul linear", OpInfo(F.MATMUL, saves_inputs=True))
+    # Grouped matmuls of mixture-of-experts layers: rows grouped by expert, one weight per group
+    # (``aten._grouped_mm``, ``F.grouped_mm``, transformers' ``grouped_mm_fallback``).
+    put("_grouped_mm grouped_mm grouped_mm_fallback", OpInfo(F.MATMUL, saves_inputs=True))
     put(
         "scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu "
         "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
@@ -95,10 +102,10 @@ def _table() -> dict[str, OpInfo]:
     put("convolution conv1d conv2d conv3d", OpInfo(F.CONV, saves_inputs=True))
     put("layer_norm rms_norm native_layer_norm group_norm", OpInfo(F.NORM, saves_inputs=True))
     put(
-        "batch_norm native_batch_norm _native_batch_norm_legit_functional "
-        "_native_batch_norm_legit_no_training _native_batch_norm_legit instance_norm",
+        "_native_batch_norm_legit_functional _native_batch_norm_legit_no_training _native_batch_norm_legit",
         OpInfo(F.BATCH_NORM, saves_inputs=True),
     )
+    put("batch_norm native_batch_norm instance_norm", OpInfo(F.BATCH_NORM, saves_inputs=True, writes=(3, 4)))
     # Pointwise ops whose derivative reads their input (and follow their producer when unary).
     put("gelu silu relu erf abs", OpInfo(F.POINTWISE, saves_inputs=True, cheap=True))
     put(
@@ -127,7 +134,10 @@ def _table() -> dict[str, OpInfo]:
     )
     put("view reshape _unsafe_view", OpInfo(F.VIEW, cheap=True, identity_like=True, shape_arg=1))
     put("expand", OpInfo(F.VIEW, cheap=True, shape_arg=1))
-    put("unsqueeze squeeze flatten transpose permute t", OpInfo(F.VIEW, cheap=True))
+    put(
+        "unsqueeze squeeze flatten transpose swapaxes swapdims permute t numpy_T mT",
+        OpInfo(F.VIEW, cheap=True),
+    )
     put("unflatten", OpInfo(F.VIEW))
     put("getitem", OpInfo(F.VIEW, cheap=True))
     put(
@@ -195,6 +205,28 @@ def outer_instance(path: str) -> str:
         if p.isdigit():
             return ".".join(parts[: i + 1])
     return path
+
+
+def written_inputs(node: Node) -> list[Node]:
+    """The argument nodes ``node`` writes into: those its schema marks ``Tensor(a!)`` (``add_``,
+    ``index_put_``) and those of :attr:`OpInfo.writes` (batch norm's running statistics, only when
+    it is training, its sixth argument)."""
+    if node.op != "call_function":
+        return []
+    out: list[Node] = []
+    schema = getattr(node.target, "_schema", None)
+    positions = set()
+    if schema is not None:
+        positions |= {
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        }
+    info = op_info(node)
+    if info.writes and len(node.args) > 5 and node.args[5] is True:
+        positions |= set(info.writes)
+    for i in sorted(positions):
+        if i < len(node.args) and isinstance(node.args[i], Node) and node.args[i] not in out:
+            out.append(node.args[i])
+    return out
 
 
 def is_tensor_node(n: Node) -> bool:

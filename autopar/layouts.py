@@ -63,11 +63,27 @@ def _weight_of(node: Node) -> tuple[Node | None, Node | None, int, int]:
         w, b, out_d, in_d = a[2], a[0], 1, 0
     else:
         w, b, out_d, in_d = a[1], None, 1, 0
+        if isinstance(w, Node) and _is_transpose_2d(w):
+            # ``x @ self.weight.T`` (transformers' Falcon): an ``[out, in]`` weight read transposed.
+            w, out_d, in_d = w.args[0], 0, 1
     info = w.meta.get(TENSOR) if isinstance(w, Node) else None
     if info is None or info.kind != "param" or len(info.shape) != 2:
         return None, None, 0, 0
     binfo = b.meta.get(TENSOR) if isinstance(b, Node) else None
     return w, (b if binfo is not None and binfo.kind == "param" else None), out_d, in_d
+
+
+def _is_transpose_2d(node: Node) -> bool:
+    """``t``, ``transpose`` or ``permute`` swapping the two dimensions of a matrix."""
+    if node.op != "call_function" or not isinstance(node.args[0], Node):
+        return False
+    val = node.args[0].meta.get("val")
+    if val is None or val.dim() != 2:
+        return False
+    name = op_name(node)
+    return name in ("t", "transpose", "swapaxes", "swapdims", "numpy_T", "mT") or (
+        name == "permute" and list(node.args[1]) in ([1, 0], [-1, -2])
+    )
 
 
 def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:

@@ -12,7 +12,9 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
 4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
    and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
-   unary terms. Scalar outputs (a loss) must end replicated.
+   unary terms. Scalar outputs (a loss) must end replicated. A buffer (or input) an op writes
+   into (batch norm's running statistics, ``add_``) must reach it in its stored layout: a reshard
+   there would copy it and the write would be lost, so such edges cost ∞ unless the specs agree.
 
 The pass writes ``gm.meta["autopar.strategy_graph"]``.
 """
@@ -20,6 +22,7 @@ The pass writes ``gm.meta["autopar.strategy_graph"]``.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,7 +31,7 @@ from torch.fx import GraphModule, Node
 from autopar.capture import Captured
 from autopar.config import PlanConfig
 from autopar.cost.reshard import edge_cost, kept_gather_bytes
-from autopar.graph import tensor_inputs
+from autopar.graph import tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
@@ -107,6 +110,19 @@ def _dst_key(s: Strategy, j: int) -> tuple:
         return (None, ())
     axes = grad_sync_axes(s.split, spec)
     return (spec, tuple(a in axes for a in range(len(spec))))
+
+
+def _in_place(
+    cost: Callable[[tuple, tuple], tuple[float, float]],
+) -> Callable[[tuple, tuple], tuple[float, float]]:
+    """The edge into an op that writes its input in place: no reshard (a copy) may sit on it."""
+
+    def in_place(src_key: tuple, dst: tuple) -> tuple[float, float]:
+        if dst[0] is not None and src_key[0] != dst[0]:
+            return (math.inf, 0.0)
+        return cost(src_key, dst)
+
+    return in_place
 
 
 class _Builder:
@@ -209,6 +225,7 @@ class _Builder:
             c_leader, c_map = self.roots[c]
             c_i = self.index[c_leader]
             c_strats = c.meta[STRATEGIES].strategies
+            written = {i for i in written_inputs(c) if i.op == "placeholder"}
             for j, i in enumerate(tensor_inputs(c)):
                 if i not in self.roots:
                     continue
@@ -230,10 +247,14 @@ class _Builder:
                     val.element_size(),
                     info.requires_grad,
                     bucketed_grad_sync(i),
+                    i in written,
                 )
                 entry = pending.get(key)
                 if entry is None:
-                    pending[key] = [i_i, c_i, src_groups, dst_groups, self._edge_cost_fn(i), 1]
+                    cost = self._edge_cost_fn(i)
+                    if i in written:
+                        cost = _in_place(cost)
+                    pending[key] = [i_i, c_i, src_groups, dst_groups, cost, 1]
                 else:
                     entry[-1] += 1
         for i_i, c_i, src_groups, dst_groups, cost, count in pending.values():

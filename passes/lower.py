@@ -35,9 +35,9 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.capture import Captured
-from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
+from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
-from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
+from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import NodePlan, Plan
 from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
 from autopar.runtime import collectives as C
@@ -248,10 +248,18 @@ class _Lowerer:
             raise self.fail(node, f"plan lists {len(p.inputs)} tensor inputs, graph has {len(ins)}")
         local: dict[Node, Node] = {}
         split = p.split
+        written = written_inputs(node)
         for i, spec in zip(ins, p.inputs):
             if spec is None:
                 local[i] = self.env[i]
                 continue
+            if i in written and i.op == "placeholder" and parse_spec(spec) != self.spec_out(i):
+                raise self.fail(
+                    node,
+                    f"it writes into {i.name} in place, but the plan reshards it from "
+                    f"{format_spec(self.spec_out(i))} to {spec}: the write would land in a copy and be lost "
+                    f"(plan again: the planner keeps such inputs in their stored layout)",
+                )
             local[i] = self.local_input(i, parse_spec(spec), split)
         args = torch.fx.node.map_arg(node.args, lambda n: local.get(n, self.env.get(n)))
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: local.get(n, self.env.get(n)))
@@ -269,7 +277,8 @@ class _Lowerer:
             args[shape_arg] = list(out_local[0])
             args = tuple(args)
         if name == "unflatten" and sharded_out:
-            dim = args[1] % len(out_local[0]) if args[1] < 0 else args[1]
+            # A negative dim counts from the end of the *input*, which has len(sizes) - 1 fewer dims.
+            dim = args[1] % (len(out_local[0]) - len(args[2]) + 1)
             args = (args[0], args[1], list(out_local[0][dim : dim + len(args[2])]))
         if name in ("split", "split_with_sizes") and sharded_out:
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)

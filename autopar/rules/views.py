@@ -125,7 +125,11 @@ def _permute_like(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy
         perm = [norm_dim(d, rank) for d in node.args[1]]
     elif key is aten.t:
         perm = [1, 0] if rank == 2 else [0]
-    else:  # transpose
+    elif key is aten.numpy_T:  # ``x.T``: every dimension reversed
+        perm = list(range(rank))[::-1]
+    elif key is aten.mT:  # ``x.mT``: the last two swapped
+        perm = [*range(rank - 2), rank - 1, rank - 2]
+    else:  # transpose, swapaxes, swapdims
         a, b = norm_dim(node.args[1], rank), norm_dim(node.args[2], rank)
         perm = list(range(rank))
         perm[a], perm[b] = perm[b], perm[a]
@@ -136,7 +140,9 @@ def _permute_like(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy
     return out
 
 
-register(aten.transpose, aten.permute, aten.t)(_permute_like)
+register(aten.transpose, aten.swapaxes, aten.swapdims, aten.permute, aten.t, aten.numpy_T, aten.mT)(
+    _permute_like
+)
 
 
 @register(aten.slice, aten.narrow, aten.select)
