@@ -119,6 +119,8 @@ def _table() -> dict[str, OpInfo]:
         OpInfo(F.POINTWISE, saves_inputs=True),
     )
     put("neg", OpInfo(F.POINTWISE, cheap=True))
+    put("mul_ div_ masked_fill_ clamp_", OpInfo(F.POINTWISE, saves_inputs=True))
+    put("add_ sub_", OpInfo(F.POINTWISE))
     put("dropout", OpInfo(F.POINTWISE, cheap=True, identity_like=True))
     put("native_dropout", OpInfo(F.POINTWISE, identity_like=True))
     put(

@@ -44,6 +44,16 @@ class Rewrite(str, enum.Enum):
     """Vocabulary-parallel cross-entropy: max, sum of exp and target logit all-reduced."""
     SPLIT_LOCAL = "split_local"
     """An equal split of a block-sharded dimension: each part comes out plainly sharded."""
+    EXPERT_DISPATCH = "expert_dispatch"
+    """A grouped matmul over this device's experts whose rows arrive on the token side: dispatch
+    them to their experts' devices first (all-to-all, counts exchanged first)."""
+    EXPERT_LOCAL = "expert_local"
+    """A grouped matmul over this device's experts on rows already dispatched."""
+    EXPERT_COMBINE = "expert_combine"
+    """A grouped matmul over this device's experts on dispatched rows, combined back to the
+    devices of their tokens after (all-to-all)."""
+    EXPERT_DISPATCH_COMBINE = "expert_dispatch_combine"
+    """Dispatch, the grouped matmul over this device's experts, and combine."""
 
     def __str__(self) -> str:
         return self.value
@@ -114,6 +124,10 @@ class NodeStrategies:
     """Name of the node whose choice this one follows (cheap pointwise/view ops), or ""."""
     follow_map: tuple[int, ...] = ()
     """For a follower: ``follow_map[k]`` is this node's strategy when the leader picks ``k``."""
+    bound: bool = False
+    """The follower's strategies only make sense together with its leader's (a mixture-of-experts
+    region, ``autopar.rules.routing``): a pass that drops strategies drops them jointly and never
+    re-derives the follow map."""
 
 
 def explain(gm: torch.fx.GraphModule, max_rows: int | None = None) -> str:

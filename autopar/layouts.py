@@ -39,8 +39,9 @@ from autopar.passes.annotate import annotate_tensors
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan
 from autopar.planner import plan_captured
+from autopar.rules.routing import grouped_mm_operands, moe_regions
 
-__all__ = ["megatron", "megatron_weight_roles"]
+__all__ = ["expert_weights", "megatron", "megatron_weight_roles"]
 
 
 def _is_weight_matmul(node: Node) -> bool:
@@ -139,16 +140,25 @@ def megatron(
     dp: int | None = None,
     sequence_parallel: bool = False,
     *,
+    ep: int = 1,
     config: PlanConfig | None = None,
     captured: Captured | None = None,
     **options: Any,
 ) -> Plan:
-    """The Megatron-LM layout with tensor-parallel size ``tp`` and data-parallel size ``dp``.
+    """The Megatron-LM layout with tensor-parallel size ``tp``, data-parallel size ``dp`` and
+    expert-parallel size ``ep``.
 
     ``dp`` defaults to ``world_size / tp``. The mesh is ``(dp, tp)`` (``(tp,)`` when ``dp == 1``),
-    the tensor axis innermost so it stays inside a node. ``config`` (or its fields as keyword
-    ``options``, e.g. ``memory_budget``) holds the other planning options; the layout sets the
-    mesh and fixes the weights.
+    the tensor axis innermost so it stays inside a node. With ``ep > 1`` (which must divide
+    ``dp``: Megatron-LM carves the expert-parallel group out of the data-parallel one) the mesh is
+    ``(dp / ep, ep, tp)`` (the first axis dropped when it is 1): every mixture-of-experts region
+    (``autopar.rules.routing``) keeps its experts' weights split by expert along ``ep`` and used
+    where they lie, so its tokens are dispatched to them and combined back by all-to-all;
+    attention and the rest are data-parallel along ``ep``, as in Megatron-LM. Experts are not
+    split along ``tp`` (expert tensor parallel size 1, Megatron-Core's
+    ``expert_tensor_parallel_size=1``): each ``tp`` rank runs whole experts on the tokens it
+    routes. ``config`` (or its fields as keyword ``options``, e.g. ``memory_budget``) holds the
+    other planning options; the layout sets the mesh and fixes the weights.
     """
     world = cluster.world_size
     if dp is None:
@@ -157,13 +167,27 @@ def megatron(
         dp = world // tp
     if dp * tp != world:
         raise ValueError(f"tp({tp}) × dp({dp}) = {tp * dp} ≠ world size {world}")
+    if ep < 1 or dp % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp={dp} (the expert-parallel group lies inside the data-parallel one)"
+        )
     config = PlanConfig.build(config, **options)
     cap = captured if captured is not None else capture(model, example_inputs)
     ctx = PassContext(captured=cap, cluster=cluster, config=config)
     run_passes(cap.gm, ctx, [annotate_tensors])
     roles = megatron_weight_roles(cap.gm.graph)
-    mesh = (dp, tp) if dp > 1 else (tp,)
+    experts = expert_weights(cap.gm.graph) if ep > 1 else {}
+    if ep > 1 and not experts:
+        raise ValueError(f"ep={ep}, but the model has no mixture-of-experts layer autopar recognises")
+    for fqn, n in experts.items():
+        if n % ep:
+            raise ValueError(f"ep={ep} does not divide the {n} experts of {fqn}")
+    if ep > 1:
+        mesh = (dp // ep, ep, tp) if dp > ep else (ep, tp)
+    else:
+        mesh = (dp, tp) if dp > 1 else (tp,)
     t_axis = len(mesh) - 1
+    e_axis = len(mesh) - 2 if ep > 1 else None
     fixed: dict[str, tuple[str, ...]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -172,9 +196,14 @@ def megatron(
             tp_p = "S(0)"
         else:  # row_bias
             tp_p = "R"
-        fixed[fqn] = ("R", tp_p) if dp > 1 else (tp_p,)
-
-    fixed_tp = {fqn: spec[t_axis] for fqn, spec in fixed.items()}
+        spec = ["R"] * len(mesh)
+        spec[t_axis] = tp_p
+        fixed[fqn] = tuple(spec)
+    for fqn in experts:
+        spec = ["R"] * len(mesh)
+        spec[e_axis] = "S(0)"
+        fixed[fqn] = tuple(spec)
+    used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
 
     def megatron_execution(node: Node, s: Strategy) -> bool:
@@ -183,13 +212,13 @@ def megatron(
             return True
         for j, i in enumerate(tensor_inputs(node)):
             info = i.meta.get(TENSOR)
-            if info is not None and info.kind == "param" and info.fqn in fixed_tp and s.inputs[j] is not None:
-                want = fixed_tp[info.fqn]
-                got = s.inputs[j][t_axis]
-                if want == "R" and not isinstance(got, (Replicate, Partial)):
-                    return False
-                if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
-                    return False
+            if info is not None and info.kind == "param" and info.fqn in fixed and s.inputs[j] is not None:
+                for a in used_where_they_lie:
+                    want, got = fixed[info.fqn][a], s.inputs[j][a]
+                    if want == "R" and not isinstance(got, (Replicate, Partial)):
+                        return False
+                    if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
+                        return False
         is_norm = op_family(node) is OpFamily.NORM or (op_name(node) == "mean" and _is_rms_mean(node))
         if not is_norm and node not in residual:
             return True
@@ -198,7 +227,7 @@ def megatron(
             return isinstance(p, Shard) and p.dim == 1
         return isinstance(p, Replicate)
 
-    name = f"megatron(tp={tp}, dp={dp}{', sequence_parallel' if sequence_parallel else ''})"
+    name = f"megatron(tp={tp}, dp={dp}{f', ep={ep}' if ep > 1 else ''}{', sequence_parallel' if sequence_parallel else ''})"
     return plan_captured(
         cap,
         cluster,
@@ -206,6 +235,22 @@ def megatron(
         node_constraint=megatron_execution,
         layout=name,
     )
+
+
+def expert_weights(graph: torch.fx.Graph) -> dict[str, int]:
+    """``{param_fqn: number of experts}`` for the experts' weights of every mixture-of-experts
+    region (``autopar.rules.routing.moe_regions``): a grouped matmul's weight, followed back
+    through views and casts to its parameter, whose dimension 0 is the experts."""
+    out = {}
+    for region in moe_regions(graph):
+        for e in region.experts:
+            w = grouped_mm_operands(e)[1]
+            while w.op == "call_function" and (op_family(w) is OpFamily.VIEW or op_info(w).identity_like):
+                w = w.args[0]
+            info = w.meta.get(TENSOR)
+            if info is not None and info.kind == "param" and info.shape[0] == region.num_experts:
+                out[info.fqn] = region.num_experts
+    return out
 
 
 def residual_adds(graph: torch.fx.Graph, roles: dict[str, str]) -> set[Node]:

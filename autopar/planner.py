@@ -47,6 +47,7 @@ from autopar.passes.strategies import annotate_strategies, getitem_strategies, u
 from autopar.placement import Replicate, Shard, format_spec, local_shape
 from autopar.planfile import NodePlan, Plan, Predicted, ReshardPlan
 from autopar.reshard import StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
+from autopar.rules.routing import grouped_mm_operands
 from autopar.solver import InfeasibleError, SolverConfig, solve
 
 __all__ = ["GRAPH_PASSES", "MESH_PASSES", "candidate_meshes", "constrain_strategies", "plan_captured"]
@@ -88,9 +89,29 @@ def constrain_strategies(pred: NodeConstraint) -> Pass:
 
     def constrain_strategies(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         memo: dict[tuple[int, str], tuple[Strategy, ...]] = {}
+        # Followers bound to their leader (``NodeStrategies.bound``) veto the leader's strategies
+        # they cannot run with, and keep exactly the leader's survivors.
+        vetoed: dict[str, set[int]] = {}
+        for n in gm.graph.nodes:
+            ns = n.meta.get(STRATEGIES)
+            if ns is not None and ns.bound:
+                bad = vetoed.setdefault(ns.follows, set())
+                bad |= {k for k, j in enumerate(ns.follow_map) if not pred(n, ns.strategies[j])}
+        survivors: dict[str, list[int]] = {}
         for n in gm.graph.nodes:
             ns = n.meta.get(STRATEGIES)
             if ns is None:
+                continue
+            if ns.bound:
+                keep = survivors[ns.follows]
+                picked = tuple(ns.strategies[ns.follow_map[k]] for k in keep)
+                n.meta[STRATEGIES] = replace(ns, strategies=picked, follow_map=tuple(range(len(picked))))
+                continue
+            if n.name in vetoed:
+                keep = [k for k, s in enumerate(ns.strategies) if pred(n, s) and k not in vetoed[n.name]]
+                keep = keep or [0]  # the replicated strategy: always runnable
+                survivors[n.name] = keep
+                n.meta[STRATEGIES] = replace(ns, strategies=tuple(ns.strategies[k] for k in keep))
                 continue
             if ns.follows and op_name(n) == "getitem":
                 n.meta[STRATEGIES] = getitem_strategies(n)
@@ -304,13 +325,20 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
     """Name each axis from the strategies the solver chose for the matmuls, weighted by their
     FLOPs: ``tp`` when they split the weights, ``dp`` when they split the batch (dimension 0),
     ``sp`` when they split another activation dimension; an axis where nothing is split is ``rep``.
-    Names repeated on several axes are numbered (``dp0``, ``dp1``)."""
+    Names repeated on several axes are numbered (``dp0``, ``dp1``). An axis along which experts'
+    weights are split by expert (a grouped matmul's weight ``S(0)``) is ``ep``, whatever the
+    other matmuls do along it (its tokens are data-parallel for them, as in Megatron-LM)."""
     votes = [{"dp": 0.0, "tp": 0.0, "sp": 0.0} for _ in mesh]
+    experts = set()
     for n in gm.graph.nodes:
         ns = n.meta.get(STRATEGIES)
         if ns is None or op_family(n) is not OpFamily.MATMUL:
             continue
         s = ns.strategies[choice[n.name]]
+        gmm = grouped_mm_operands(n)
+        if gmm is not None:
+            w_spec = s.inputs[tensor_inputs(n).index(gmm[1])]
+            experts |= {a for a, p in enumerate(w_spec or ()) if isinstance(p, Shard) and p.dim == 0}
         flops = n.meta[COST].fwd_flops if COST in n.meta else 1.0
         ins = tensor_inputs(n)
         for a in range(len(mesh)):
@@ -329,6 +357,7 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
             elif isinstance(out, Shard):
                 votes[a]["sp"] += flops
     names = [max(v, key=v.get) if max(v.values()) > 0 else "rep" for v in votes]
+    names = ["ep" if a in experts else name for a, name in enumerate(names)]
     if len(set(names)) != len(names):
         names = [f"{n}{i}" for i, n in enumerate(names)]
     return tuple(names)

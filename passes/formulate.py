@@ -12,9 +12,9 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
 4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
    and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
-   unary terms. Scalar outputs (a loss) must end replicated. A buffer (or input) an op writes
-   into (batch norm's running statistics, ``add_``) must reach it in its stored layout: a reshard
-   there would copy it and the write would be lost, so such edges cost ∞ unless the specs agree.
+   unary terms. Scalar outputs (a loss) must end replicated. A value an op writes into (batch
+   norm's running statistics, ``div_``) must reach it in its layout: a reshard there would copy
+   it and the write would be lost, so such edges cost ∞ unless the specs agree.
 
 The pass writes ``gm.meta["autopar.strategy_graph"]``.
 """
@@ -225,7 +225,7 @@ class _Builder:
             c_leader, c_map = self.roots[c]
             c_i = self.index[c_leader]
             c_strats = c.meta[STRATEGIES].strategies
-            written = {i for i in written_inputs(c) if i.op == "placeholder"}
+            written = set(written_inputs(c))
             for j, i in enumerate(tensor_inputs(c)):
                 if i not in self.roots:
                     continue

@@ -94,10 +94,13 @@ def trace_joint(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     grad_set = set(grad_primals)
     # 1. Which outputs carry a gradient: a forward run on fake tensors.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # A shape environment lets data-dependent sizes (the rows a MoE dispatch receives) trace as
+    # unbacked symbolic sizes instead of failing.
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     with mode:
         fake = [
             mode.from_tensor(p).requires_grad_(i in grad_set) if isinstance(p, torch.Tensor) else p

@@ -40,13 +40,24 @@ from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import NodePlan, Plan
 from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
+from autopar.rules.routing import grouped_mm_operands
 from autopar.runtime import collectives as C
+from autopar.runtime import moe as M
 from autopar.runtime import ops as O
 from autopar.runtime.collectives import AxisGroup
 
 __all__ = ["LOCAL_OPS", "LoweringError", "lower"]
 
 aten = torch.ops.aten
+
+
+_EXPERTS = {
+    Rewrite.EXPERT_DISPATCH,
+    Rewrite.EXPERT_LOCAL,
+    Rewrite.EXPERT_COMBINE,
+    Rewrite.EXPERT_DISPATCH_COMBINE,
+}
+"""Rewrites of a grouped matmul over this device's experts (``lower_experts``)."""
 
 
 def _dropped(node: Node) -> bool:
@@ -81,6 +92,10 @@ class _Lowerer:
         self.gathered = C.GatheredParams()
         self.root._gathered_params = self.gathered
         self.store_node: Node | None = None
+        self.routes: dict[Node, Node] = {}
+        """A MoE region's counts (captured node) -> its route in this program (``lower_experts``)."""
+        self.dispatched: set[Node] = set()
+        """Captured nodes whose local value is rows dispatched to this device's experts."""
         self.bucketed_values: set[tuple[Node, tuple[int, ...]]] = set()
         self.param_syncs: dict[str, tuple[int, ...]] = {}
         """Parameter placeholder name -> axes its gradient is all-reduced over at the weight."""
@@ -288,11 +303,51 @@ class _Lowerer:
                 args = (args[0], sizes[0], *args[2:])
             else:
                 args = (args[0], sizes, *args[2:])
+        if name == "arange" and sharded_out and len(args) == 1:
+            args = (out_local[0][0],)  # positions of this device's rows (a MoE region's inverse)
+        if shape_arg is not None and any(i in self.dispatched for i in ins):
+            args = list(args)  # dispatched rows: as many as this device received
+            args[shape_arg] = [-1, *list(args[shape_arg])[1:]]
+            args = tuple(args)
         if rewrites:
             (kind,) = {LOCAL_OPS[r] for r in rewrites}  # one local op per node, on any number of axes
             self.env[node] = kind(self, node, p, args, kwargs, ins)
-            return
-        self.env[node] = self.g.call_function(node.target, tuple(args), kwargs)
+        else:
+            self.env[node] = self.g.call_function(node.target, tuple(args), kwargs)
+        if rewrites & {Rewrite.EXPERT_DISPATCH, Rewrite.EXPERT_LOCAL} or (
+            not rewrites & _EXPERTS and any(i in self.dispatched for i in ins)
+        ):
+            self.dispatched.add(node)
+
+    def lower_experts(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
+        """A grouped matmul over this device's experts (``autopar.runtime.moe``): dispatch its rows
+        to their experts' devices first (``EXPERT_DISPATCH``), or take them already dispatched;
+        combine its output back after (``EXPERT_COMBINE``). The route (counts exchanged once) is
+        made at the dispatch and reused, keyed by the counts the matmuls share."""
+        (a,) = [a for a, r in enumerate(p.rewrites) if Rewrite(r) in _EXPERTS]
+        rw = Rewrite(p.rewrites[a])
+        _, _, offs_node = grouped_mm_operands(node)
+        ax = self.ax(a)
+        args = list(args)
+        offs_pos = 2 if len(args) > 2 else None
+        offs = args[2] if offs_pos is not None else kwargs["offs"]
+        if rw in (Rewrite.EXPERT_DISPATCH, Rewrite.EXPERT_DISPATCH_COMBINE):
+            route = self.g.call_function(M.route, (offs, ax))
+            self.routes[offs_node] = route
+            args[0] = self.g.call_function(M.dispatch, (args[0], route, ax))
+        elif offs_node in self.routes:
+            route = self.routes[offs_node]
+        else:
+            raise self.fail(node, "its rows are dispatched, but no grouped matmul before it dispatched them")
+        local = self.g.call_function(M.expert_offsets, (route, offs_node.meta["val"].dtype))
+        if offs_pos is not None:
+            args[offs_pos] = local
+        else:
+            kwargs = {**kwargs, "offs": local}
+        y = self.g.call_function(node.target, tuple(args), kwargs)
+        if rw in (Rewrite.EXPERT_COMBINE, Rewrite.EXPERT_DISPATCH_COMBINE):
+            y = self.g.call_function(M.combine, (y, route, ax))
+        return y
 
     def lower_mean(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         shards = math.prod(n for n, r in zip(self.mesh, p.rewrites) if r == Rewrite.MEAN_PARTIAL)
@@ -349,6 +404,7 @@ class _Lowerer:
 
 
 LOCAL_OPS = {
+    **{r: _Lowerer.lower_experts for r in _EXPERTS},
     Rewrite.MEAN_PARTIAL: _Lowerer.lower_mean,
     Rewrite.VOCAB_PARALLEL_EMBEDDING: _Lowerer.lower_embedding,
     Rewrite.LOSS_ROWS: _Lowerer.lower_loss,

@@ -33,12 +33,14 @@ from torch.fx import GraphModule, Node
 
 from autopar.cost.compute import roofline_time
 from autopar.cost.memory import training_state_bytes
+from autopar.cost.moe import expert_all_to_all_cost
 from autopar.graph import op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, value_is_saved
 from autopar.placement import Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
+from autopar.rules.routing import MoERegion, moe_regions, region_strategies
 
 __all__ = ["annotate_strategies", "getitem_strategies", "tie_key", "unruled_ops", "with_follow"]
 
@@ -180,6 +182,20 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
             x_local = local_shape(tuple(ins[0].meta["val"].shape), s.inputs[0], mesh)
             rows = x_local[0] if x_local else rows
             comm += count * ctx.mesh.all_reduce_cost(rows * 4.0, a)
+        elif c.startswith("moe_"):  # a grouped matmul over this device's experts (rules.routing)
+            x, w = ins[0], ins[1]
+            xb = _nbytes(local_shape(tuple(x.meta["val"].shape), s.inputs[0], mesh), x.meta["val"].dtype)
+            ob = _nbytes(local_shape(tuple(outs[0].shape), s.outputs[0], mesh), outs[0].dtype)
+            comm += expert_all_to_all_cost(
+                ctx.mesh,
+                a,
+                rows_in_bytes=xb,
+                rows_out_bytes=ob,
+                dispatch="dispatch" in c,
+                combine="combine" in c,
+                num_experts=int(w.meta["val"].shape[0]),
+                requires_grad=info.requires_grad,
+            )
     mem = 0.0
     if value_is_saved(node):
         mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
@@ -202,6 +218,7 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             counters[inst] += 1
     cache: dict[tuple, NodeStrategies] = {}
     axis_cache: dict[Node, list[AxisStrategy]] = {}
+    region_of = {m: r for r in moe_regions(gm.graph) for m in r.members}
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
@@ -209,6 +226,9 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if node.op == "call_function" and op_name(node) == "getitem":
             if node.args[0].meta.get(STRATEGIES) is not None:
                 node.meta[STRATEGIES] = getitem_strategies(node)
+            continue
+        if node in region_of:
+            _region_member(node, region_of[node], ordinal, cache, ctx)
             continue
         key = tie_key(node, ordinal)
         hkey = tuple(sorted(hints.get(node, ())))
@@ -234,6 +254,33 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if key is not None:
             node.meta["autopar.tie"] = (key, hkey)
     return gm
+
+
+def _region_member(
+    node: Node,
+    region: MoERegion,
+    ordinal: dict[Node, int],
+    cache: dict[tuple, NodeStrategies],
+    ctx: PassContext,
+) -> None:
+    """A mixture-of-experts region's member: its strategies are one per assignment of modes to the
+    mesh axes (``autopar.rules.routing``), in the same order for every member, which follows the
+    region's leader (the sort) one to one. Repeated layers' regions share the lists."""
+    key = ("moe", tie_key(region.leader, ordinal), region.members.index(node))
+    ns = cache.get(key) if key[1] is not None else None
+    if ns is None:
+        built = region_strategies(region, ctx.mesh.shape)[node]
+        ns = NodeStrategies(tuple(_cost_strategy(node, s, ctx) for s in built))
+        if key[1] is not None:
+            cache[key] = ns
+    if node is region.leader:
+        node.meta[STRATEGIES] = ns
+        if key[1] is not None:
+            node.meta["autopar.tie"] = (key, ())
+    else:
+        node.meta[STRATEGIES] = NodeStrategies(
+            ns.strategies, follows=region.leader.name, follow_map=tuple(range(len(ns.strategies))), bound=True
+        )
 
 
 def unruled_ops(gm: GraphModule) -> list[str]:

@@ -145,27 +145,30 @@ def test_pointwise_broadcast_aligns_inputs():
 
 
 class _Gather(nn.Module):
+    """Two ``searchsorted`` nodes: an op with tensor inputs and outputs and no sharding rule."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, idx2: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
-        return (y[idx] + y[idx2]).sum()  # two aten.index nodes
+        edges = y[:, 0].sort().values
+        return (torch.searchsorted(edges, idx.float()) + torch.searchsorted(edges, idx2.float())).sum().float() + y.sum()
 
 
 def test_op_without_rule_runs_replicated_with_one_warning(a100x8):
-    g = _graph(lambda x, i: x[i], torch.randn(8, 4), torch.tensor([1, 3]))
-    assert not has_rule(_node(g, "index"))
+    g = _graph(torch.searchsorted, torch.arange(8.0), torch.tensor([1.5, 3.5]))
+    assert not has_rule(_node(g, "searchsorted"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         inputs = (torch.randn(16, 8), torch.tensor([0, 3, 5, 7]), torch.tensor([1, 2, 4, 6]))
         plan = autopar.plan(_Gather(), inputs, a100x8, mesh_shape=(8,))
     ours = [w for w in caught if "autopar" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "no sharding rule for index" in str(ours[0].message)
-    assert plan.info["unruled_ops"] == ["index"]
-    index_nodes = [n for n in plan.nodes if n.op == "index"]
+    assert "no sharding rule for searchsorted" in str(ours[0].message)
+    assert plan.info["unruled_ops"] == ["searchsorted"]
+    index_nodes = [n for n in plan.nodes if n.op == "searchsorted"]
     assert len(index_nodes) == 2
     for n in index_nodes:
         assert all(spec == ("R",) for spec in n.inputs) and n.outputs == (("R",),)

@@ -8,18 +8,29 @@ tensor divides evenly (``autopar.passes.strategies``).
 
 Rules are written by op *family*, one module each, never per model: ``pointwise``, ``views``,
 ``matmul``, ``reductions`` (with softmax), ``norms``, ``embedding``, ``attention``, ``conv``,
-``losses``; ``blocks`` finds where a fused weight wants block sharding. ``base`` holds the
+``losses``, ``routing`` (top-k, sort, scatters and gathers, and mixture-of-experts regions); ``blocks`` finds where a fused weight wants block sharding. ``base`` holds the
 registry. Ops with no rule run replicated (a single warning names them): always correct. A
 strategy may carry a :class:`autopar.ir.Rewrite`: the lowering (``autopar.passes.lower``) then
 runs a local form of the op, e.g. a mean over a sharded dimension becomes a local mean divided
 by the shard count.
 """
 
-from autopar.rules import attention, conv, embedding, losses, matmul, norms, pointwise, reductions, views
+from autopar.rules import (
+    attention,
+    conv,
+    embedding,
+    losses,
+    matmul,
+    norms,
+    pointwise,
+    reductions,
+    routing,
+    views,
+)
 from autopar.rules.base import AxisStrategy, axis_strategies, has_rule
 from autopar.rules.blocks import block_hints
 
 __all__ = ["AxisStrategy", "axis_strategies", "block_hints", "has_rule"]
 
 # The family modules register their rules on import.
-_FAMILIES = (attention, conv, embedding, losses, matmul, norms, pointwise, reductions, views)
+_FAMILIES = (attention, conv, embedding, losses, matmul, norms, pointwise, reductions, routing, views)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from autopar.graph import tensor_inputs, tensor_outputs
+from autopar.graph import op_name, tensor_inputs, tensor_outputs
 from autopar.ir import Rewrite
 from autopar.placement import Placement, Replicate, Shard
 
@@ -57,6 +57,9 @@ _RULES: dict[object, RuleFn] = {}
 
 
 def register(*ops: object) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule for aten ops (overloads or packets) or, for custom ops that may not be
+    loaded yet, their packet names (``"grouped_mm_fallback"``)."""
+
     def deco(fn: RuleFn) -> RuleFn:
         for op in ops:
             _RULES[op] = fn
@@ -70,8 +73,14 @@ def op_key(node: Node) -> object:
     return getattr(t, "overloadpacket", t)
 
 
+def _rule_of(node: Node) -> RuleFn | None:
+    """The rule registered for the node's op (overload, packet, or packet name for custom ops
+    registered by name)."""
+    return _RULES.get(node.target) or _RULES.get(op_key(node)) or _RULES.get(op_name(node))
+
+
 def has_rule(node: Node) -> bool:
-    return node.op == "call_function" and (op_key(node) in _RULES or node.target in _RULES)
+    return node.op == "call_function" and _rule_of(node) is not None
 
 
 def axis_strategies(node: Node, hints: dict[Node, set[tuple[int, int]]] | None = None) -> list[AxisStrategy]:
@@ -87,7 +96,7 @@ def axis_strategies(node: Node, hints: dict[Node, set[tuple[int, int]]] | None =
         return [replicated, *_placeholder_strategies(node, hints)]
     if node.op != "call_function":
         return [replicated]
-    fn = _RULES.get(node.target) or _RULES.get(op_key(node))
+    fn = _rule_of(node)
     if fn is None:
         return [replicated]
     out = [replicated]

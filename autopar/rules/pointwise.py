@@ -105,6 +105,14 @@ UNARY = [
     aten.tril,
     aten.triu,
     aten.floor_divide,
+    # In place: the written input keeps its layout (``passes.formulate`` puts no reshard before a
+    # write), so these run like their out-of-place forms.
+    aten.add_,
+    aten.sub_,
+    aten.mul_,
+    aten.div_,
+    aten.masked_fill_,
+    aten.clamp_,
 ]
 # Ops linear in each tensor input (so Partial passes through when all tensor inputs are Partial).
 _LINEAR_ALL = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.add, aten.sub}
