@@ -322,11 +322,13 @@ def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Issue collectives early and wait late (see module docstring, 4)."""
     param_gathers = set(_param_gathers(gm, Phase.FWD)) | set(_param_gathers(gm, Phase.BWD))
     raised = sunk = 0
-    # Issue early: right after the producer of the issue's tensor input.
+    # Issue early: right after the last producer of the issue's inputs (its tensor, and the sizes
+    # of an all-to-all whose splits are read from a tensor: a MoE dispatch).
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in list(gm.graph.nodes):
         if not is_issue(n) or n in param_gathers:
             continue
-        src = n.args[0]
+        src = max(n.all_input_nodes, key=position.__getitem__, default=None)
         if isinstance(src, Node) and src.op != "placeholder" and src.next is not n:
             src.append(n)
             raised += 1
