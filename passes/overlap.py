@@ -225,7 +225,23 @@ def _make_bucket(gm: GraphModule, bucket: list[tuple[Node, Node]]) -> None:
         g.erase_node(old_w)
         g.erase_node(old_ar)
         offset += f.numel()
+        _after(view)
     assert offset == total
+
+
+def _after(n: Node) -> None:
+    """Move the views that carry ``n`` to the output (``_only_returned``) after it: a gradient's
+    all-reduce read through a view (an expert weight's ``transpose``) may have had them before
+    the bucket's wait."""
+    out = output_node(n.graph.owning_module)
+    stack, seen = [u for u in n.users if u is not out], set()
+    while stack:
+        u = stack.pop(0)
+        if u in seen:
+            continue
+        seen.add(u)
+        out.prepend(u)
+        stack.extend(v for v in u.users if v is not out)
 
 
 # ------------------------------------------------------------------------------------------ 3
