@@ -151,7 +151,7 @@ def megatron(
     ``dp`` defaults to ``world_size / tp``. The mesh is ``(dp, tp)`` (``(tp,)`` when ``dp == 1``),
     the tensor axis innermost so it stays inside a node. With ``ep > 1`` (which must divide
     ``dp``: Megatron-LM carves the expert-parallel group out of the data-parallel one) the mesh is
-    ``(dp / ep, ep, tp)`` (the first axis dropped when it is 1): every mixture-of-experts region
+    ``(dp / ep, ep, tp)`` (axes of size 1 dropped): every mixture-of-experts region
     (``autopar.rules.routing``) keeps its experts' weights split by expert along ``ep`` and used
     where they lie, so its tokens are dispatched to them and combined back by all-to-all;
     attention and the rest are data-parallel along ``ep``, as in Megatron-LM. Experts are not
@@ -182,12 +182,14 @@ def megatron(
     for fqn, n in experts.items():
         if n % ep:
             raise ValueError(f"ep={ep} does not divide the {n} experts of {fqn}")
-    if ep > 1:
-        mesh = (dp // ep, ep, tp) if dp > ep else (ep, tp)
+    if ep > 1:  # (dp / ep, ep, tp) without its axes of size 1
+        sizes = [n for n in (dp // ep, ep, tp) if n > 1]
+        mesh = tuple(sizes)
+        e_axis = 1 if dp > ep else 0
+        t_axis = e_axis + 1 if tp > 1 else None
     else:
         mesh = (dp, tp) if dp > 1 else (tp,)
-    t_axis = len(mesh) - 1
-    e_axis = len(mesh) - 2 if ep > 1 else None
+        t_axis, e_axis = len(mesh) - 1, None
     fixed: dict[str, tuple[str, ...]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -197,7 +199,8 @@ def megatron(
         else:  # row_bias
             tp_p = "R"
         spec = ["R"] * len(mesh)
-        spec[t_axis] = tp_p
+        if t_axis is not None:
+            spec[t_axis] = tp_p
         fixed[fqn] = tuple(spec)
     for fqn in experts:
         spec = ["R"] * len(mesh)
@@ -205,11 +208,22 @@ def megatron(
         fixed[fqn] = tuple(spec)
     used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
+    # Grouped matmuls read their experts' weights through views (transformers transposes them):
+    # each must run over its own device's experts along ep.
+    expert_mms = {
+        e: tensor_inputs(e).index(grouped_mm_operands(e)[1])
+        for r in moe_regions(cap.gm.graph)
+        for e in r.experts
+    }
 
     def megatron_execution(node: Node, s: Strategy) -> bool:
         """Weights are used where they lie (no gathering); norms as Megatron runs them."""
         if node.op != "call_function":
             return True
+        if e_axis is not None and node in expert_mms:
+            got = s.inputs[expert_mms[node]][e_axis]
+            if not (isinstance(got, Shard) and got.dim == 0):
+                return False
         for j, i in enumerate(tensor_inputs(node)):
             info = i.meta.get(TENSOR)
             if info is not None and info.kind == "param" and info.fqn in fixed and s.inputs[j] is not None:
@@ -220,7 +234,7 @@ def megatron(
                     if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
                         return False
         is_norm = op_family(node) is OpFamily.NORM or (op_name(node) == "mean" and _is_rms_mean(node))
-        if not is_norm and node not in residual:
+        if t_axis is None or (not is_norm and node not in residual):
             return True
         p = s.outputs[0][t_axis]
         if sequence_parallel:

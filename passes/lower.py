@@ -60,6 +60,24 @@ _EXPERTS = {
 """Rewrites of a grouped matmul over this device's experts (``lower_experts``)."""
 
 
+def _out_of_place(node: Node) -> Any:
+    """``node``'s op, or its out-of-place form when it writes into an intermediate value nothing
+    reads after it (``div_`` on top-k weights, ``index_add_`` into fresh zeros): the same value,
+    and the traced backward (``passes.joint``) cannot read a saved input the write overwrote."""
+    target = node.target
+    name = op_name(node)
+    written = written_inputs(node)
+    if not name.endswith("_") or written != [node.args[0]] or node.args[0].op == "placeholder":
+        return target
+    src = node.args[0]
+    order = {n: i for i, n in enumerate(node.graph.nodes)} if len(src.users) > 1 else {}
+    if any(order[u] > order[node] for u in src.users if u is not node):
+        return target
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    overload = getattr(packet, target._overloadname, None) if packet is not None else None
+    return overload if overload is not None else target
+
+
 def _dropped(node: Node) -> bool:
     """Export's shape assertions compute nothing; the per-rank program leaves them out."""
     return op_family(node) is OpFamily.ASSERT
@@ -313,7 +331,7 @@ class _Lowerer:
             (kind,) = {LOCAL_OPS[r] for r in rewrites}  # one local op per node, on any number of axes
             self.env[node] = kind(self, node, p, args, kwargs, ins)
         else:
-            self.env[node] = self.g.call_function(node.target, tuple(args), kwargs)
+            self.env[node] = self.g.call_function(_out_of_place(node), tuple(args), kwargs)
         if rewrites & {Rewrite.EXPERT_DISPATCH, Rewrite.EXPERT_LOCAL} or (
             not rewrites & _EXPERTS and any(i in self.dispatched for i in ins)
         ):

@@ -170,7 +170,9 @@ class _RunStep(torch.autograd.Function):
         ctx.step = step
         ctx.num_primals = len(primals)
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
-        ctx.save_for_backward(*saved)
+        # Saved sizes (a MoE dispatch's split sizes, read from a tensor) are ints: kept aside.
+        ctx.save_for_backward(*[v for v in saved if isinstance(v, torch.Tensor)])
+        ctx.saved_other = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
         tangent = set(step.tangent_outputs)
         ctx.mark_non_differentiable(
             *[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in tangent]
@@ -189,7 +191,10 @@ class _RunStep(torch.autograd.Function):
             tangents.append(g.contiguous())
         monitor = step.monitor
         try:
-            grads = step.backward(*ctx.saved_tensors, *tangents)
+            saved = list(ctx.saved_tensors)
+            for i, v in ctx.saved_other:
+                saved.insert(i, v)
+            grads = step.backward(*saved, *tangents)
         except Exception as exc:
             err = monitor.fail(exc, "the backward program")
             if err is None:

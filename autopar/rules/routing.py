@@ -362,6 +362,12 @@ def _grow(sort: Node) -> MoERegion | None:
         inner = [i for i in t_in if inside(i)]
         outer = [i for i in t_in if not inside(i)]
         kind = None
+        if all(i in counts for i in inner):
+            if name not in ("to", "_to_copy", "type_as", "clone", "contiguous", "alias", "cumsum"):
+                continue  # reads the counts as the Partial they are: an ordinary op
+            counts.add(u)
+            members.append(u)
+            continue
         if (name in ("histc", "bincount") and len(t_in) == 1) or (
             name == "cumsum" and all(i in counts for i in t_in)
         ):
