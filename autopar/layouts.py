@@ -176,7 +176,7 @@ def megatron(
     ctx = PassContext(captured=cap, cluster=cluster, config=config)
     run_passes(cap.gm, ctx, [annotate_tensors])
     roles = megatron_weight_roles(cap.gm.graph)
-    experts = expert_weights(cap.gm.graph) if ep > 1 else {}
+    experts = expert_weights(cap.gm.graph)
     if ep > 1 and not experts:
         raise ValueError(f"ep={ep}, but the model has no mixture-of-experts layer autopar recognises")
     for fqn, n in experts.items():
@@ -202,9 +202,10 @@ def megatron(
         if t_axis is not None:
             spec[t_axis] = tp_p
         fixed[fqn] = tuple(spec)
-    for fqn in experts:
+    for fqn in experts:  # split by expert along ep; whole everywhere else (expert TP size 1)
         spec = ["R"] * len(mesh)
-        spec[e_axis] = "S(0)"
+        if e_axis is not None:
+            spec[e_axis] = "S(0)"
         fixed[fqn] = tuple(spec)
     used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
@@ -220,10 +221,12 @@ def megatron(
         """Weights are used where they lie (no gathering); norms as Megatron runs them."""
         if node.op != "call_function":
             return True
-        if e_axis is not None and node in expert_mms:
-            got = s.inputs[expert_mms[node]][e_axis]
-            if not (isinstance(got, Shard) and got.dim == 0):
-                return False
+        if node in expert_mms:
+            for a, got in enumerate(s.inputs[expert_mms[node]]):
+                if a == e_axis and not (isinstance(got, Shard) and got.dim == 0):
+                    return False
+                if a != e_axis and not isinstance(got, Replicate):
+                    return False
         for j, i in enumerate(tensor_inputs(node)):
             info = i.meta.get(TENSOR)
             if info is not None and info.kind == "param" and info.fqn in fixed and s.inputs[j] is not None:

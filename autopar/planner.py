@@ -338,7 +338,9 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
         gmm = grouped_mm_operands(n)
         if gmm is not None:
             w_spec = s.inputs[tensor_inputs(n).index(gmm[1])]
-            experts |= {a for a, p in enumerate(w_spec or ()) if isinstance(p, Shard) and p.dim == 0}
+            experts |= {
+                a for a, p in enumerate(w_spec or ()) if isinstance(p, Shard) and p.dim == 0 and mesh[a] > 1
+            }
         flops = n.meta[COST].fwd_flops if COST in n.meta else 1.0
         ins = tensor_inputs(n)
         for a in range(len(mesh)):
