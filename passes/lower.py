@@ -70,6 +70,13 @@ def _out_of_place(node: Node) -> Any:
     if not name.endswith("_") or written != [node.args[0]] or node.args[0].op == "placeholder":
         return target
     src = node.args[0]
+    aliased = (op_family(src) is OpFamily.VIEW and op_name(src) != "getitem") or op_name(src) in (
+        "alias",
+        "detach",
+        "contiguous",
+    )
+    if aliased:
+        return target  # a write through a view reaches its base, which others read
     order = {n: i for i, n in enumerate(node.graph.nodes)} if len(src.users) > 1 else {}
     if any(order[u] > order[node] for u in src.users if u is not node):
         return target
