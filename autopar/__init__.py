@@ -16,10 +16,10 @@ from autopar.api import parallelize, plan
 from autopar.capture import CaptureError, capture
 from autopar.cluster import Cluster, DeviceSpec, Link
 from autopar.config import PlanConfig
-from autopar.ir import explain
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan
+from autopar.report import explain
 
 __all__ = [
     "CaptureError",

@@ -1,7 +1,8 @@
 """Typed records that passes write into ``node.meta`` (never loose dict keys).
 
-The IR goes through these states, each printable (``explain(gm)`` prints the first two as a
-table; ``print(plan)`` the third; ``ParallelModule.code`` the fourth):
+The IR goes through these states, each printable (``autopar.explain`` prints the first three as
+tables, annotating a fresh capture as needed; ``print(plan)`` summarises the third;
+``ParallelModule.code`` prints the fourth):
 
 1. **captured** — an ATen-level ``torch.fx`` graph from ``torch.export`` (``autopar.capture``);
    every node carries a FakeTensor ``val``.
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
 
 from autopar.placement import Spec
 
@@ -128,32 +127,3 @@ class NodeStrategies:
     """The follower's strategies only make sense together with its leader's (a mixture-of-experts
     region, ``autopar.rules.routing``): a pass that drops strategies drops them jointly and never
     re-derives the follow map."""
-
-
-def explain(gm: torch.fx.GraphModule, max_rows: int | None = None) -> str:
-    """The captured graph with its annotations, one line per node: op, module, shape, dtype,
-    forward/backward FLOPs and roofline time, saved bytes, and the number of strategies (with the
-    node it follows, if any). Works on a graph at any stage; missing annotations print as ``-``."""
-    lines = [
-        f"{'node':<28} {'op':<30} {'module':<32} {'shape':<22} {'GFLOP f/b':>13} {'time µs':>9} {'saved':>10} strategies"
-    ]
-    for i, n in enumerate(gm.graph.nodes):
-        if max_rows is not None and i >= max_rows:
-            lines.append(f"... {len(gm.graph.nodes) - max_rows} more nodes")
-            break
-        info, cost, strat = n.meta.get(TENSOR), n.meta.get(COST), n.meta.get(STRATEGIES)
-        op = str(n.target) if n.op == "call_function" else n.op
-        shape = f"{list(info.shape)} {info.dtype}" if info is not None else "-"
-        module = (info.fqn or info.module) if info is not None else "-"
-        flops = f"{cost.fwd_flops / 1e9:.2f}/{cost.bwd_flops / 1e9:.2f}" if cost is not None else "-"
-        t = f"{(cost.fwd_time + cost.bwd_time) * 1e6:.1f}" if cost is not None else "-"
-        saved = f"{cost.saved_bytes:.0f}" if cost is not None else "-"
-        st = (
-            "-"
-            if strat is None
-            else f"{len(strat.strategies)}" + (f" (follows {strat.follows})" if strat.follows else "")
-        )
-        lines.append(
-            f"{n.name[:28]:<28} {op[:30]:<30} {module[:32]:<32} {shape[:22]:<22} {flops:>13} {t:>9} {saved:>10} {st}"
-        )
-    return "\n".join(lines)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import autopar.display as display
 from autopar.placement import Spec, parse_spec
 
 __all__ = ["NodePlan", "Plan", "Predicted", "ReshardPlan"]
@@ -212,88 +212,22 @@ class Plan:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.to_dict() == other.to_dict()
 
-    # ------------------------------------------------------------------ display
+    # ------------------------------------------------------------------ display (autopar.display)
     def summary(self) -> str:
-        p = self.predicted
-        mesh = " × ".join(f"{a}={n}" for a, n in zip(self.mesh_axes, self.mesh_shape))
-        comm = ", ".join(f"{a}: {_fmt_bytes(b)}" for a, b in zip(self.mesh_axes, p.comm_bytes_per_axis))
-        lines = [
-            f"Plan on mesh {mesh}  ({self.info.get('cluster_desc', '')})",
-            f"  predicted step time {_fmt_time(p.step_time)} = compute {_fmt_time(p.compute_time)} + "
-            f"communication {_fmt_time(p.comm_time)}   ({'optimal' if p.optimal else 'best found'})",
-            f"  memory per device {_fmt_bytes(p.memory_per_device)}; communication per step {comm}",
-        ]
-        if "layout" in self.info:
-            lines.append(f"  layout: {self.info['layout']}")
-        return "\n".join(lines)
+        """Totals: mesh, predicted step time, memory against the budget, communication per axis."""
+        return display.plan_summary(self)
 
-    def table(self, max_rows: int | None = None) -> str:
-        """Per module: the ops, their placements, compute and communication time."""
-        rows: dict[str, dict[str, Any]] = {}
-        order: list[str] = []
-        comm_by_consumer: dict[str, float] = defaultdict(float)
-        coll_by_consumer: dict[str, list[str]] = defaultdict(list)
-        for r in self.reshards:
-            comm_by_consumer[r.consumer] += r.time
-            coll_by_consumer[r.consumer].extend(c.split("(")[0] for c in r.collectives)
-            if r.grad_sync_axes:
-                coll_by_consumer[r.consumer].append("grad-sync")
-        for n in self.nodes:
-            if n.kind != "op" and n.kind != "param":
-                continue
-            mod = n.module if n.kind == "op" else n.fqn.rsplit(".", 1)[0]
-            if mod not in rows:
-                rows[mod] = {"ops": [], "compute": 0.0, "comm": 0.0, "colls": []}
-                order.append(mod)
-            r = rows[mod]
-            if n.kind == "param":
-                r["ops"].append(f"{n.fqn.rsplit('.', 1)[-1]}:{','.join(n.outputs[0])}")
-            elif n.op not in ("getitem", "_assert_tensor_metadata"):
-                r["ops"].append(f"{n.op}→{','.join(n.outputs[0])}" if n.outputs else n.op)
-            r["compute"] += n.compute_time
-            r["comm"] += comm_by_consumer.get(n.name, 0.0) + n.comm_time
-            r["colls"].extend(coll_by_consumer.get(n.name, []))
-        lines = [self.summary(), "", f"{'module':<40} {'compute':>10} {'comm':>10}  placements / collectives"]
-        for i, mod in enumerate(order):
-            if max_rows is not None and i >= max_rows:
-                lines.append(f"... {len(order) - max_rows} more modules")
-                break
-            r = rows[mod]
-            ops = _compress(r["ops"])
-            colls = _compress(r["colls"])
-            lines.append(
-                f"{(mod or '<top>')[:40]:<40} {_fmt_time(r['compute']):>10} {_fmt_time(r['comm']):>10}  {ops}"
-                + (f"  [{colls}]" if colls else "")
-            )
-        return "\n".join(lines)
+    def table(self, max_rows: int | None = None, full: bool = False) -> str:
+        """Rows in execution order: repeated identical layers folded (``blocks.0–31 ×32``), or every
+        module with its ops' placements and collectives (``full=True``)."""
+        return display.plan_table(self, max_rows=max_rows, full=full)
 
     def __str__(self) -> str:
-        return self.table()
+        return display.plan_text(self)
 
     def __repr__(self) -> str:
-        return f"<autopar.Plan mesh={self.mesh_shape} step={_fmt_time(self.predicted.step_time)} mem={_fmt_bytes(self.predicted.memory_per_device)}>"
-
-
-def _compress(items: list[str], limit: int = 8) -> str:
-    counts: dict[str, int] = {}
-    for it in items:
-        counts[it] = counts.get(it, 0) + 1
-    parts = [f"{k}×{v}" if v > 1 else k for k, v in counts.items()]
-    if len(parts) > limit:
-        parts = [*parts[:limit], f"+{len(parts) - limit}"]
-    return " ".join(parts)
-
-
-def _fmt_time(t: float) -> str:
-    if t >= 1:
-        return f"{t:.2f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.2f} ms"
-    return f"{t * 1e6:.1f} µs"
-
-
-def _fmt_bytes(b: float) -> str:
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= f:
-            return f"{b / f:.2f} {unit}"
-    return f"{b:.0f} B"
+        p = self.predicted
+        return (
+            f"<autopar.Plan mesh={self.mesh_shape} step={display.fmt_time(p.step_time)} "
+            f"mem={display.fmt_bytes(p.memory_per_device)}>"
+        )

@@ -25,7 +25,7 @@ PACKAGE_DIRS = {"autopar": ROOT / "autopar", "autopar.passes": ROOT / "passes",
                 "autopar.cost": ROOT / "cost", "autopar.runtime": ROOT / "runtime"}  # fmt: skip
 
 LEVEL = {"data": 0, "cost": 1, "rules": 2, "runtime": 2, "passes": 3, "solver": 4, "planner": 5, "api": 6}
-DATA = {"placement", "graph", "ir", "cluster", "capture", "reshard", "planfile", "strategy_graph",
+DATA = {"placement", "graph", "ir", "cluster", "capture", "reshard", "planfile", "strategy_graph", "display",
         "schedule", "models"}  # fmt: skip
 COST = {"mesh", "config"}
 PLANNER = {"planner", "layouts", "simulate", "search"}

@@ -84,8 +84,8 @@ def test_repeated_layers_share_decision_variables(make_llama, batch, a100x8):
     assert len(plans[4].nodes) > 1.5 * nodes2
 
 
-def test_print_plan_shows_modules_placements_and_step_time(gpt2_plan):
-    text = str(gpt2_plan)
+def test_full_table_shows_modules_placements_and_step_time(gpt2_plan):
+    text = gpt2_plan.summary() + "\n" + gpt2_plan.table(full=True)  # print(plan): tests/test_display.py
     assert "predicted step time" in text
     assert re.search(r"predicted step time [\d.]+ (µs|ms|s) = compute", text)
     assert "memory per device" in text
@@ -99,6 +99,6 @@ def test_print_plan_shows_modules_placements_and_step_time(gpt2_plan):
     spec = gpt2_plan.param_placements(detailed=True)["transformer.h.0.attn.c_attn.weight"][0]
     assert f"weight:{spec}" in text
     assert "Plan on mesh" in text and "=8" in text
-    short = gpt2_plan.table(max_rows=3)
+    short = gpt2_plan.table(max_rows=3, full=True)
     assert "more modules" in short and len(short.splitlines()) < len(text.splitlines())
     assert repr(gpt2_plan).startswith("<autopar.Plan mesh=(8,)")
