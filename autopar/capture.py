@@ -29,6 +29,7 @@ __all__ = [
     "Captured",
     "IndexBound",
     "capture",
+    "check_position_tables",
     "index_bounds",
     "input_paths",
     "normalize_inputs",
@@ -195,6 +196,7 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     )
     cap.fingerprint = graph_fingerprint(gm.graph)
     cap.index_inputs = index_bounds(gm.graph, inputs)
+    check_position_tables(gm.graph, params)
     return cap
 
 
@@ -279,3 +281,90 @@ def index_bounds(graph: torch.fx.Graph, inputs: dict[str, str]) -> dict[str, lis
         if bounds:
             out[inputs[ph.name]] = sorted(set(bounds), key=lambda b: (b.bound, b.what))
     return out
+
+
+_SAME_VALUES = frozenset(
+    [
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "clone",
+        "contiguous",
+        "alias",
+        "_to_copy",
+        "to",
+        "flatten",
+        "permute",
+        "transpose",
+        "t",
+        "detach",
+        "lift_fresh_copy",
+    ]
+)
+"""Ops whose output holds exactly the values of their input (rearranged, repeated or cast)."""
+
+
+def _value_range(node: torch.fx.Node) -> tuple[int, int] | None:
+    """``(smallest, largest)`` value of an integer tensor computed from ``arange`` by shifts and
+    rearrangements alone; None when it depends on anything else (a user input, a slice)."""
+    from autopar.graph import op_name
+
+    if node.op != "call_function":
+        return None
+    name = op_name(node)
+    args = node.args
+    if name == "arange":
+        ints = [a for a in args if isinstance(a, int)]
+        if len(ints) != len(args) or not ints:
+            return None
+        start, end, step = (
+            (0, ints[0], 1) if len(ints) == 1 else (ints[0], ints[1], ints[2] if len(ints) > 2 else 1)
+        )
+        count = max(0, -(-(end - start) // step))
+        if count == 0 or step <= 0:
+            return None
+        return start, start + step * (count - 1)
+    if (
+        name in ("add", "sub")
+        and len(args) == 2
+        and isinstance(args[1], int)
+        and isinstance(args[0], torch.fx.Node)
+    ):
+        r = _value_range(args[0])
+        shift = args[1] if name == "add" else -args[1]
+        return None if r is None else (r[0] + shift, r[1] + shift)
+    if name in _SAME_VALUES and args and isinstance(args[0], torch.fx.Node):
+        return _value_range(args[0])
+    return None
+
+
+def check_position_tables(graph: torch.fx.Graph, params: dict[str, str]) -> None:
+    """Refuse a batch whose sequences are longer than the model supports: an embedding table read
+    at positions the model computes itself (``arange``, not a user input) that has fewer rows
+    than the largest position. Eager training would fail with ``IndexError`` on the first step;
+    planning would say nothing."""
+    from autopar.graph import op_name
+
+    for n in graph.nodes:
+        if n.op != "call_function" or len(n.args) < 2 or not isinstance(n.args[1], torch.fx.Node):
+            continue
+        if op_name(n) != "embedding" or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        r = _value_range(n.args[1])
+        rows = (
+            int(n.args[0].meta["val"].shape[0])
+            if isinstance(n.args[0].meta.get("val"), torch.Tensor)
+            else None
+        )
+        if r is None or rows is None or r[1] < rows:
+            continue
+        table = params.get(n.args[0].name, n.args[0].name)
+        raise ValueError(
+            f"sequence too long for the model: its position table {table} has {rows} rows, so it supports "
+            f"sequences of at most {rows} tokens, but the example batch needs positions up to {r[1]} "
+            f"({r[1] + 1} tokens): use sequences of at most {rows} tokens, or configure the model with a "
+            f"longer context (more rows in {table})"
+        )

@@ -1,0 +1,517 @@
+"""The model zoo: well-known models built from their published configurations, never downloaded.
+
+``autopar.zoo.load("llama3-8b", batch=64, seq=8192)`` returns a :class:`Workload`: the model (on
+the meta device unless asked otherwise, so a 70B model costs no memory) and one global example
+batch that makes it return its training loss. A MODEL argument of the command line is one of:
+
+* a **built-in name** (``autopar.zoo.names()``): ``gpt-tiny``, ``gpt2``, ``gpt2-xl``,
+  ``gpt3-175b`` (autopar's own GPT-2-style model, ``autopar.models.GPT``, no extra dependency);
+  ``llama3-8b``, ``llama3-70b``, ``mixtral-8x7b``, ``t5-base``, ``vit-base`` (built with
+  transformers' model classes from the configurations their papers and model cards publish:
+  ``pip install 'autopar[models]'``);
+* a **transformers config file** (``path/to/config.json``, or its directory): the model class is
+  the config's ``architectures[0]``, else the causal-LM, sequence-to-sequence or image classifier
+  class registered for its ``model_type``;
+* **``module:factory``** (or ``path/to/file.py:factory``): ``factory(**kw)`` called with those of
+  ``batch``, ``seq``, ``dtype`` and ``device`` it accepts, returning a model or ``(model,
+  example_inputs)``.
+
+Words: the **kind** of a model says what its example batch is — ``causal-lm`` (token ids and the
+same ids as labels), ``seq2seq-lm`` (encoder ids and decoder labels), ``image-classifier``
+(pixels and class labels). ``overrides`` change configuration fields (``num_hidden_layers=2``),
+e.g. to plan a shallow copy of a model quickly; ``layers`` is the common case.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ZOO", "ModelSpec", "Workload", "ZooError", "load", "names", "parse_dtype"]
+
+DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32})
+"""``--dtype`` values and the parameter dtype they give."""
+
+MODELS_EXTRA = "pip install 'transformers>=4.45'  (or, in a checkout: pip install -e '.[models]')"
+
+
+class ZooError(ValueError):
+    """A model argument that names nothing buildable; the message says what would work."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A built-in model: where its class comes from and its published configuration."""
+
+    name: str
+    summary: str
+    """One line: what it is, its size, where the configuration is published."""
+    kind: str
+    """``causal-lm``, ``seq2seq-lm`` or ``image-classifier`` (see module docstring)."""
+    source: str
+    """``autopar`` (``autopar.models.GPT``) or the transformers class name."""
+    config: Mapping[str, Any]
+    """Configuration fields (``GPTConfig`` or the transformers config class)."""
+    default_seq: int
+    """Sequence length (image side in pixels for an image classifier) when none is given."""
+    layers_field: str
+    """The configuration field holding the depth (``layers=`` overrides it)."""
+    max_seq_field: str = ""
+    """The configuration field bounding the sequence length, if the model has one."""
+
+
+def _gpt(name: str, summary: str, **cfg: Any) -> ModelSpec:
+    return ModelSpec(
+        name=name, summary=summary, kind="causal-lm", source="autopar", config=MappingProxyType(cfg),
+        default_seq=cfg["block_size"], layers_field="n_layer", max_seq_field="block_size",
+    )  # fmt: skip
+
+
+def _hf(
+    name: str,
+    summary: str,
+    *,
+    kind: str,
+    cls: str,
+    seq: int,
+    layers_field: str = "num_hidden_layers",
+    max_seq: str = "",
+    **cfg: Any,
+) -> ModelSpec:
+    return ModelSpec(
+        name=name, summary=summary, kind=kind, source=cls, config=MappingProxyType(cfg),
+        default_seq=seq, layers_field=layers_field, max_seq_field=max_seq,
+    )  # fmt: skip
+
+
+_LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=False, use_cache=False, bos_token_id=128000, eos_token_id=128001)  # fmt: skip
+
+ZOO: Mapping[str, ModelSpec] = MappingProxyType(
+    {
+        s.name: s
+        for s in (
+            _gpt(
+                "gpt-tiny",
+                "a 2-layer, 64-wide GPT (71K parameters) for trying things out",
+                vocab_size=256,
+                block_size=64,
+                n_layer=2,
+                n_head=4,
+                n_embd=64,
+            ),
+            _gpt(
+                "gpt2",
+                "GPT-2 small, 124M (Radford et al. 2019)",
+                vocab_size=50257,
+                block_size=1024,
+                n_layer=12,
+                n_head=12,
+                n_embd=768,
+            ),
+            _gpt(
+                "gpt2-xl",
+                "GPT-2 XL, 1.5B (Radford et al. 2019)",
+                vocab_size=50257,
+                block_size=1024,
+                n_layer=48,
+                n_head=25,
+                n_embd=1600,
+            ),
+            _gpt(
+                "gpt3-175b",
+                "GPT-3 175B (Brown et al. 2020, Table 2.1)",
+                vocab_size=50257,
+                block_size=2048,
+                n_layer=96,
+                n_head=96,
+                n_embd=12288,
+            ),
+            _hf(
+                "llama3-8b",
+                "Llama 3 8B (Meta, model card)",
+                kind="causal-lm",
+                cls="LlamaForCausalLM",
+                seq=8192,
+                max_seq="max_position_embeddings",
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                **_LLAMA3,
+            ),
+            _hf(
+                "llama3-70b",
+                "Llama 3 70B (Meta, model card)",
+                kind="causal-lm",
+                cls="LlamaForCausalLM",
+                seq=8192,
+                max_seq="max_position_embeddings",
+                hidden_size=8192,
+                intermediate_size=28672,
+                num_hidden_layers=80,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                **_LLAMA3,
+            ),
+            _hf(
+                "mixtral-8x7b",
+                "Mixtral 8x7B, 47B parameters, 13B active (Jiang et al. 2024)",
+                kind="causal-lm",
+                cls="MixtralForCausalLM",
+                seq=4096,
+                max_seq="max_position_embeddings",
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                max_position_embeddings=32768,
+                rope_theta=1e6,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=False,
+                use_cache=False,
+            ),
+            _hf(
+                "t5-base",
+                "T5 base, 223M, encoder-decoder (Raffel et al. 2020)",
+                kind="seq2seq-lm",
+                cls="T5ForConditionalGeneration",
+                seq=512,
+                layers_field="num_layers",
+                vocab_size=32128,
+                d_model=768,
+                d_kv=64,
+                d_ff=3072,
+                num_layers=12,
+                num_decoder_layers=12,
+                num_heads=12,
+                use_cache=False,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            ),
+            _hf(
+                "vit-base",
+                "ViT-B/16, 86M, 224×224 images (Dosovitskiy et al. 2021)",
+                kind="image-classifier",
+                cls="ViTForImageClassification",
+                seq=224,
+                hidden_size=768,
+                num_hidden_layers=12,
+                num_attention_heads=12,
+                intermediate_size=3072,
+                image_size=224,
+                patch_size=16,
+                num_labels=1000,
+            ),
+        )
+    }
+)
+"""The built-in models by name."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    """A model and one global example batch that makes it return its training loss."""
+
+    name: str
+    """The MODEL argument it was built from."""
+    model: nn.Module
+    example_inputs: Any
+    """Positional args (a tuple) or keyword args (a dict), as ``autopar.plan`` takes them."""
+    batch: int
+    seq: int | None
+    """Tokens per sequence (pixels per image side for an image classifier); None if unknown."""
+    kind: str
+    dtype: torch.dtype
+    description: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    """How to build it again: ``{"model": name, "batch", "seq", "dtype", "layers", "overrides"}``
+    (``autopar plan`` stores it in the plan so ``compare`` and ``report`` can rebuild the model)."""
+
+    @property
+    def num_params(self) -> int:
+        """Parameters, each tied parameter counted once."""
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def names() -> list[str]:
+    """The built-in model names."""
+    return list(ZOO)
+
+
+def parse_dtype(text: str | torch.dtype) -> torch.dtype:
+    """``bf16``/``fp16``/``fp32`` (or a torch dtype) → the torch dtype."""
+    if isinstance(text, torch.dtype):
+        return text
+    if text not in DTYPES:
+        raise ZooError(f"unknown dtype {text!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[text]
+
+
+def load(
+    spec: str,
+    *,
+    batch: int,
+    seq: int | None = None,
+    dtype: str | torch.dtype = "bf16",
+    device: str | torch.device = "meta",
+    layers: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Build the model ``spec`` names and one global batch for it (see module docstring).
+
+    ``batch`` sequences of ``seq`` tokens (default: the model's usual length); ``dtype`` of the
+    parameters; ``device="meta"`` (plan without memory) or ``"cpu"`` (train: random weights from
+    ``seed`` and random token ids); ``layers`` / ``overrides`` change the configuration."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ZooError(f"batch must be a positive number of sequences, got {batch!r}")
+    if seq is not None and (not isinstance(seq, int) or seq < 1):
+        raise ZooError(f"seq must be a positive number of tokens, got {seq!r}")
+    torch_dtype = parse_dtype(dtype)
+    overrides = dict(overrides or {})
+    info = {"model": spec, "batch": batch, "seq": seq, "dtype": str(torch_dtype).replace("torch.", ""),
+            "layers": layers, "overrides": overrides}  # fmt: skip
+    device = torch.device(device)
+    if spec in ZOO:
+        w = _load_builtin(ZOO[spec], batch, seq, torch_dtype, device, layers, overrides, seed)
+    elif ":" in spec and not Path(spec).exists():
+        w = _load_factory(spec, batch, seq, torch_dtype, device, seed)
+    elif spec.endswith(".json") or Path(spec).is_dir():
+        w = _load_config_file(spec, batch, seq, torch_dtype, device, layers, overrides, seed)
+    else:
+        close = [n for n in ZOO if spec.lower().replace("_", "-") in n or n in spec.lower()]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ZooError(
+            f"unknown model {spec!r}{hint}: use a built-in name ({', '.join(ZOO)}), a transformers "
+            f"config.json path, or module:factory"
+        )
+    w.info = info | {"seq": w.seq}
+    return w
+
+
+def _require_transformers(what: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ZooError(f"{what} is built with transformers, which is not installed: {MODELS_EXTRA}") from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # config warnings about token ids outside small vocabularies
+    return transformers
+
+
+def _check_seq(name: str, seq: int, limit: int | None, field_name: str) -> None:
+    if limit is not None and seq > limit:
+        raise ZooError(
+            f"{name} supports sequences of at most {limit} tokens ({field_name}={limit}); got {seq}: use "
+            f"--seq {limit} or less, or --set {field_name}={seq} to plan an extended context deliberately"
+        )
+
+
+def _load_builtin(
+    s: ModelSpec,
+    batch: int,
+    seq: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    layers: int | None,
+    overrides: dict[str, Any],
+    seed: int,
+) -> Workload:
+    cfg = dict(s.config)
+    if layers is not None:
+        if layers < 1:
+            raise ZooError(f"layers must be at least 1, got {layers}")
+        cfg[s.layers_field] = layers
+        if s.name == "t5-base":
+            cfg["num_decoder_layers"] = layers
+    unknown = sorted(set(overrides) - set(cfg)) if s.source == "autopar" else []
+    if unknown:
+        raise ZooError(f"{s.name}: unknown configuration field(s) {unknown}; fields: {sorted(cfg)}")
+    cfg.update(overrides)
+    seq = seq or s.default_seq
+    if s.max_seq_field:
+        _check_seq(s.name, seq, int(cfg[s.max_seq_field]), s.max_seq_field)
+    torch.manual_seed(seed)
+    if s.source == "autopar":
+        from autopar.models import GPT, GPTConfig
+
+        with device:
+            model = GPT(GPTConfig(**cfg)).to(dtype)
+        ids = _ids(batch, seq, int(cfg["vocab_size"]), device, seed)
+        inputs: Any = (ids, torch.roll(ids, -1, dims=1) if device.type != "meta" else ids.clone())
+        return Workload(name=s.name, model=model, example_inputs=inputs, batch=batch, seq=seq, kind=s.kind,
+                        dtype=dtype, description=s.summary)  # fmt: skip
+    transformers = _require_transformers(s.name)
+    cls = getattr(transformers, s.source)
+    unknown = sorted(k for k in overrides if not hasattr(cls.config_class(), k))
+    if unknown:
+        raise ZooError(f"{s.name}: {cls.config_class.__name__} has no field(s) {unknown}")
+    config = cls.config_class(**cfg)
+    model = _build_hf(cls, config, dtype, device)
+    return Workload(name=s.name, model=model, example_inputs=_hf_inputs(s.kind, config, batch, seq, device, seed),
+                    batch=batch, seq=seq, kind=s.kind, dtype=dtype, description=s.summary)  # fmt: skip
+
+
+def _build_hf(cls: Any, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    with device:
+        model = cls(config)
+    return model.to(dtype).train(False)
+
+
+def _ids(batch: int, seq: int, vocab: int, device: torch.device, seed: int) -> torch.Tensor:
+    if device.type == "meta":
+        return torch.empty(batch, seq, dtype=torch.long, device=device)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def _hf_inputs(
+    kind: str, config: Any, batch: int, seq: int, device: torch.device, seed: int
+) -> dict[str, Any]:
+    if kind == "image-classifier":
+        size = seq
+        if size != config.image_size:
+            raise ZooError(
+                f"this ViT was configured for {config.image_size}×{config.image_size} images; got --seq {size} "
+                f"(the image side in pixels): use --seq {config.image_size} or --set image_size={size}"
+            )
+        if device.type == "meta":
+            pixels = torch.empty(batch, config.num_channels, size, size, device=device)
+            labels = torch.empty(batch, dtype=torch.long, device=device)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            pixels = torch.randn(batch, config.num_channels, size, size, generator=g).to(device)
+            labels = torch.randint(0, config.num_labels, (batch,), generator=g).to(device)
+        return {"pixel_values": pixels, "labels": labels}
+    ids = _ids(batch, seq, config.vocab_size, device, seed)
+    # A distinct tensor for the labels: torch.export would merge two uses of one input.
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _kind_of(cls_name: str) -> str:
+    if cls_name.endswith("ForCausalLM"):
+        return "causal-lm"
+    if cls_name.endswith(("ForConditionalGeneration", "ForSeq2SeqLM")):
+        return "seq2seq-lm"
+    if cls_name.endswith("ForImageClassification"):
+        return "image-classifier"
+    raise ZooError(
+        f"{cls_name}: autopar builds example batches for causal LMs, sequence-to-sequence LMs and image "
+        f"classifiers; for another model write a module:factory returning (model, example_inputs)"
+    )
+
+
+def _load_config_file(
+    path: str,
+    batch: int,
+    seq: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    layers: int | None,
+    overrides: dict[str, Any],
+    seed: int,
+) -> Workload:
+    transformers = _require_transformers(f"the model of {path}")
+    if not Path(path).exists():
+        raise ZooError(f"{path}: no such file")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as exc:  # a malformed or unknown config: say which file and why
+        raise ZooError(
+            f"{path}: not a transformers model configuration ({str(exc).splitlines()[0]})"
+        ) from exc
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ZooError(f"{path}: the configuration has no field {key!r}")
+        setattr(config, key, value)
+    if layers is not None:
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if hasattr(config, key):
+                setattr(config, key, layers)
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification"):
+            mapping = getattr(transformers, auto)._model_mapping
+            if type(config) in mapping:
+                cls = mapping[type(config)]
+                break
+    if cls is None:
+        raise ZooError(
+            f"{path}: no causal-LM, sequence-to-sequence or image-classification class for model_type {config.model_type!r}"
+        )
+    kind = _kind_of(cls.__name__)
+    if kind == "image-classifier":
+        seq = seq or config.image_size
+    else:
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        seq = seq or min(limit or 1024, 2048)
+        _check_seq(Path(path).name, seq, limit, "max_position_embeddings")
+    torch.manual_seed(seed)
+    model = _build_hf(cls, config, dtype, device)
+    return Workload(name=path, model=model, example_inputs=_hf_inputs(kind, config, batch, seq, device, seed),
+                    batch=batch, seq=seq, kind=kind, dtype=dtype, description=f"{cls.__name__} from {path}")  # fmt: skip
+
+
+def _load_factory(
+    spec: str, batch: int, seq: int | None, dtype: torch.dtype, device: torch.device, seed: int
+) -> Workload:
+    target, _, attr = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            if not Path(target).exists():
+                raise ZooError(f"{spec}: no such file {target}")
+            mod_name = f"_autopar_factory_{Path(target).stem}"
+            loader = importlib.util.spec_from_file_location(mod_name, target)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[mod_name] = module  # dataclasses and pickling look modules up by name
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ImportError as exc:
+        raise ZooError(f"{spec}: cannot import {target!r} ({exc})") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ZooError(f"{spec}: {target} has no callable {attr!r}")
+    offered = {"batch": batch, "seq": seq, "dtype": dtype, "device": device}
+    params = inspect.signature(factory).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    torch.manual_seed(seed)
+    out = factory(**kwargs)
+    if isinstance(out, nn.Module):
+        config = getattr(out, "config", None)
+        if config is None or not hasattr(config, "vocab_size"):
+            raise ZooError(
+                f"{spec} returned a model without example inputs and autopar cannot tell what it takes: "
+                f"return (model, example_inputs) instead"
+            )
+        seq = seq or 1024
+        return Workload(name=spec, model=out, example_inputs=_hf_inputs("causal-lm", config, batch, seq, device, seed),
+                        batch=batch, seq=seq, kind="causal-lm", dtype=dtype, description=spec)  # fmt: skip
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
+        return Workload(name=spec, model=out[0], example_inputs=out[1], batch=batch, seq=seq, kind="custom",
+                        dtype=dtype, description=spec)  # fmt: skip
+    raise ZooError(
+        f"{spec} returned {type(out).__name__}; a factory returns a model or (model, example_inputs)"
+    )
