@@ -13,9 +13,13 @@ output structure from the graph's flat outputs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import linecache
+import logging
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +33,7 @@ __all__ = [
     "Captured",
     "IndexBound",
     "capture",
+    "check_loss_output",
     "check_position_tables",
     "index_bounds",
     "input_paths",
@@ -37,7 +42,10 @@ __all__ = [
 
 
 class CaptureError(RuntimeError):
-    """The model could not be exported; the message names the module or op and suggests a fix."""
+    """The model could not be exported; the message names the module or op and suggests a fix.
+    ``exporter_output`` keeps what the exporter printed meanwhile (its partial graph, warnings)."""
+
+    exporter_output: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,13 +153,59 @@ def _explain_export_failure(model: nn.Module, exc: BaseException) -> str:
     return f"torch.export could not capture the model {where}{op_text}.\n  exporter said:\n    {reason_text}\n  fix: {hint}"
 
 
+class _ExporterOutput:
+    """Holds back what the exporter writes while it runs (the partial FX graph it prints to stderr
+    on failure, its loggers' warnings): replayed when the export succeeds, attached to the
+    ``CaptureError`` (``exporter_output``) when it fails, so autopar's message comes first and alone."""
+
+    def __init__(self) -> None:
+        self.stderr = io.StringIO()
+        self.records: list[logging.LogRecord] = []
+        self._handlers: list[logging.Handler] = []
+        self._redirect = contextlib.redirect_stderr(self.stderr)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def __enter__(self) -> _ExporterOutput:
+        names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
+        for name in ["torch", *names]:
+            logger = logging.getLogger(name)
+            for h in logger.handlers:
+                if h not in self._handlers:
+                    h.addFilter(self)
+                    self._handlers.append(h)
+        self._redirect.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._redirect.__exit__(*exc)
+        for h in self._handlers:
+            h.removeFilter(self)
+
+    def replay(self) -> None:
+        sys.stderr.write(self.stderr.getvalue())
+        for r in self.records:
+            logging.getLogger(r.name).handle(r)
+
+    def text(self) -> str:
+        lines = [logging.Formatter("%(levelname)s %(name)s: %(message)s").format(r) for r in self.records]
+        return "\n".join([*lines, self.stderr.getvalue()]).strip()
+
+
 def capture(model: nn.Module, example_inputs: Any) -> Captured:
     """Export ``model`` on ``example_inputs`` into an ATen fx graph (see module docstring)."""
     args, kwargs = normalize_inputs(example_inputs)
+    held = _ExporterOutput()
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        with held:
+            ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with context: which module, which op, what to do
-        raise CaptureError(_explain_export_failure(model, exc)) from exc
+        err = CaptureError(_explain_export_failure(model, exc))
+        err.exporter_output = held.text()
+        raise err from exc
+    held.replay()
     sig = ep.graph_signature
     gm = ep.graph_module
     params, buffers, inputs, constants = {}, {}, {}, {}
@@ -197,7 +251,36 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     cap.fingerprint = graph_fingerprint(gm.graph)
     cap.index_inputs = index_bounds(gm.graph, inputs)
     check_position_tables(gm.graph, params)
+    if any(p.requires_grad for p in model.parameters()):
+        check_loss_output(gm.graph)
     return cap
+
+
+def check_loss_output(graph: torch.fx.Graph) -> None:
+    """Refuse a forward with nothing to train from: no floating-point tensor among its outputs (a
+    loss turned into a Python number by ``.item()``, an integer prediction)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    leaves = [x for x in pytree.tree_leaves(out.args) if isinstance(x, torch.fx.Node)]
+    vals = [x.meta.get("val") for x in leaves]
+    if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals):
+        return
+    items = [x for x in leaves if x.op == "call_function" and "item" in str(x.target)]
+    if items:
+        what = "a Python number: .item() turned its loss into a number that no gradient flows through"
+    elif not leaves:
+        what = "no tensor"
+    else:
+        what = (
+            "no floating-point tensor ("
+            + ", ".join(
+                sorted({type(v).__name__ if not isinstance(v, torch.Tensor) else str(v.dtype) for v in vals})
+            )
+            + ")"
+        )
+    raise ValueError(
+        f"the model's forward returns {what}; autopar plans training, which calls backward on the loss: "
+        f"return the loss tensor itself (no .item(), float() or .tolist())"
+    )
 
 
 def _merge_tied_placeholders(

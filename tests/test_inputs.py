@@ -22,3 +22,41 @@ def test_a_sequence_longer_than_the_position_table_is_refused_at_capture(make_gp
     ids = torch.empty(2, 48, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match=r"wpe\.weight has 32 rows.*at most 32 tokens"):
         autopar.plan(gpt, (ids, ids.clone()), autopar.Cluster.preset("A100-80GB"))
+
+
+class _ItemLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> float:
+        return self.fc(x).pow(2).mean().item()
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if y.sum() > 0:  # data-dependent control flow: cannot be exported
+            return y.mean()
+        return y.sum()
+
+
+def test_a_forward_that_returns_item_is_not_a_loss():
+    with pytest.raises(
+        ValueError, match=r"returns a Python number: \.item\(\) turned its loss into a number"
+    ) as err:
+        autopar.plan(_ItemLoss(), (torch.randn(8, 4),), autopar.Cluster.local(2))
+    assert "return the loss tensor itself" in str(err.value)
+
+
+def test_torch_dumps_are_held_back_and_only_autopars_error_is_printed(capfd):
+    with pytest.raises(autopar.CaptureError) as err:
+        autopar.capture(_Branchy(), (torch.randn(2, 4),))
+    out, errs = capfd.readouterr()
+    assert "def forward" not in out + errs and "Unable to find user code" not in errs
+    assert "test_inputs.py" in str(err.value) and "if y.sum() > 0" in str(err.value)
+    assert "def forward" in err.value.exporter_output  # kept for --debug
