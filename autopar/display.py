@@ -50,6 +50,7 @@ __all__ = [
     "plan_summary",
     "plan_table",
     "plan_text",
+    "replication_notes",
 ]
 
 LEGEND = (
@@ -309,6 +310,31 @@ def _weights_text(weights: dict[tuple[str, ...], list[str]]) -> str:
     return " · ".join(parts)
 
 
+def replication_notes(plan: Plan) -> list[str]:
+    """For each mesh axis along which nothing is split (named ``rep``): why, in a sentence — the
+    batch does not divide over the axis's devices, or splitting was predicted to cost more than
+    it saves — and what to change."""
+    batch = next((n.shape[0] for n in plan.nodes if n.kind == "input" and n.shape), None)
+    dp = math.prod(n for name, n in zip(plan.mesh_axes, plan.mesh_shape) if name.startswith("dp"))
+    notes = []
+    for a, (name, size) in enumerate(zip(plan.mesh_axes, plan.mesh_shape)):
+        if not name.startswith("rep") or size == 1:
+            continue
+        head = f"mesh axis {a} ({name}={size}) repeats the same work on its {size} devices"
+        if batch is not None and batch % (dp * size):
+            local = f"{batch // dp} per data-parallel group" if dp > 1 and batch % dp == 0 else f"{batch}"
+            notes.append(
+                f"{head}: the batch ({local}) does not divide {size} ways, so the axis cannot be data-parallel; "
+                f"use a global batch that is a multiple of {dp * size}, or fewer devices"
+            )
+        else:
+            notes.append(
+                f"{head}: splitting the batch or the weights along it was predicted to cost more communication "
+                f"than the compute it saves; a larger batch or model, or a faster link, makes splitting pay"
+            )
+    return notes
+
+
 def plan_summary(plan: Plan) -> str:
     """The plan's totals: mesh, step time, memory against the budget, communication per axis,
     stages and schedule where the plan has them, ZeRO stages, notes (see module docstring)."""
@@ -347,7 +373,7 @@ def plan_summary(plan: Plan) -> str:
                 for m in tried
             )
         )
-    for note in info.get("notes", ()):
+    for note in [*info.get("notes", ()), *replication_notes(plan)]:
         lines.append(f"  note: {note}")
     if info.get("unruled_ops"):
         lines.append(f"  ops without a sharding rule (run replicated): {', '.join(info['unruled_ops'])}")

@@ -19,6 +19,7 @@ the same one; ``autopar.parallelize`` nevertheless plans on rank 0 and broadcast
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from autopar.capture import Captured
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.reshard import edge_cost, step_cost
+from autopar.display import replication_notes
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
@@ -50,7 +52,44 @@ from autopar.reshard import StepKind, bucketed_grad_sync, grad_sync_axes, reshar
 from autopar.rules.routing import grouped_mm_operands
 from autopar.solver import InfeasibleError, SolverConfig, solve
 
-__all__ = ["GRAPH_PASSES", "MESH_PASSES", "candidate_meshes", "constrain_strategies", "plan_captured"]
+__all__ = [
+    "GRAPH_PASSES",
+    "MESH_PASSES",
+    "Progress",
+    "candidate_meshes",
+    "constrain_strategies",
+    "plan_captured",
+]
+
+log = logging.getLogger("autopar.planner")
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One step of planning, logged on the ``autopar.planner`` logger as the record's ``progress``
+    attribute, so a front end can draw a progress bar (``autopar.cli`` does)."""
+
+    task: str
+    """What is solved, e.g. ``"mesh (8, 8)"``."""
+    started: bool
+    """True when the task starts, False when it ends."""
+    done: int
+    """Tasks finished so far."""
+    total: int
+    """Tasks in all."""
+
+
+def _progress(task: str, started: bool, done: int, total: int) -> None:
+    event = Progress(task, started, done, total)
+    log.info(
+        "%s %s (%d of %d done)",
+        "solving" if started else "solved",
+        task,
+        done,
+        total,
+        extra={"progress": event},
+    )
+
 
 NodeConstraint = Callable[[Node, Strategy], bool]
 
@@ -235,6 +274,8 @@ def plan_captured(
     )
     if layout:
         p.info["layout"] = layout
+    for note in replication_notes(p):  # planned anyway; say which axis repeats the work and why
+        warnings.warn(f"autopar: {note}", stacklevel=_user_stacklevel())
     return p
 
 
@@ -278,7 +319,12 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
         or mp.current_process().daemon  # daemonic processes may not have children
         or threading.active_count() > 1  # forking a threaded process (e.g. a live process group) is unsafe
     ):
-        return [attempt(m) for m in meshes]
+        out = []
+        for i, m in enumerate(meshes):
+            _progress(f"mesh {m}", True, i, len(meshes))
+            out.append(attempt(m))
+            _progress(f"mesh {m}", False, i + 1, len(meshes))
+        return out
     ctx = mp.get_context("fork")
     results: dict[int, tuple[float, Any]] = {}
     running: list[tuple[int, Any, Any]] = []
@@ -306,6 +352,7 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
             proc.start()
             child_end.close()
             running.append((i, proc, parent_end))
+            _progress(f"mesh {mesh}", True, len(results), len(meshes))
         i, proc, conn = running.pop(0)
         try:
             status, t, payload = conn.recv()
@@ -318,6 +365,7 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
                 other.kill()
             raise payload
         results[i] = (t, InfeasibleError(payload) if status == "infeasible" else payload)
+        _progress(f"mesh {meshes[i]}", False, len(results), len(meshes))
     return [results[i] for i in range(len(meshes))]
 
 

@@ -60,3 +60,15 @@ def test_torch_dumps_are_held_back_and_only_autopars_error_is_printed(capfd):
     assert "def forward" not in out + errs and "Unable to find user code" not in errs
     assert "test_inputs.py" in str(err.value) and "if y.sum() > 0" in str(err.value)
     assert "def forward" in err.value.exporter_output  # kept for --debug
+
+
+def test_a_batch_that_does_not_divide_is_planned_and_the_replicated_axis_explained(make_gpt2, batch):
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=2)
+    with pytest.warns(
+        UserWarning, match=r"mesh axis 0 \(rep=16\) repeats the same work on its 16 devices"
+    ) as rec:
+        plan = autopar.plan(make_gpt2(), batch(3, 32, 256), cluster, mesh_shape=(16,))
+    msg = next(str(w.message) for w in rec if "repeats" in str(w.message))
+    assert "the batch (3) does not divide 16 ways" in msg and "a multiple of 16, or fewer devices" in msg
+    assert plan.mesh_axes == ("rep",)
+    assert "note: mesh axis 0 (rep=16)" in str(plan)  # and print(plan) says it too
