@@ -310,10 +310,11 @@ def _weights_text(weights: dict[tuple[str, ...], list[str]]) -> str:
     return " · ".join(parts)
 
 
-def replication_notes(plan: Plan) -> list[str]:
+def replication_notes(plan: Plan, *, batch_only: bool = False) -> list[str]:
     """For each mesh axis along which nothing is split (named ``rep``): why, in a sentence — the
     batch does not divide over the axis's devices, or splitting was predicted to cost more than
-    it saves — and what to change."""
+    it saves — and what to change. ``batch_only``: only the axes the batch does not divide over
+    (the input's fault, which the planner warns about; the other case is the solver's choice)."""
     batch = next((n.shape[0] for n in plan.nodes if n.kind == "input" and n.shape), None)
     dp = math.prod(n for name, n in zip(plan.mesh_axes, plan.mesh_shape) if name.startswith("dp"))
     notes = []
@@ -327,7 +328,7 @@ def replication_notes(plan: Plan) -> list[str]:
                 f"{head}: the batch ({local}) does not divide {size} ways, so the axis cannot be data-parallel; "
                 f"use a global batch that is a multiple of {dp * size}, or fewer devices"
             )
-        else:
+        elif not batch_only:
             notes.append(
                 f"{head}: splitting the batch or the weights along it was predicted to cost more communication "
                 f"than the compute it saves; a larger batch or model, or a faster link, makes splitting pay"

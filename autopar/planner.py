@@ -274,7 +274,7 @@ def plan_captured(
     )
     if layout:
         p.info["layout"] = layout
-    for note in replication_notes(p):  # planned anyway; say which axis repeats the work and why
+    for note in replication_notes(p, batch_only=True):  # planned anyway: say which axis repeats the work, why
         warnings.warn(f"autopar: {note}", stacklevel=_user_stacklevel())
     return p
 
