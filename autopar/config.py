@@ -24,7 +24,12 @@ class PlanConfig:
     """Planning options (see module docstring)."""
 
     memory_budget: float | None = None
-    """Bytes per device the plan may use; ``None``: the device's memory."""
+    """Bytes per device the plan may use; ``None``: the device's memory less ``memory_reserve``
+    (:meth:`budget`)."""
+    memory_reserve: float = 0.1
+    """Fraction of the device's memory the default budget leaves free for what the plan does not
+    count: the CUDA context (about 0.5 GiB), NCCL's buffers, the caching allocator's fragmentation.
+    Ignored when ``memory_budget`` is given."""
     mesh_shape: tuple[int, ...] | None = None
     """Fix the device mesh, e.g. ``(2, 8)``; ``None``: try every candidate mesh."""
     fixed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -57,6 +62,9 @@ class PlanConfig:
             b = self.memory_budget
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
                 fail(f"memory_budget must be positive (bytes per device), got {b!r}")
+        r = self.memory_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            fail(f"memory_reserve is a fraction of the device's memory in [0, 1), got {r!r}")
         if self.mesh_shape is not None:
             shape = tuple(self.mesh_shape)
             if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
@@ -86,6 +94,13 @@ class PlanConfig:
             fixed[name] = texts
         object.__setattr__(self, "fixed", fixed)
         object.__setattr__(self, "disable", tuple(self.disable))
+
+    def budget(self, device_memory: float) -> float:
+        """Bytes per device the plan may use: ``memory_budget``, else the device's memory less
+        the reserve (``device_memory × (1 − memory_reserve)``). The one place the default is made."""
+        if self.memory_budget is not None:
+            return float(self.memory_budget)
+        return float(device_memory) * (1.0 - self.memory_reserve)
 
     def replace(self, **changes: Any) -> PlanConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -185,7 +185,7 @@ def plan_captured(
     config = PlanConfig.build(config, **options)
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
-    budget = float(config.memory_budget if config.memory_budget is not None else cluster.device.memory)
+    budget = config.budget(cluster.device.memory)
     if config.mesh_shape is not None:
         cluster.validate_mesh(config.mesh_shape)
         meshes = [config.mesh_shape]
@@ -270,6 +270,7 @@ def plan_captured(
             "cluster_desc": cluster.describe(),
             "unruled_ops": unruled,
             "memory_budget": budget,
+            "memory_reserve": cluster.device.memory - budget if config.memory_budget is None else 0.0,
         }
     )
     if layout:

@@ -72,3 +72,19 @@ def test_a_batch_that_does_not_divide_is_planned_and_the_replicated_axis_explain
     assert "the batch (3) does not divide 16 ways" in msg and "a multiple of 16, or fewer devices" in msg
     assert plan.mesh_axes == ("rep",)
     assert "note: mesh axis 0 (rep=16)" in str(plan)  # and print(plan) says it too
+
+
+def test_the_default_memory_budget_keeps_a_reserve_the_user_can_change():
+    gib = 1 << 30
+    assert autopar.PlanConfig().budget(80 * gib) == pytest.approx(72 * gib)  # 10% kept free
+    assert autopar.PlanConfig(memory_reserve=0.0).budget(80 * gib) == 80 * gib
+    assert autopar.PlanConfig(memory_budget=60 * gib, memory_reserve=0.5).budget(80 * gib) == 60 * gib
+    with pytest.raises(
+        ValueError, match=r"memory_reserve is a fraction of the device's memory in \[0, 1\), got 10"
+    ):
+        autopar.PlanConfig(memory_reserve=10)
+    model = GPT(GPTConfig.tiny())
+    idx = torch.randint(0, 128, (8, 32))
+    plan = autopar.plan(model, (idx, idx.clone()), autopar.Cluster.preset("A100-80GB"), mesh_shape=(8,))
+    assert plan.info["memory_budget"] == pytest.approx(72 * gib)
+    assert "of 72.00 GiB budget (device memory less 8.00 GiB reserved)" in plan.summary()
