@@ -13,6 +13,7 @@ fused weight is sharded block by block; see ``autopar.placement``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -203,11 +204,47 @@ class Plan:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        """Write the plan as JSON with a checksum of its contents (``load`` refuses an edited file)."""
+        d = self.to_dict()
+        d["checksum"] = _checksum(d)
+        Path(path).write_text(json.dumps(d, indent=1))
 
     @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def load(cls, path: str | Path, *, verify: bool = True) -> Plan:
+        """Read a plan file. Every failure names the file and says what to do: missing, not JSON,
+        truncated, written by another format version, or edited by hand (its checksum no longer
+        matches; ``verify=False`` loads a deliberately edited plan)."""
+        path = Path(path)
+        redo = f"plan again (autopar plan ... -o {path.name})"
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such plan file") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a plan file (binary data, not JSON text)") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}: not a complete plan file (JSON error at line {e.lineno}, column {e.colno}: {e.msg}); "
+                f"it was truncated or damaged: {redo}"
+            ) from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: not a plan file (a JSON {type(d).__name__}, not an object)")
+        stored = d.pop("checksum", None)
+        if verify and stored is not None and stored != _checksum(d):
+            raise ValueError(
+                f"{path}: edited after autopar wrote it (its checksum no longer matches its contents): {redo}, "
+                f"or load the edited plan deliberately with Plan.load(path, verify=False) (autopar: --no-verify)"
+            )
+        try:
+            return cls.from_dict(d)
+        except KeyError as e:
+            raise ValueError(f"{path}: not a plan file (no field {e.args[0]!r}): {redo}") from None
+        except TypeError as e:
+            raise ValueError(f"{path}: a field has the wrong form ({e}): {redo}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.to_dict() == other.to_dict()
@@ -231,3 +268,9 @@ class Plan:
             f"<autopar.Plan mesh={self.mesh_shape} step={display.fmt_time(p.step_time)} "
             f"mem={display.fmt_bytes(p.memory_per_device)}>"
         )
+
+
+def _checksum(d: dict[str, Any]) -> str:
+    """A hash of a plan's JSON contents, independent of key order and formatting."""
+    canonical = json.dumps(json.loads(json.dumps(d)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

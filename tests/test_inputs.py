@@ -88,3 +88,34 @@ def test_the_default_memory_budget_keeps_a_reserve_the_user_can_change():
     plan = autopar.plan(model, (idx, idx.clone()), autopar.Cluster.preset("A100-80GB"), mesh_shape=(8,))
     assert plan.info["memory_budget"] == pytest.approx(72 * gib)
     assert "of 72.00 GiB budget (device memory less 8.00 GiB reserved)" in plan.summary()
+
+
+def test_a_truncated_edited_or_foreign_plan_file_names_the_file_and_what_to_do(tmp_path, gpt2_plan):
+    path = tmp_path / "plan.json"
+    gpt2_plan.save(path)
+    assert autopar.Plan.load(path) == gpt2_plan
+    text = path.read_text()
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: len(text) // 2])
+    with pytest.raises(
+        ValueError, match=r"cut.json: not a complete plan file \(JSON error at line \d+.*truncated"
+    ) as e:
+        autopar.Plan.load(cut)
+    assert "autopar plan ... -o cut.json" in str(e.value)
+    edited = tmp_path / "edited.json"
+    edited.write_text(
+        text.replace('"S(0)"', '"R"', 1) if '"S(0)"' in text else text.replace('"R"', '"S(0)"', 1)
+    )
+    with pytest.raises(ValueError, match=r"edited.json: edited after autopar wrote it .*verify=False"):
+        autopar.Plan.load(edited)
+    assert autopar.Plan.load(edited, verify=False) != gpt2_plan  # a deliberate edit still loads
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match=r"model.bin: not a plan file \(binary data"):
+        autopar.Plan.load(binary)
+    other = tmp_path / "other.json"
+    other.write_text('{"format": 2, "mesh_shape": [2]}')
+    with pytest.raises(ValueError, match=r"other.json: not a plan file \(no field 'nodes'\)"):
+        autopar.Plan.load(other)
+    with pytest.raises(FileNotFoundError, match=r"missing.json: no such plan file"):
+        autopar.Plan.load(tmp_path / "missing.json")
