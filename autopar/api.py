@@ -7,6 +7,9 @@ arguments), so ``plan`` and ``parallelize`` honor the same options the same way.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -49,6 +52,23 @@ def plan(
     return plan_captured(capture(model, example_inputs), cluster, config)
 
 
+def _warnings_on_rank_zero(fn: Callable[..., ParallelModule]) -> Callable[..., ParallelModule]:
+    """Every rank runs the same code and would print the same warnings: show them on rank 0 only."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> ParallelModule:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            return fn(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_warnings_on_rank_zero
 def parallelize(
     model: nn.Module,
     cluster: Cluster,

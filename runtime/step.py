@@ -15,6 +15,7 @@ Collectives in these programs are graph nodes, so how many run per step is read 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -78,7 +79,9 @@ def _monitor_waits(gm: GraphModule, monitor: StepMonitor, axis_names: dict[str, 
             continue
         if attr is None:
             first = next(m for m in gm.graph.nodes if m.op != "placeholder")
-            with gm.graph.inserting_before(first):
+            with gm.graph.inserting_before(first), warnings.catch_warnings():
+                # ``_monitor`` is a plain attribute (not a module, parameter or buffer), on purpose
+                warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
                 attr = gm.graph.get_attr("_monitor")
         issue = n.args[0]
         kind = FUNCTIONAL_COLLECTIVES.get(getattr(issue, "target", None), "collective")

@@ -119,3 +119,55 @@ def test_a_truncated_edited_or_foreign_plan_file_names_the_file_and_what_to_do(t
         autopar.Plan.load(other)
     with pytest.raises(FileNotFoundError, match=r"missing.json: no such plan file"):
         autopar.Plan.load(tmp_path / "missing.json")
+
+
+class _WarnsInForward(torch.nn.Module):
+    """Warns while its forward is traced: once per rank unless parallelize shows rank 0's only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("this model warns while it is traced", UserWarning, stacklevel=1)
+        return self.fc(x).pow(2).mean()
+
+
+def ranks_worker(rank: int, world: int) -> dict[str, str]:
+    import warnings
+
+    from autopar.models import GPT, GPTConfig
+
+    out = {}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # so a second print could not hide behind the once-filter
+        autopar.parallelize(_WarnsInForward(), autopar.Cluster.local(world), (torch.randn(8, 8),))
+    # A plan made for another model: refused on every rank, before the model runs.
+    idx = torch.randint(0, 128, (4, 32))
+    two = GPT(GPTConfig.tiny(n_layer=2))
+    plan = autopar.layouts.megatron(two, (idx, idx.clone()), autopar.Cluster.local(world), tp=world)
+    three = GPT(GPTConfig.tiny(n_layer=3))
+    try:
+        autopar.parallelize(three, autopar.Cluster.local(world), (idx, idx.clone()), plan=plan)
+        out["other model"] = "no error"
+    except Exception as exc:
+        out["other model"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_parallelize_warns_once_and_refuses_a_plan_for_another_model_on_every_rank(capfd):
+    from autopar.runtime.launch import spawn
+
+    results = spawn(ranks_worker, 2, timeout=150)
+    _, err = capfd.readouterr()  # the ranks' stderr: spawned processes share this file descriptor
+    assert err.count("UserWarning: this model warns while it is traced") == 1, err
+    assert "Attempted to insert a get_attr Node" not in err
+    for rank, out in enumerate(results):
+        msg = out["other model"]
+        assert "the plan was made for a different program (graph fingerprint" in msg, (rank, msg)
+        assert "plan again for this model and input shapes" in msg, (rank, msg)
