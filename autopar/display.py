@@ -42,6 +42,7 @@ __all__ = [
     "LEGEND",
     "LayerRow",
     "fmt_bytes",
+    "fmt_count",
     "fmt_time",
     "graph_table",
     "layer_rows",
@@ -51,6 +52,7 @@ __all__ = [
     "plan_table",
     "plan_text",
     "replication_notes",
+    "weights_text",
 ]
 
 LEGEND = (
@@ -78,6 +80,14 @@ def fmt_bytes(b: float) -> str:
         if abs(b) >= f:
             return f"{b / f:.2f} {unit}"
     return f"{b:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    """A count as ``121K``, ``124M``, ``8.03B``."""
+    for unit, f in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def mesh_text(shape: Sequence[int], axes: Sequence[str]) -> str:
@@ -297,7 +307,9 @@ def _compress(items: Iterable[str], limit: int = 8) -> str:
     return " ".join(parts)
 
 
-def _weights_text(weights: dict[tuple[str, ...], list[str]]) -> str:
+def weights_text(weights: dict[tuple[str, ...], list[str]]) -> str:
+    """``q_proj k_proj: R,S(0) · o_proj: R,S(1)``: parameter names grouped by their spec (a bias
+    laid out as its weight goes unsaid)."""
     parts = []
     for spec, names in weights.items():
         short = []
@@ -398,7 +410,7 @@ def plan_table(plan: Plan, max_rows: int | None = None, full: bool = False) -> s
             break
         count = f"×{r.count}" if r.count > 1 else ""
         colls = _compress(k for k, v in r.collectives.items() for _ in range(v))
-        detail = _weights_text(r.weights)
+        detail = weights_text(r.weights)
         if colls:
             detail = f"{detail}  [{colls}]" if detail else f"[{colls}]"
         lines.append(

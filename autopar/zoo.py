@@ -103,7 +103,7 @@ ZOO: Mapping[str, ModelSpec] = MappingProxyType(
         for s in (
             _gpt(
                 "gpt-tiny",
-                "a 2-layer, 64-wide GPT (71K parameters) for trying things out",
+                "a 2-layer, 64-wide GPT for trying things out",
                 vocab_size=256,
                 block_size=64,
                 n_layer=2,
