@@ -154,7 +154,9 @@ class _Gather(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, idx2: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
         edges = y[:, 0].sort().values
-        return (torch.searchsorted(edges, idx.float()) + torch.searchsorted(edges, idx2.float())).sum().float() + y.sum()
+        return (
+            torch.searchsorted(edges, idx.float()) + torch.searchsorted(edges, idx2.float())
+        ).sum().float() + y.sum()
 
 
 def test_op_without_rule_runs_replicated_with_one_warning(a100x8):
