@@ -14,13 +14,15 @@ processes on this machine talking through gloo; its figures are defaults until m
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field, replace
+import os
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-__all__ = ["Cluster", "DeviceSpec", "Link", "mesh_arithmetic"]
+__all__ = ["PROFILE_VERSION", "Cluster", "DeviceSpec", "Link", "load_profile", "mesh_arithmetic"]
 
 TB = 1e12
 GB = 1e9
@@ -29,20 +31,50 @@ GiB = 1 << 30
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
-    """One accelerator."""
+    """One accelerator and how fast real kernels run on it (the figures ``autopar.cost.compute``
+    turns into seconds; its module docstring gives the formulas and their sources)."""
 
     name: str
     """Marketing name, e.g. ``"A100-80GB"``."""
     peak_flops: dict[str, float]
     """Dense peak FLOP/s per dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``)."""
     memory_bandwidth: float
-    """Device memory bandwidth in bytes/s."""
+    """Device memory bandwidth in bytes/s (datasheet)."""
     memory: int
     """Device memory in bytes."""
     compute_efficiency: float = 0.6
-    """Fraction of peak FLOP/s that real kernels reach (the roofline's efficiency factor)."""
+    """Fraction of peak FLOP/s a large matmul reaches: the plateau ``e_max`` of the matmul curve
+    ``e(K) = e_max · K / (K + matmul_k_half)``."""
+    matmul_k_half: float = 0.0
+    """Reduction length ``K`` at which a matmul reaches half of ``compute_efficiency`` (the fixed
+    per-output-tile cost of a GEMM's prologue and epilogue, in K-steps); 0: a flat efficiency."""
+    sm_count: int = 0
+    """Streaming multiprocessors (compute units): a matmul with fewer 128×128 output tiles than
+    this leaves units idle; 0: not modelled."""
     memory_efficiency: float = 0.8
-    """Fraction of peak memory bandwidth that real kernels reach."""
+    """Fraction of ``memory_bandwidth`` that memory-bound kernels (elementwise, norms, casts,
+    reductions, copies, the optimizer update) reach."""
+    attention_efficiency: float = 0.0
+    """Fraction of peak FLOP/s the fused attention forward kernel reaches on long sequences (head
+    dimension 128, no mask); 0: ``compute_efficiency``."""
+    attention_bwd_efficiency: float = 0.0
+    """The same for the attention backward kernel; 0: ``attention_efficiency``."""
+    attention_seq_half: float = 0.0
+    """Key length at which the forward attention kernel reaches half its plateau
+    (``e(s) = e_max · s / (s + s_half)``)."""
+    attention_bwd_seq_half: float = 0.0
+    """The same for the backward kernel."""
+    attention_causal_seq_half: float = 0.0
+    """Added to both ``s_half`` under a causal mask (diagonal blocks half wasted, imbalanced
+    work per query block)."""
+    kernel_overhead: float = 0.0
+    """Seconds every kernel takes beyond its roofline time (launch gap and ramp on the device)."""
+    host_overhead: float = 0.0
+    """Seconds of host (CPU) time to issue one eager op (Python, dispatcher, autograd); a step
+    whose kernels are shorter than this is bound by the host."""
+    optimizer_overhead: float = 0.0
+    """Host seconds per parameter tensor of one ``optimizer.step()`` (grouping the tensors,
+    per-tensor bookkeeping) on top of its memory-bound update."""
 
     def __post_init__(self) -> None:
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
@@ -58,11 +90,49 @@ class DeviceSpec:
         ):
             if not 0 < v <= 1:
                 raise ValueError(f"DeviceSpec {self.name!r}: {what} must be in (0, 1], got {v}")
+        for what, v in (
+            ("attention_efficiency", self.attention_efficiency),
+            ("attention_bwd_efficiency", self.attention_bwd_efficiency),
+        ):
+            if not 0 <= v <= 1:
+                raise ValueError(f"DeviceSpec {self.name!r}: {what} must be in [0, 1] (0: default), got {v}")
+        for what in (
+            "matmul_k_half",
+            "sm_count",
+            "attention_seq_half",
+            "attention_bwd_seq_half",
+            "attention_causal_seq_half",
+            "kernel_overhead",
+            "host_overhead",
+            "optimizer_overhead",
+        ):
+            v = getattr(self, what)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {what} must be finite and >= 0, got {v}")
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s for ``dtype``; integer and unknown dtypes use the float32 figure."""
         key = str(dtype).replace("torch.", "")
         return self.peak_flops.get(key, self.peak_flops.get("float32", max(self.peak_flops.values())))
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        """Bytes/s memory-bound kernels reach: ``memory_bandwidth · memory_efficiency``."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v) for f in fields(self)
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
+        """Inverse of ``to_dict``; unknown keys are an error (a typo must not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"DeviceSpec: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,41 +163,87 @@ class Link:
             )
 
 
-def _gpu(name: str, bf16: float, fp32: float, bw: float, mem: int) -> DeviceSpec:
+# How fast real kernels run, per device generation (DeviceSpec fields; the formulas are
+# ``autopar.cost.compute``'s). Sources:
+# * matmul curve (compute_efficiency = e_max, matmul_k_half): least-squares fit of
+#   ``autopar.cost.fit.fit_matmul_curve`` to the H100-SXM measurements in
+#   ``shared/reference/h100_matmul.csv`` (torch.matmul, bf16, PyTorch 2.11): e_max 0.807, K½ 308,
+#   every row within 2 %. No reference measurement for the other devices here: they carry the
+#   same curve until ``autopar.runtime.calibrate`` measures them.
+# * attention (FlashAttention-2, PyTorch's SDPA flash backend): the FA2 series of Shah et al.,
+#   "FlashAttention-3", arXiv 2407.08608, Figs. 5-7 (H100-SXM5, bf16): forward plateau 378 TFLOP/s
+#   (0.382 of peak) at head dim 128, half of it at 114 keys; backward 330 TFLOP/s (0.334) at 277
+#   keys; a causal mask adds ~300 keys to the half-point (its forward: 191 TFLOP/s at 512 keys,
+#   335 at 16k). A100: Dao, "FlashAttention-2", arXiv 2307.08691 §4.1: forward up to 73 % of
+#   peak, backward up to 63 %.
+# * memory_efficiency 0.8 of HBM bandwidth for elementwise/norm/reduction kernels, the per-kernel
+#   device overhead (2 µs) and the optimizer's per-tensor host time: fitted with the whole
+#   training steps of ``shared/reference/h100_training_steps.csv`` (examples/check_calibration.py
+#   prints prediction against measurement); host_overhead (10 µs per eager op: Python, dispatcher
+#   and autograd, the ~5-25 µs of CPU work per op PyTorch documents for eager mode) only matters
+#   when kernels are shorter than it.
+_H100_KERNELS: dict[str, float] = {
+    "compute_efficiency": 0.807,
+    "matmul_k_half": 308.0,
+    "memory_efficiency": 0.8,
+    "attention_efficiency": 0.382,
+    "attention_bwd_efficiency": 0.334,
+    "attention_seq_half": 114.0,
+    "attention_bwd_seq_half": 277.0,
+    "attention_causal_seq_half": 300.0,
+    "kernel_overhead": 2e-6,
+    "host_overhead": 10e-6,
+    "optimizer_overhead": 17.5e-6,
+}
+_A100_KERNELS: dict[str, float] = {
+    **_H100_KERNELS,
+    "attention_efficiency": 0.73,
+    "attention_bwd_efficiency": 0.63,
+}
+
+
+def _gpu(
+    name: str, bf16: float, fp32: float, bw: float, mem: int, sms: int, kernels: dict[str, float]
+) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         peak_flops={"bfloat16": bf16, "float16": bf16, "float32": fp32},
         memory_bandwidth=bw,
         memory=mem,
+        sm_count=sms,
+        **kernels,
     )
 
 
 # Published figures: NVIDIA V100/A100/H100/H200 datasheets (dense, no sparsity). fp32 is the TF32
 # tensor-core rate on Ampere and later (PyTorch's default for convolutions; matmuls with
-# `torch.backends.cuda.matmul.allow_tf32`), plain FP32 on Volta.
+# `torch.backends.cuda.matmul.allow_tf32`), plain FP32 on Volta. NVLink: per-direction bandwidth
+# per GPU (half the datasheet's bidirectional figure). Inter-node: one InfiniBand NIC per GPU, as
+# in DGX systems (Megatron-LM, arXiv 2104.04473, Table 1 note: 8 × 200 Gb/s HDR per DGX A100;
+# DGX H100: 8 × 400 Gb/s NDR), bandwidth per NIC and direction.
 _PRESETS: dict[str, tuple[DeviceSpec, Link, Link]] = {
     "V100-32GB": (
-        _gpu("V100-32GB", 125 * TB, 15.7 * TB, 900 * GB, 32 * GiB),
+        _gpu("V100-32GB", 125 * TB, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS),
         Link(name="NVLink2", bandwidth=150 * GB, latency=5e-6),
         Link(name="IB-EDR", bandwidth=12.5 * GB, latency=10e-6),
     ),
     "A100-40GB": (
-        _gpu("A100-40GB", 312 * TB, 156 * TB, 1555 * GB, 40 * GiB),
+        _gpu("A100-40GB", 312 * TB, 156 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS),
         Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6),
         Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6),
     ),
     "A100-80GB": (
-        _gpu("A100-80GB", 312 * TB, 156 * TB, 2039 * GB, 80 * GiB),
+        _gpu("A100-80GB", 312 * TB, 156 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS),
         Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6),
         Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6),
     ),
     "H100-SXM": (
-        _gpu("H100-SXM", 989 * TB, 494 * TB, 3350 * GB, 80 * GiB),
+        _gpu("H100-SXM", 989 * TB, 494 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS),
         Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6),
         Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6),
     ),
     "H200": (
-        _gpu("H200", 989 * TB, 494 * TB, 4800 * GB, 141 * GB),
+        _gpu("H200", 989 * TB, 494 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS),
         Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6),
         Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6),
     ),
@@ -147,7 +263,10 @@ class Cluster:
     intra_node: Link
     """Link between devices of one node."""
     inter_node: Link
-    """Link between devices of different nodes (per device)."""
+    """One network interface (NIC) between nodes: its bandwidth per direction and latency."""
+    nics_per_node: int | None = None
+    """Inter-node NICs per node, used side by side by a collective that spans nodes (NCCL gives
+    each GPU the NIC nearest to it); ``None``: one per GPU, as in DGX systems."""
     backend: str = "nccl"
     """torch.distributed backend the runtime uses on this cluster (``"gloo"`` for ``Cluster.local``)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -158,22 +277,98 @@ class Cluster:
             raise ValueError(
                 f"Cluster needs at least one device: gpus_per_node={self.gpus_per_node}, nodes={self.nodes}"
             )
+        if self.nics_per_node is not None and self.nics_per_node < 1:
+            raise ValueError(
+                f"Cluster: nics_per_node must be at least 1 (or None: one per GPU), got {self.nics_per_node}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @property
+    def nics(self) -> int:
+        """Inter-node NICs per node (``nics_per_node``, default one per GPU)."""
+        return self.nics_per_node if self.nics_per_node is not None else self.gpus_per_node
+
     @classmethod
-    def preset(cls, name: str, gpus_per_node: int = 8, nodes: int = 1) -> Cluster:
-        """A cluster of a known accelerator: one of ``Cluster.presets()``."""
+    def preset(
+        cls,
+        name: str,
+        gpus_per_node: int = 8,
+        nodes: int = 1,
+        *,
+        nics_per_node: int | None = None,
+        profile: str | os.PathLike[str] | dict[str, Any] | None = None,
+    ) -> Cluster:
+        """A cluster of a known accelerator: one of ``Cluster.presets()``.
+
+        ``profile``: a profile written by ``autopar.runtime.calibrate`` (a path or the dict): its
+        measured device figures replace the preset's (the datasheet peaks stay unless measured),
+        its measured links replace the preset's links.
+        """
         if name not in _PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(_PRESETS))}")
         dev, intra, inter = _PRESETS[name]
-        return cls(device=dev, gpus_per_node=gpus_per_node, nodes=nodes, intra_node=intra, inter_node=inter)
+        cl = cls(
+            device=dev,
+            gpus_per_node=gpus_per_node,
+            nodes=nodes,
+            intra_node=intra,
+            inter_node=inter,
+            nics_per_node=nics_per_node,
+        )
+        return cl.with_profile(profile) if profile is not None else cl
 
     @staticmethod
     def presets() -> list[str]:
         return sorted(_PRESETS)
+
+    def with_profile(self, profile: str | os.PathLike[str] | dict[str, Any]) -> Cluster:
+        """This cluster with the figures a calibration profile measured (see ``preset``)."""
+        prof = load_profile(profile)
+        dev = prof.get("device", {})
+        changes = {k: v for k, v in dev.items() if k not in ("name", "memory")}
+        peak = dict(self.device.peak_flops)
+        peak.update(changes.pop("peak_flops", {}))
+        device = replace(self.device, peak_flops=peak, **changes)
+        links = prof.get("links", {})
+        intra = _link_from(links["intra_node"]) if "intra_node" in links else self.intra_node
+        inter = _link_from(links["inter_node"]) if "inter_node" in links else self.inter_node
+        extra = dict(self.extra)
+        extra["profile"] = {k: prof[k] for k in ("source", "measured_on") if k in prof}
+        return replace(self, device=device, intra_node=intra, inter_node=inter, extra=extra)
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: str | os.PathLike[str] | dict[str, Any],
+        *,
+        gpus_per_node: int | None = None,
+        nodes: int = 1,
+    ) -> Cluster:
+        """A cluster of the machine a profile was measured on (``autopar.runtime.calibrate``): its
+        device as measured, its links as measured, ``gpus_per_node`` devices per node (default:
+        the number measured)."""
+        prof = load_profile(profile)
+        device = DeviceSpec.from_dict(prof["device"])
+        links = prof.get("links", {})
+        if "intra_node" not in links:
+            raise ValueError(
+                "profile has no measured intra_node link; measure one with autopar.runtime.calibrate"
+            )
+        intra = _link_from(links["intra_node"])
+        inter = _link_from(links["inter_node"]) if "inter_node" in links else intra
+        g = gpus_per_node if gpus_per_node is not None else int(prof.get("devices", 1))
+        return cls(
+            device=device,
+            gpus_per_node=g,
+            nodes=nodes,
+            intra_node=intra,
+            inter_node=inter,
+            backend=str(prof.get("backend", "nccl")),
+            extra={"profile": {k: prof[k] for k in ("source", "measured_on") if k in prof}},
+        )
 
     @classmethod
     def local(
@@ -221,18 +416,38 @@ class Cluster:
                 f"({self.nodes} node(s) × {self.gpus_per_node} devices)"
             )
 
-    def axis_link(self, mesh_shape: tuple[int, ...], axis: int) -> Link:
-        """The link that mesh axis ``axis`` uses: NVLink when all its devices share a node.
+    def group_span(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, int]:
+        """``(devices per node, nodes)`` of the device groups mesh axes ``axes`` form together.
 
-        Devices are numbered row-major over the mesh, node-major over the cluster; the devices of
-        an axis with size ``n`` and inner extent ``I`` (product of later axes) span ``n·I``
-        consecutive ranks, inside one node iff ``n·I ≤ gpus_per_node``.
+        Devices are numbered row-major over the mesh (laid over the first ranks of the cluster),
+        node-major over the cluster. For the groups that span the most nodes, the fewest members
+        any of their nodes holds: a collective is as slow as its slowest group, and a node's share
+        of the inter-node traffic goes through as many NICs as it has members there.
         """
-        inner = math.prod(mesh_shape[axis + 1 :])
-        span = mesh_shape[axis] * inner
-        if span <= self.gpus_per_node and self.gpus_per_node % span == 0:
-            return self.intra_node
-        return self.inter_node
+        shape = tuple(mesh_shape)
+        strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+        offsets = [0]
+        for a in axes:
+            offsets = [o + i * strides[a] for o in offsets for i in range(shape[a])]
+        others = [a for a in range(len(shape)) if a not in axes]
+        bases = [0]
+        for a in others:
+            bases = [b + i * strides[a] for b in bases for i in range(shape[a])]
+        worst = (len(offsets), 1)
+        for b in bases:
+            per_node: dict[int, int] = {}
+            for o in offsets:
+                node = (b + o) // self.gpus_per_node
+                per_node[node] = per_node.get(node, 0) + 1
+            span = (min(per_node.values()), len(per_node))
+            if span[1] > worst[1] or (span[1] == worst[1] and span[0] < worst[0]):
+                worst = span
+        return worst
+
+    def axis_link(self, mesh_shape: tuple[int, ...], axis: int) -> Link:
+        """The link that mesh axis ``axis`` uses: NVLink when all its devices share a node, else
+        the inter-node NIC (``autopar.mesh.Mesh`` costs collectives over several NICs at once)."""
+        return self.intra_node if self.group_span(mesh_shape, (axis,))[1] == 1 else self.inter_node
 
     def describe(self) -> str:
         d = self.device
@@ -245,37 +460,55 @@ class Cluster:
             f"{self.nodes} node(s) × {self.gpus_per_node} {d.name} "
             f"({d.flops_for('bfloat16') / TB:.0f} TFLOP/s bf16, {d.memory / GiB:.0f} GiB, "
             f"{self.intra_node.name} {self.intra_node.bandwidth / GB:.0f} GB/s, "
-            f"{self.inter_node.name} {self.inter_node.bandwidth / GB:.1f} GB/s)"
+            f"{self.nics} × {self.inter_node.name} {self.inter_node.bandwidth / GB:.1f} GB/s per node)"
         )
 
     def to_dict(self) -> dict[str, Any]:
-        d = self.device
         return {
-            "device": {
-                "name": d.name,
-                "peak_flops": dict(d.peak_flops),
-                "memory_bandwidth": d.memory_bandwidth,
-                "memory": d.memory,
-                "compute_efficiency": d.compute_efficiency,
-                "memory_efficiency": d.memory_efficiency,
-            },
+            "device": self.device.to_dict(),
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
+            "nics_per_node": self.nics_per_node,
             "backend": self.backend,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
         return cls(
-            device=DeviceSpec(**d["device"]),
+            device=DeviceSpec.from_dict(d["device"]),
             gpus_per_node=d["gpus_per_node"],
             nodes=d["nodes"],
             intra_node=_link_from(d["intra_node"]),
             inter_node=_link_from(d["inter_node"]),
+            nics_per_node=d.get("nics_per_node"),
             backend=d.get("backend", "nccl"),
         )
+
+
+PROFILE_VERSION = 1
+"""Version of the profile JSON ``autopar.runtime.calibrate`` writes and ``load_profile`` reads."""
+
+
+def load_profile(profile: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
+    """A calibration profile (``autopar.runtime.calibrate``), from a JSON file or as given,
+    checked: its version, and that its device figures are ``DeviceSpec`` fields."""
+    if isinstance(profile, dict):
+        prof = profile
+    else:
+        with open(profile) as f:
+            prof = json.load(f)
+    if prof.get("version") != PROFILE_VERSION:
+        raise ValueError(
+            f"calibration profile version {prof.get('version')!r} is not {PROFILE_VERSION}: measure again "
+            "with autopar.runtime.calibrate"
+        )
+    known = {f.name for f in fields(DeviceSpec)}
+    unknown = sorted(set(prof.get("device", {})) - known)
+    if unknown:
+        raise ValueError(f"calibration profile: unknown device field(s) {unknown}; known: {sorted(known)}")
+    return prof
 
 
 def mesh_arithmetic(mesh_shape: tuple[int, ...]) -> str:

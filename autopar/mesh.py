@@ -12,15 +12,22 @@ Words:
   Candidate meshes carry no kinds; a plan's mesh is named from the strategies the solver chose.
 * **link** — the ``autopar.cluster.Link`` an axis's collectives use: the node's NVLink when all
   its devices share a node, the inter-node network otherwise (``Cluster.axis_link``).
+* **group** — the devices a collective over one or several axes runs on (``Mesh.group``):
+  ``per_node`` devices on each of ``nodes`` nodes, so a collective that spans nodes uses as many
+  NICs in parallel as NCCL does (``autopar.cost.comm``).
 
-The cost methods apply the α-β formulas of ``autopar.cost.comm`` on the axis's link.
+The cost methods apply the α-β formulas of ``autopar.cost.comm`` on the group of the axes they are
+given: one axis (``mesh.all_reduce_cost(nbytes, 1)``) or several at once
+(``mesh.all_reduce_cost(nbytes, axes=(0, 1))``: a gradient replicated on both axes is reduced by
+one hierarchical collective over their product, not by two all-reduces).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, Link, mesh_arithmetic
 from autopar.cost import comm
@@ -51,6 +58,10 @@ class Mesh:
     cluster: Cluster
     names: tuple[str, ...] = ()
     """Axis names, e.g. ``("dp", "tp")``; ``("ax0", "ax1", ...)`` when not named yet."""
+    _groups: dict[tuple[int, ...], comm.Group] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    """Memo of ``group``: the span of a set of axes is fixed by the shape and the cluster."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
@@ -97,24 +108,60 @@ class Mesh:
         name = self.names[axis].rstrip("0123456789")
         return AxisKind(name) if name in AxisKind._value2member_map_ else None
 
-    # ----------------------------------------------------------------- α-β costs on one axis
-    def all_reduce_cost(self, nbytes: float, axis: int, *, bucketed: bool = False) -> float:
-        """All-reduce of an ``nbytes`` buffer over ``axis``; ``bucketed``: fused into a bucket with
-        others (DDP's gradient buckets), so it pays bandwidth but no per-message latency."""
-        link = self.link(axis)
-        return comm.all_reduce_cost(nbytes, self.shape[axis], comm.bandwidth_only(link) if bucketed else link)
+    def group(self, axes: int | Sequence[int]) -> comm.Group:
+        """The device group that mesh axes ``axes`` form (``Cluster.group_span``)."""
+        key = _axes(axes)
+        g = self._groups.get(key)
+        if g is None:
+            sizes = tuple(a for a in key if self.shape[a] > 1)
+            per_node, nodes = self.cluster.group_span(self.shape, sizes) if sizes else (1, 1)
+            c = self.cluster
+            g = self._groups[key] = comm.Group(
+                per_node=per_node, nodes=nodes, intra=c.intra_node, inter=c.inter_node, nics=c.nics
+            )
+        return g
 
-    def all_gather_cost(self, nbytes: float, axis: int) -> float:
+    # ----------------------------------------------------------------- α-β costs on axes
+    def all_reduce_cost(
+        self,
+        nbytes: float,
+        axis: int | Sequence[int] = (),
+        *,
+        axes: Sequence[int] | None = None,
+        bucketed: bool = False,
+    ) -> float:
+        """All-reduce of an ``nbytes`` buffer over ``axis`` (one axis or several: one collective
+        over their product); ``bucketed``: fused into a bucket with others (DDP's gradient
+        buckets), so it pays bandwidth but no per-message latency."""
+        g = self.group(axes if axes is not None else axis)
+        return comm.group_all_reduce_cost(nbytes, g.without_latency() if bucketed else g)
+
+    def all_gather_cost(
+        self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None
+    ) -> float:
         """All-gather producing an ``nbytes`` buffer over ``axis``."""
-        return comm.all_gather_cost(nbytes, self.shape[axis], self.link(axis))
+        return comm.group_all_gather_cost(nbytes, self.group(axes if axes is not None else axis))
 
-    def reduce_scatter_cost(self, nbytes: float, axis: int) -> float:
+    def reduce_scatter_cost(
+        self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None
+    ) -> float:
         """Reduce-scatter of an ``nbytes`` input over ``axis``."""
-        return comm.reduce_scatter_cost(nbytes, self.shape[axis], self.link(axis))
+        return comm.group_reduce_scatter_cost(nbytes, self.group(axes if axes is not None else axis))
 
-    def all_to_all_cost(self, nbytes: float, axis: int) -> float:
+    def all_to_all_cost(
+        self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None
+    ) -> float:
         """All-to-all of ``nbytes`` per device over ``axis``."""
-        return comm.all_to_all_cost(nbytes, self.shape[axis], self.link(axis))
+        return comm.group_all_to_all_cost(nbytes, self.group(axes if axes is not None else axis))
+
+    def p2p_cost(self, nbytes: float, axis: int) -> float:
+        """One send/recv of ``nbytes`` between neighbours along ``axis`` (a pipeline's stages):
+        over NVLink inside a node, one NIC across nodes."""
+        return comm.p2p_cost(nbytes, self.link(axis))
 
     def __str__(self) -> str:
         return " × ".join(f"{a}={n}" for a, n in zip(self.names, self.shape))
+
+
+def _axes(axes: int | Sequence[int]) -> tuple[int, ...]:
+    return (axes,) if isinstance(axes, int) else tuple(sorted(set(axes)))

@@ -1,7 +1,7 @@
-"""α-β costs of collectives on one mesh axis.
+"""α-β costs of collectives: on one link, and on a device group that spans nodes as NCCL runs it.
 
-A collective over ``n`` devices of a ring on a link with latency α and per-device bandwidth B
-costs ``steps·α + volume/B``, with the volumes of NCCL's performance notes
+**One link.** A collective over ``n`` devices of a ring on a link with latency α and per-device
+bandwidth B costs ``steps·α + volume/B``, with the volumes of NCCL's performance notes
 (``nccl-tests/doc/PERFORMANCE.md``, "bus bandwidth"): for a buffer of ``S`` bytes
 
 * all-reduce:      2(n−1) steps, 2(n−1)/n · S bytes per device  (S = the full buffer)
@@ -13,19 +13,46 @@ costs ``steps·α + volume/B``, with the volumes of NCCL's performance notes
 With ``n == 1`` every collective is free. A link with measured costs (``Link.measured``, e.g. gloo
 on this machine, whose reduce-scatter is an all-reduce plus a local chunk and so is not ring
 shaped) uses ``α + β·S`` from the measurement instead of the formula.
+
+**A group across nodes** (:class:`Group`: ``per_node`` devices on each of ``nodes`` nodes, each
+node with ``nics`` network cards). NCCL runs its rings and trees over several channels at once and
+gives every GPU the NIC nearest to it (DGX systems carry one NIC per GPU), so a node's share of the
+traffic leaves through ``min(per_node, nics)`` NICs in parallel while each GPU still forwards its
+own share over NVLink. For the ring volumes above, the busiest resource is either a GPU's NVLink
+(carrying the whole per-device volume) or a node's NICs (carrying the same volume between them):
+
+    bus bandwidth = min(B_intra, min(per_node, nics) · B_nic)        (nodes > 1)
+
+(NCCL, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA blog 2019; the
+nccl-tests bus-bandwidth notes above: a 2-node DGX A100 all-reduce reaches close to 8 × 25 GB/s).
+An all-to-all sends ``(n − per_node)/n · S`` of each device's buffer off-node and shares the
+node's NICs among its ``per_node`` devices: per-device bandwidth ``min(per_node, nics)/per_node ·
+B_nic``. Latency: rings pay one step per device on the slowest hop (``(n−1)·α_inter`` across
+nodes); NCCL's all-reduce across nodes uses double binary trees (Sanders, Speck and Träff,
+Parallel Computing 2009), ``2(per_node−1)·α_intra + 2⌈log₂ nodes⌉·α_inter``, whichever is less.
+
+A gradient reduced over two mesh axes at once (data parallelism on ``dp × sp``) is one collective
+over the product group, not two all-reduces one after the other (``autopar.mesh.Mesh`` builds the
+group of any set of axes).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 
 from autopar.cluster import Link
 
 __all__ = [
+    "Group",
     "all_gather_cost",
     "all_reduce_cost",
     "all_to_all_cost",
     "bandwidth_only",
+    "group_all_gather_cost",
+    "group_all_reduce_cost",
+    "group_all_to_all_cost",
+    "group_reduce_scatter_cost",
     "p2p_cost",
     "reduce_scatter_cost",
 ]
@@ -37,44 +64,33 @@ def bandwidth_only(link: Link) -> Link:
     return replace(link, latency=0.0, measured=tuple((c, m, 0.0, b) for c, m, _, b in link.measured))
 
 
-def all_reduce_cost(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of an ``nbytes`` buffer over ``n`` devices."""
+def _ring(collective: str, nbytes: float, n: int, link: Link, steps: int, volume: float) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
-    m = link.measured_cost("all_reduce", n)
+    m = link.measured_cost(collective, n)
     if m is not None:
         return m[0] + m[1] * nbytes
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return steps * link.latency + volume * nbytes / link.bandwidth
+
+
+def all_reduce_cost(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of an ``nbytes`` buffer over ``n`` devices."""
+    return _ring("all_reduce", nbytes, n, link, 2 * (n - 1), 2 * (n - 1) / max(n, 1))
 
 
 def all_gather_cost(nbytes: float, n: int, link: Link) -> float:
     """All-gather producing an ``nbytes`` buffer (each device contributes ``nbytes / n``)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    m = link.measured_cost("all_gather", n)
-    if m is not None:
-        return m[0] + m[1] * nbytes
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return _ring("all_gather", nbytes, n, link, n - 1, (n - 1) / max(n, 1))
 
 
 def reduce_scatter_cost(nbytes: float, n: int, link: Link) -> float:
     """Reduce-scatter of an ``nbytes`` input (each device keeps ``nbytes / n``)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    m = link.measured_cost("reduce_scatter", n)
-    if m is not None:
-        return m[0] + m[1] * nbytes
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return _ring("reduce_scatter", nbytes, n, link, n - 1, (n - 1) / max(n, 1))
 
 
 def all_to_all_cost(nbytes: float, n: int, link: Link) -> float:
     """All-to-all where each device holds ``nbytes`` and keeps ``1/n`` of it."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    m = link.measured_cost("all_to_all", n)
-    if m is not None:
-        return m[0] + m[1] * nbytes
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return _ring("all_to_all", nbytes, n, link, n - 1, (n - 1) / max(n, 1))
 
 
 def p2p_cost(nbytes: float, link: Link) -> float:
@@ -82,3 +98,101 @@ def p2p_cost(nbytes: float, link: Link) -> float:
     if nbytes <= 0:
         return 0.0
     return link.latency + nbytes / link.bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """The devices a collective runs over: ``per_node`` devices on each of ``nodes`` nodes."""
+
+    per_node: int
+    nodes: int
+    intra: Link
+    """The link between devices of one node (NVLink)."""
+    inter: Link
+    """One NIC between nodes."""
+    nics: int
+    """NICs per node."""
+
+    def __post_init__(self) -> None:
+        if self.per_node < 1 or self.nodes < 1 or self.nics < 1:
+            raise ValueError(f"Group needs per_node, nodes and nics >= 1, got {self}")
+
+    @property
+    def size(self) -> int:
+        return self.per_node * self.nodes
+
+    @property
+    def bus_bandwidth(self) -> float:
+        """Bytes/s of the ring volume per device (see module docstring)."""
+        if self.nodes == 1:
+            return self.intra.bandwidth
+        nic = min(self.per_node, self.nics) * self.inter.bandwidth
+        return nic if self.per_node == 1 else min(self.intra.bandwidth, nic)
+
+    @property
+    def all_to_all_bandwidth(self) -> float:
+        """Bytes/s per device of the off-node part of an all-to-all."""
+        if self.nodes == 1:
+            return self.intra.bandwidth
+        return min(self.per_node, self.nics) / self.per_node * self.inter.bandwidth
+
+    def ring_latency(self, steps_per_device: int) -> float:
+        """Latency of a ring with ``steps_per_device · (n − 1)`` steps, each on the slowest hop."""
+        link = self.intra if self.nodes == 1 else self.inter
+        return steps_per_device * (self.size - 1) * link.latency
+
+    def tree_latency(self) -> float:
+        """All-reduce latency of NCCL's double binary tree across nodes, chains inside them."""
+        return (
+            2 * (self.per_node - 1) * self.intra.latency
+            + 2 * math.ceil(math.log2(self.nodes)) * self.inter.latency
+        )
+
+    def measured(self, collective: str) -> tuple[float, float] | None:
+        """``(α, β)`` measured for ``collective`` over this group (single-node groups only)."""
+        return self.intra.measured_cost(collective, self.size) if self.nodes == 1 else None
+
+    def without_latency(self) -> Group:
+        """The group with no per-message latency (a share of a bucketed collective)."""
+        return replace(self, intra=bandwidth_only(self.intra), inter=bandwidth_only(self.inter))
+
+
+def _group(collective: str, nbytes: float, g: Group, volume: float, latency: float, bw: float) -> float:
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    m = g.measured(collective)
+    if m is not None:
+        return m[0] + m[1] * nbytes
+    return latency + volume * nbytes / bw
+
+
+def group_all_reduce_cost(nbytes: float, g: Group) -> float:
+    """All-reduce of an ``nbytes`` buffer over ``g`` (one hierarchical collective)."""
+    n = g.size
+    lat = g.ring_latency(2) if g.nodes == 1 else min(g.ring_latency(2), g.tree_latency())
+    return _group("all_reduce", nbytes, g, 2 * (n - 1) / n, lat, g.bus_bandwidth)
+
+
+def group_all_gather_cost(nbytes: float, g: Group) -> float:
+    """All-gather producing an ``nbytes`` buffer over ``g``."""
+    n = g.size
+    return _group("all_gather", nbytes, g, (n - 1) / n, g.ring_latency(1), g.bus_bandwidth)
+
+
+def group_reduce_scatter_cost(nbytes: float, g: Group) -> float:
+    """Reduce-scatter of an ``nbytes`` input over ``g``."""
+    n = g.size
+    return _group("reduce_scatter", nbytes, g, (n - 1) / n, g.ring_latency(1), g.bus_bandwidth)
+
+
+def group_all_to_all_cost(nbytes: float, g: Group) -> float:
+    """All-to-all of ``nbytes`` per device over ``g``: the on-node part over NVLink, the off-node
+    part over the node's NICs, both at once (the slower of the two)."""
+    n = g.size
+    if g.nodes == 1:
+        return _group("all_to_all", nbytes, g, (n - 1) / n, g.ring_latency(1), g.intra.bandwidth)
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    on = (g.per_node - 1) / n * nbytes / g.intra.bandwidth
+    off = (n - g.per_node) / n * nbytes / g.all_to_all_bandwidth
+    return g.ring_latency(1) + max(on, off)

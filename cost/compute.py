@@ -1,58 +1,558 @@
-"""Compute time of one op on one device: the roofline model.
+"""Compute time of ops on one device: each op runs as kernels, each kernel timed on a roofline
+whose efficiencies depend on the kernel's shape and were measured (``DeviceSpec``).
 
-``time = max(FLOPs / (peak(dtype) · e_c), bytes / (bandwidth · e_m))`` (Williams, Waterman and
-Patterson, "Roofline", CACM 2009) with efficiency factors ``e_c``, ``e_m`` from the DeviceSpec.
+Words:
 
-FLOPs (``op_flops``): 2·m·n·k per matmul (2 FLOPs per multiply-add), 4·b·h·s_q·s_k·d for
-attention (the two matmuls QKᵀ and PV), 2·out·(c_in/groups)·kernel for convolution; everything else
-one FLOP per output element (elementwise work is memory-bound and the roofline's byte term
-dominates).
-Backward FLOPs: 2× forward for matmul-like ops (one matmul for each input's gradient, Kaplan et
-al. 2020 / Narayanan et al. 2021's 3× rule for a whole step), 2.5× for attention (the
-FlashAttention paper's accounting), 1× otherwise; ops without gradients cost nothing backward.
+* **kernel** — one launch on the device (:class:`Kernel`): a GEMM, a fused attention, or a
+  memory-bound pass (elementwise, norm, reduction, copy, cast), with its FLOPs and the bytes it
+  reads and writes.
+* **op kernels** — what one aten op of the captured (pre-dispatch) graph launches in eager
+  PyTorch, forward and backward (:func:`op_kernels`): a ``linear`` is one GEMM forward and two
+  backward (plus a reduction for its bias); ``layer_norm`` one pass forward and two backward; a
+  view none.
+
+Kernel time (``kernel_time``): ``kernel_overhead + max(compute, bytes / (bandwidth ·
+memory_efficiency))`` — the roofline (Williams, Waterman and Patterson, CACM 2009) with
+
+1. **GEMM** — ``FLOPs / (peak(dtype) · e)``, ``e = e_max · K / (K + K½) · fill``: a GEMM's
+   output tiles each run a loop over the reduction length ``K`` with a fixed prologue and epilogue
+   (NVIDIA, "Matrix Multiplication Background User's Guide", §2.1 and §3), so efficiency grows with
+   ``K`` to a plateau ``e_max``; ``fill = min(1, tiles / SMs)`` (128×128 output tiles) for a GEMM
+   too small to occupy the device. Fitted to measured matmuls by ``autopar.cost.fit``. Wave
+   quantization beyond the first wave is not modelled: cuBLAS's Hopper kernels (persistent,
+   stream-K) hide it, and the H100 reference shows none (16384×50304×2048 at 69.1 % of peak,
+   8192×2048×2048 at 71.2 %).
+2. **Attention** as FlashAttention runs it (Dao et al., arXiv 2205.14135 and 2307.08691): the
+   s×s score matrix is never written; FLOPs ``4·b·h·s_q·s_k·d`` forward times the fraction of
+   (query, key) pairs a causal mask keeps (≈ ½: the kernel skips masked blocks), 2.5× that backward
+   (five matmuls against two); ``e = e_max · g(d) · s_k / (s_k + s½)`` with the causal mask
+   adding to ``s½``, ``g(d)`` the head-dimension factor of the FlashAttention-2 figures (0.88 at
+   d = 64, 1 at 128, 0.80 at 256, interpolated in log d). Its IO (q, k, v, o) bounds it below.
+3. **Memory-bound** — bytes at ``memory_bandwidth · memory_efficiency``.
+
+FLOPs (``op_flops``): 2·m·n·k per matmul (2 FLOPs per multiply-add), attention as above,
+2·out·(c_in/groups)·kernel for convolution, one per output element otherwise.
+``BACKWARD_FLOP_RATIO``: 2× forward for matmul-like ops (one GEMM for each input's gradient, the
+3× rule of Kaplan et al. 2020 / Narayanan et al. 2021 for a whole step), 2.5× for attention.
+
+Host time: eager PyTorch issues ops from the CPU (``DeviceSpec.host_overhead`` each); the device
+runs them as they arrive, so a step is bound by whichever is slower (``autopar.cost.step``).
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autopar.cluster import DeviceSpec
 from autopar.graph import OpFamily, op_info
 
-__all__ = ["BACKWARD_FLOP_RATIO", "op_flops", "roofline_time"]
+__all__ = [
+    "BACKWARD_FLOP_RATIO",
+    "Kernel",
+    "KernelKind",
+    "OpKernels",
+    "TensorArg",
+    "attention_efficiency",
+    "causal_fraction",
+    "gemm_efficiency",
+    "itemsize",
+    "kernel_time",
+    "memory_time",
+    "op_flops",
+    "op_kernels",
+    "roofline_time",
+]
 
 BACKWARD_FLOP_RATIO = {"matmul": 2.0, "attention": 2.5, "other": 1.0}
 
+TILE = 128
+"""Output tile edge of a GEMM for the fill term (cuBLAS's common 128×128 / 128×256 tiles)."""
 
+HEAD_DIM_FACTOR = ((64, 0.88), (128, 1.0), (256, 0.80))
+"""FlashAttention-2's plateau at head dimension d relative to d = 128 (Shah et al.,
+arXiv 2407.08608, Figs. 5-7: forward 324 / 370 TFLOP/s at d = 64 / 128, backward ≈ 0.88×; 298 at
+d = 256)."""
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}  # fmt: skip
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (``"bfloat16"`` → 2)."""
+    key = dtype.replace("torch.", "")
+    if key in _ITEMSIZE:
+        return _ITEMSIZE[key]
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, key)).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorArg:
+    """A tensor an op reads or writes: its shape and dtype, and whether a gradient is computed for
+    it (inputs) or flows into it (outputs)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    grad: bool = False
+    stored: float | None = None
+    """Bytes of memory it actually occupies when less than ``numel · itemsize`` (an expanded view
+    reads its small source); ``None``: ``numel · itemsize``."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> float:
+        full = float(self.numel * itemsize(self.dtype))
+        return full if self.stored is None else min(full, self.stored)
+
+
+class KernelKind(str, enum.Enum):
+    GEMM = "gemm"
+    ATTENTION = "attention"
+    MEMORY = "memory"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One kernel launch (see module docstring)."""
+
+    kind: KernelKind
+    nbytes: float
+    """Bytes read and written."""
+    flops: float = 0.0
+    dtype: str = "float32"
+    m: int = 0
+    """GEMM: rows of the output, columns of the output, reduction length, batch."""
+    n: int = 0
+    k: int = 0
+    batch: int = 1
+    seq: int = 0
+    """Attention: key length; head dimension; causal mask; backward kernel."""
+    head_dim: int = 0
+    causal: bool = False
+    backward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OpKernels:
+    """The kernels of one op: forward, and backward (empty when no gradient flows)."""
+
+    fwd: tuple[Kernel, ...] = ()
+    bwd: tuple[Kernel, ...] = ()
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(k.flops for k in self.fwd)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(k.flops for k in self.bwd)
+
+    @property
+    def fwd_bytes(self) -> float:
+        return sum(k.nbytes for k in self.fwd)
+
+
+# ------------------------------------------------------------------------------- kernel times
 def roofline_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str = "float32") -> float:
-    """Seconds for ``flops`` FLOPs that move ``nbytes`` bytes on ``device``."""
+    """Seconds for ``flops`` FLOPs that move ``nbytes`` bytes on ``device`` at its plateau
+    efficiencies (no shape dependence, no kernel overhead)."""
     compute = flops / (device.flops_for(dtype) * device.compute_efficiency)
-    memory = nbytes / (device.memory_bandwidth * device.memory_efficiency)
+    memory = nbytes / device.achieved_bandwidth
     return max(compute, memory)
 
 
+def memory_time(nbytes: float, device: DeviceSpec) -> float:
+    """Seconds of a memory-bound kernel moving ``nbytes``."""
+    return device.kernel_overhead + nbytes / device.achieved_bandwidth
+
+
+def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> float:
+    """Fraction of peak an ``m×k @ k×n`` GEMM (``batch`` of them) reaches (module docstring, 1)."""
+    e = device.compute_efficiency
+    if device.matmul_k_half > 0:
+        e *= k / (k + device.matmul_k_half)
+    if device.sm_count > 0:
+        tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+        e *= min(1.0, tiles / device.sm_count)
+    return e
+
+
+def _head_dim_factor(d: int) -> float:
+    pts = HEAD_DIM_FACTOR
+    if d <= pts[0][0]:
+        return pts[0][1]
+    if d >= pts[-1][0]:
+        return pts[-1][1]
+    for (d0, f0), (d1, f1) in itertools.pairwise(pts):
+        if d0 <= d <= d1:
+            w = math.log(d / d0) / math.log(d1 / d0)
+            return f0 + w * (f1 - f0)
+    return 1.0
+
+
+def attention_efficiency(seq: int, head_dim: int, causal: bool, backward: bool, device: DeviceSpec) -> float:
+    """Fraction of peak a fused attention kernel reaches over ``seq`` keys (module docstring, 2)."""
+    fwd = device.attention_efficiency or device.compute_efficiency
+    e_max = (device.attention_bwd_efficiency or fwd) if backward else fwd
+    half = device.attention_bwd_seq_half if backward else device.attention_seq_half
+    if causal:
+        half += device.attention_causal_seq_half
+    e = e_max * _head_dim_factor(head_dim) if head_dim else e_max
+    return e * seq / (seq + half) if half > 0 else e
+
+
+def kernel_time(kernel: Kernel, device: DeviceSpec) -> float:
+    """Seconds ``kernel`` takes on ``device`` (module docstring)."""
+    memory = kernel.nbytes / device.achieved_bandwidth
+    if kernel.kind is KernelKind.GEMM:
+        e = gemm_efficiency(kernel.m, kernel.n, kernel.k, device, kernel.batch)
+        compute = kernel.flops / (device.flops_for(kernel.dtype) * e)
+    elif kernel.kind is KernelKind.ATTENTION:
+        e = attention_efficiency(kernel.seq, kernel.head_dim, kernel.causal, kernel.backward, device)
+        compute = kernel.flops / (device.flops_for(kernel.dtype) * e)
+    else:
+        compute = 0.0
+    return device.kernel_overhead + max(compute, memory)
+
+
+# ------------------------------------------------------------------------------- FLOPs
+def causal_fraction(s_q: int, s_k: int) -> float:
+    """Fraction of (query, key) pairs a causal mask keeps: query ``i`` sees keys ``0..i``
+    (PyTorch's ``is_causal``, top-left aligned)."""
+    if s_q <= 0 or s_k <= 0:
+        return 0.0
+    kept = s_q * (s_q + 1) / 2 if s_q <= s_k else s_k * (s_k + 1) / 2 + (s_q - s_k) * s_k
+    return kept / (s_q * s_k)
+
+
 def op_flops(
-    op: str, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int], groups: int = 1
+    op: str,
+    in_shapes: Sequence[Sequence[int]],
+    out_shape: Sequence[int],
+    groups: int = 1,
+    *,
+    causal: bool = False,
 ) -> tuple[float, str]:
     """Forward FLOPs of aten op ``op`` (packet name) and its family (a ``BACKWARD_FLOP_RATIO`` key).
 
-    ``in_shapes`` lists the op's tensor arguments in call order.
+    ``in_shapes`` lists the op's tensor arguments in call order; ``causal``: attention under a
+    causal mask (the kernel skips the masked half).
     """
     out_numel = float(math.prod(out_shape)) if out_shape else 1.0
     family = op_info(op).family
     if family is OpFamily.MATMUL:
-        if op in ("addmm", "baddbmm"):
-            a = in_shapes[1]
-        else:
-            a = in_shapes[0]
+        a = in_shapes[1] if op in ("addmm", "baddbmm") else in_shapes[0]
         k = a[-1] if a else 1
         return 2.0 * out_numel * k, "matmul"
     if family is OpFamily.ATTENTION:
-        q, k = in_shapes[0], in_shapes[1]
+        q, k, v = in_shapes[0], in_shapes[1], in_shapes[2]
         batch = math.prod(q[:-2])
-        return 4.0 * batch * q[-2] * k[-2] * q[-1], "attention"
+        flops = 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1])
+        return flops * (causal_fraction(q[-2], k[-2]) if causal else 1.0), "attention"
     if family is OpFamily.CONV and len(in_shapes) > 1:
         w = in_shapes[1]
         return 2.0 * out_numel * math.prod(w[1:]), "matmul"
     return out_numel, "other"
+
+
+# ------------------------------------------------------------------------------- op kernels
+def _mem(nbytes: float) -> Kernel:
+    return Kernel(KernelKind.MEMORY, nbytes)
+
+
+def _gemm(m: int, n: int, k: int, batch: int, dtype: str) -> Kernel:
+    size = itemsize(dtype)
+    nbytes = float(batch) * (m * k + k * n + m * n) * size
+    return Kernel(KernelKind.GEMM, nbytes, 2.0 * batch * m * n * k, dtype, m, n, k, batch)
+
+
+def _gemm_dims(op: str, ins: Sequence[TensorArg], out: TensorArg) -> tuple[int, int, int, int, int, int]:
+    """``(m, n, k, batch, a, b)``: GEMM dimensions and the positions of the two operands."""
+    if op == "linear":
+        x, w = ins[0], ins[1]
+        k = x.shape[-1] if x.shape else 1
+        return max(1, x.numel // max(k, 1)), w.shape[0] if len(w.shape) == 2 else 1, k, 1, 0, 1
+    a_i, b_i = (1, 2) if op in ("addmm", "baddbmm") else (0, 1)
+    a, b = ins[a_i].shape, ins[b_i].shape
+    if op in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback"):
+        k = a[-1]
+        n = out.shape[-1] if out.shape else 1
+        return max(1, math.prod(a) // max(k, 1)), n, k, 1, a_i, b_i
+    k = a[-1] if a else 1
+    n = b[-1] if len(b) >= 2 else 1
+    if len(b) <= 2:  # batch dims of a fold into its rows
+        return max(1, math.prod(a) // max(k, 1)), n, k, 1, a_i, b_i
+    m = a[-2] if len(a) >= 2 else 1
+    batch = max(1, math.prod(out.shape[:-2])) if len(out.shape) > 2 else 1
+    return m, n, k, batch, a_i, b_i
+
+
+def _conv_dims(ins: Sequence[TensorArg], out: TensorArg, groups: int) -> tuple[int, int, int, int]:
+    """Implicit-GEMM dimensions of a convolution: rows = batch × output positions, columns = output
+    channels per group, reduction = input channels per group × kernel size; one GEMM per group."""
+    w = ins[1].shape
+    c_out = out.shape[1] if len(out.shape) > 1 else 1
+    rows = out.numel // max(c_out, 1)
+    return rows, max(1, c_out // groups), math.prod(w[1:]), groups
+
+
+_GRAD_FREE_POINTWISE = frozenset(
+    [
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "__and__",
+        "__or__",
+        "bitwise_and",
+        "bitwise_or",
+        "bitwise_not",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "isnan",
+        "isinf",
+        "sign",
+        "floor",
+        "ceil",
+        "round",
+        "floor_divide",
+        "fmod",
+        "remainder",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty_like",
+        "rand_like",
+    ]
+)
+_PASS_THROUGH = frozenset(["contiguous", "clone", "alias", "detach"])
+_CAST = frozenset(["to", "_to_copy", "type_as"])
+_FREE_VIEW_BWD = frozenset(
+    [
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "permute",
+        "t",
+        "numpy_T",
+        "mT",
+        "getitem",
+        "cat",
+        "concat",
+        "stack",
+        "alias",
+    ]
+)
+_SLICE = frozenset(["slice", "narrow", "select"])
+_SPLIT = frozenset(["split", "split_with_sizes", "chunk", "unbind"])
+_FACTORY_EMPTY = frozenset(["empty_like", "new_empty", "empty"])
+
+
+def op_kernels(
+    op: str,
+    ins: Sequence[TensorArg],
+    outs: Sequence[TensorArg],
+    *,
+    requires_grad: bool,
+    alias: bool = False,
+    causal: bool = False,
+    masked: bool = False,
+    groups: int = 1,
+    grad_contributions: int = 1,
+) -> OpKernels:
+    """The kernels eager PyTorch runs for aten op ``op`` (packet name) forward and backward.
+
+    ``ins``: tensor arguments in call order (``grad`` set on those a gradient is computed for);
+    ``outs``: tensor results. ``requires_grad``: a gradient flows into the op's output (so its
+    backward runs). ``alias``: the output shares its input's memory (a view, a cast to the same
+    dtype, ``contiguous`` of a contiguous tensor): no kernel. ``causal``/``masked``: attention under
+    a causal mask / under another explicit mask (read by the kernel, no skipping).
+    ``grad_contributions``: how many consumers send this op's output a gradient; autograd adds them
+    (one addition kernel per extra contribution).
+    """
+    info = op_info(op)
+    fam = info.family
+    out = outs[0] if outs else TensorArg((), "float32")
+    out_bytes = sum(o.nbytes for o in outs)
+    in_bytes = sum(i.nbytes for i in ins)
+    fwd: list[Kernel] = []
+    bwd: list[Kernel] = []
+    grads = [i for i in ins if i.grad]
+
+    if fam is OpFamily.ASSERT or op == "getitem":
+        return OpKernels()
+    if fam is OpFamily.MATMUL and len(ins) >= 2:
+        m, n, k, batch, a_i, b_i = _gemm_dims(op, ins, out)
+        dtype = ins[a_i].dtype
+        fwd.append(_gemm(m, n, k, batch, dtype))  # a bias is added in the GEMM's epilogue
+        if requires_grad:
+            if ins[a_i].grad:  # dA = dC · Bᵀ: rows m, columns k, reduction n
+                bwd.append(_gemm(m, k, n, batch, dtype))
+            if ins[b_i].grad:  # dB = Aᵀ · dC: rows k, columns n, reduction m
+                bwd.append(_gemm(k, n, m, batch, dtype))
+            bias = [i for j, i in enumerate(ins) if j not in (a_i, b_i) and i.grad]
+            bwd.extend(_mem(out.nbytes + b.nbytes) for b in bias)  # bias gradient: a sum over rows
+    elif fam is OpFamily.CONV and len(ins) >= 2:
+        m, n, k, g = _conv_dims(ins, out, groups)
+        dtype = ins[0].dtype
+        fwd.append(_gemm(m, n, k, g, dtype))
+        if requires_grad:
+            if ins[0].grad:
+                bwd.append(_gemm(m, k, n, g, dtype))
+            if ins[1].grad:
+                bwd.append(_gemm(k, n, m, g, dtype))
+            if len(ins) > 2 and ins[2].grad:
+                bwd.append(_mem(out.nbytes))
+    elif fam is OpFamily.ATTENTION and len(ins) >= 3:
+        q, kk, v = ins[0], ins[1], ins[2]
+        flops, _ = op_flops(op, [q.shape, kk.shape, v.shape], out.shape, causal=causal)
+        io = q.nbytes + kk.nbytes + v.nbytes + out.nbytes
+        mask = ins[3].nbytes if masked and len(ins) > 3 else 0.0
+        s_k, d = kk.shape[-2], q.shape[-1]
+        fwd.append(
+            Kernel(KernelKind.ATTENTION, io + mask, flops, q.dtype, seq=s_k, head_dim=d, causal=causal)
+        )
+        if requires_grad:
+            ratio = BACKWARD_FLOP_RATIO["attention"]
+            bwd.append(_mem(2 * out.nbytes))  # D = rowsum(dO ∘ O)
+            bwd.append(
+                Kernel(
+                    KernelKind.ATTENTION,
+                    2 * io + mask,
+                    ratio * flops,
+                    q.dtype,
+                    seq=s_k,
+                    head_dim=d,
+                    causal=causal,
+                    backward=True,
+                )
+            )
+            if q.grad:  # dQ accumulated in fp32, converted at the end
+                bwd.append(_mem(q.numel * 4 + q.nbytes))
+    elif fam is OpFamily.NORM:
+        x = ins[0]
+        fwd.append(_mem(x.nbytes + out.nbytes))
+        if requires_grad:
+            if x.grad:
+                bwd.append(_mem(out.nbytes + 2 * x.nbytes))
+            if any(i.grad for i in ins[1:]):  # weight/bias gradients: a second pass over dY and X
+                bwd.append(_mem(out.nbytes + x.nbytes))
+    elif fam is OpFamily.BATCH_NORM:
+        x = ins[0]
+        fwd.append(_mem(2 * x.nbytes + out.nbytes))
+        if requires_grad:
+            bwd.append(_mem(2 * out.nbytes + 3 * x.nbytes))
+    elif fam is OpFamily.SOFTMAX:
+        fwd.append(_mem(ins[0].nbytes + out.nbytes))
+        if requires_grad and ins[0].grad:
+            bwd.append(_mem(2 * out.nbytes + ins[0].nbytes))
+    elif fam is OpFamily.REDUCTION:
+        fwd.append(_mem(in_bytes + out_bytes))
+        if requires_grad and ins and ins[0].grad and op != "sum":  # sum's gradient is a broadcast view
+            bwd.append(_mem(out_bytes + ins[0].nbytes + (ins[0].nbytes if info.saves_inputs else 0.0)))
+    elif fam is OpFamily.EMBEDDING:
+        w, idx = ins[0], ins[1]
+        fwd.append(_mem(idx.nbytes + 2 * out.nbytes))
+        if requires_grad and w.grad:  # zero the table, sort the ids, add the rows in
+            bwd.append(_mem(w.nbytes))
+            bwd.append(_mem(4 * idx.nbytes))
+            bwd.append(_mem(2 * out.nbytes + idx.nbytes))
+    elif fam is OpFamily.LOSS:
+        x = ins[0]
+        if op == "mse_loss":
+            fwd.append(_mem(in_bytes + out_bytes))
+            bwd.extend(_mem(in_bytes + i.nbytes) for i in grads if requires_grad)
+        else:  # (log-)softmax over classes, then the negative log-likelihood of the targets
+            fwd.append(_mem(2 * x.nbytes))
+            fwd.append(_mem(sum(i.nbytes for i in ins[1:]) + out_bytes))
+            if requires_grad and x.grad:
+                bwd.append(_mem(x.nbytes))  # nll backward: zeros, then the targets' entries
+                bwd.append(_mem(3 * x.nbytes))  # log-softmax backward
+    elif fam is OpFamily.VIEW:
+        if not alias:  # a copy (reshape of an expanded tensor, cat, pad, …)
+            fwd.append(_mem(in_bytes + out_bytes))
+        if requires_grad:
+            if op == "expand":
+                bwd.extend(_mem(out.nbytes + i.nbytes) for i in grads)  # sum over the broadcast dims
+            elif op in _SLICE:
+                bwd.extend(_mem(i.nbytes) for i in grads)  # zeros of the input's size
+                bwd.append(_mem(2 * out.nbytes))  # the gradient copied into them
+            elif op in _SPLIT:
+                bwd.extend(_mem(2 * i.nbytes) for i in grads)  # the parts' gradients concatenated
+            elif op in ("pad", "constant_pad_nd", "repeat", "repeat_interleave") or (
+                op not in _FREE_VIEW_BWD and not alias
+            ):
+                bwd.extend(_mem(out.nbytes + i.nbytes) for i in grads)
+    elif fam is OpFamily.POINTWISE:
+        if op in _FACTORY_EMPTY:
+            pass
+        elif not alias:
+            fwd.append(_mem(in_bytes + out_bytes))
+        if requires_grad and op not in _GRAD_FREE_POINTWISE:
+            bwd.extend(_pointwise_bwd(op, ins, out, alias))
+    elif fam is OpFamily.ROUTING:
+        fwd.append(_mem(in_bytes + out_bytes))
+        if requires_grad:  # scatter the gradient back: zeros of the input's size, then the rows
+            for i in grads:
+                bwd.append(_mem(i.nbytes))
+                bwd.append(_mem(2 * out.nbytes))
+    else:  # factories, unknown ops
+        if op not in _FACTORY_EMPTY and out_bytes > 0:
+            fwd.append(_mem(in_bytes + out_bytes))
+        if requires_grad:
+            bwd.extend(_mem(out_bytes + in_bytes) for _ in grads)
+    if requires_grad and grad_contributions > 1:
+        bwd.extend(_mem(3 * out.nbytes) for _ in range(grad_contributions - 1))
+    return OpKernels(tuple(fwd), tuple(bwd))
+
+
+def _pointwise_bwd(op: str, ins: Sequence[TensorArg], out: TensorArg, alias: bool) -> list[Kernel]:
+    """Backward kernels of a pointwise op, one per input that gets a gradient."""
+    out_b = out.nbytes
+    ks: list[Kernel] = []
+    for j, i in enumerate(ins):
+        if not i.grad:
+            continue
+        if op in _PASS_THROUGH or (op in _CAST and alias):
+            continue  # the gradient passes through unchanged
+        if op in _CAST:
+            ks.append(_mem(out_b + i.nbytes))  # cast back
+            continue
+        broadcast = i.numel < out.numel
+        if op in ("add", "add_") or (op in ("sub", "sub_") and j == 0):
+            if broadcast:
+                ks.append(_mem(out_b + i.nbytes))  # sum over the broadcast dims
+            continue
+        if op in ("sub", "sub_", "rsub", "neg"):
+            ks.append(_mem(out_b + i.nbytes))
+            continue
+        others = sum(x.nbytes for k, x in enumerate(ins) if k != j)
+        saved = others if len(ins) > 1 else i.nbytes  # the other operands, or the input itself
+        ks.append(_mem(out_b + saved + out_b))  # grad ∘ f'(…), written at the output's size
+        if broadcast:
+            ks.append(_mem(out_b + i.nbytes))  # then reduced to the input's shape
+    return ks

@@ -18,7 +18,15 @@ from autopar.mesh import Mesh
 from autopar.placement import Spec, local_shape
 from autopar.reshard import ReshardStep, StepKind, grad_sync_axes, reshard_steps
 
-__all__ = ["edge_cost", "kept_gather_bytes", "reshard_cost", "step_backward_cost", "step_cost"]
+__all__ = [
+    "edge_cost",
+    "grad_reduce_axes",
+    "grad_sync_bytes",
+    "kept_gather_bytes",
+    "reshard_cost",
+    "step_backward_cost",
+    "step_cost",
+]
 
 
 def _bytes(shape: Sequence[int], itemsize: int) -> float:
@@ -77,6 +85,7 @@ def edge_cost(
     mesh: Mesh,
     bucketed_sync: bool = False,
     zero_stage: int = 0,
+    sync_share: float = 1.0,
 ) -> float:
     """Forward + backward seconds of a producer→consumer edge, gradient synchronization included.
 
@@ -87,6 +96,12 @@ def edge_cost(
 
     ``bucketed_sync``: the gradient all-reduce is bucketed with others (parameters' gradients,
     as PyTorch DDP does, Li et al., VLDB 2020), so it pays bandwidth but no per-tensor latency.
+    A gradient partial on several axes is reduced by one collective over all of them
+    (``Mesh.all_reduce_cost(nbytes, axes=...)``: hierarchical across nodes, as NCCL runs it).
+
+    ``sync_share``: the fraction of that all-reduce this edge pays. A value read the same way by
+    several consumers (a tied embedding and LM head) has its gradients summed first and
+    all-reduced once (``grad_sync_share``), so each of its ``k`` edges pays ``1/k`` of it.
     """
     steps = reshard_steps(shape, src, dst, mesh.shape)
     fwd = sum(step_cost(s, itemsize, mesh) for s in steps)
@@ -102,23 +117,57 @@ def edge_cost(
         bwd += step_backward_cost(s, itemsize, mesh, fused)
         if zero_stage == 3 and s.kind == StepKind.ALL_GATHER:
             bwd += step_cost(s, itemsize, mesh)
-    local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
-    for a in grad_sync_axes(consumer_split, dst):
-        last = last_on_axis.get(a)
-        if fusable and last is not None and last.kind == StepKind.ALL_GATHER:
-            continue  # fused into the all-gather's backward reduce-scatter
-        bwd += mesh.all_reduce_cost(local, a, bucketed=bucketed_sync)
+    axes = grad_reduce_axes(consumer_split, dst, mesh, steps, zero_stage)
+    if axes and sync_share > 0:
+        local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
+        bwd += sync_share * mesh.all_reduce_cost(local, axes=axes, bucketed=bucketed_sync)
     return fwd + bwd
+
+
+def grad_reduce_axes(
+    consumer_split: Sequence[bool],
+    dst: Spec,
+    mesh: Mesh,
+    steps: Sequence[ReshardStep] | None = None,
+    zero_stage: int = 0,
+) -> tuple[int, ...]:
+    """Mesh axes over which an edge's gradient is all-reduced: those where the consumer splits the
+    work while reading the value whole (Megatron-LM's ``f``, ``autopar.reshard.grad_sync_axes``),
+    less size-1 axes (a group of one device communicates nothing) and less those fused into an
+    all-gather's backward reduce-scatter (its last step on that axis; not for ZeRO-1, which keeps
+    full gradients)."""
+    last = {s.axis: s for s in steps or ()}
+    return tuple(
+        a
+        for a in grad_sync_axes(consumer_split, dst)
+        if mesh.shape[a] > 1 and not (zero_stage != 1 and a in last and last[a].kind == StepKind.ALL_GATHER)
+    )
+
+
+def grad_sync_bytes(
+    shape: Sequence[int], itemsize: int, dst: Spec, axes: Sequence[int], mesh: Mesh
+) -> list[float]:
+    """Bytes per mesh axis the gradient all-reduce of an edge moves (its local buffer on every axis
+    it spans; 0 on size-1 axes, where nothing is sent)."""
+    local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
+    return [local if a in axes and mesh.shape[a] > 1 else 0.0 for a in range(mesh.ndim)]
 
 
 def kept_gather_bytes(
     shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh: Mesh, zero_stage: int
 ) -> float:
-    """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) holds
-    from forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered."""
+    """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) adds from
+    forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered.
+
+    The parameter's own strategy already counts its shard of weight and gradient
+    (``training_state_bytes``), so the gather adds the rest: the full copy less the shard. Per
+    parameter over ``N`` devices (ZeRO paper §5, Table 1): stage 2 keeps ``2 + 14/N`` bytes
+    (shards 16/N, plus the weight's 2 − 2/N), stage 1 ``4 + 12/N`` (plus the gradient's 2 − 2/N).
+    """
     if zero_stage not in (1, 2):
         return 0.0
     if not any(s.kind == StepKind.ALL_GATHER for s in reshard_steps(shape, src, dst, mesh.shape)):
         return 0.0
     full = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
-    return full * (2 if zero_stage == 1 else 1)
+    shard = _bytes(local_shape(shape, src, mesh.shape), itemsize)
+    return max(0.0, full - shard) * (2 if zero_stage == 1 else 1)

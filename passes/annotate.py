@@ -1,30 +1,70 @@
-"""Annotation passes: tensor facts and single-device costs for every node.
+"""Annotation passes: tensor facts and single-device costs for every node, and the single-device
+training step they add up to.
 
 ``annotate_tensors`` writes :class:`autopar.ir.TensorInfo` (shape, dtype, module, layer pattern,
-whether a gradient flows, the node's role). ``annotate_cost`` writes :class:`autopar.ir.NodeCost`
-using the formulas of ``autopar.cost`` on the cluster's device with global (unsharded) shapes.
+whether a gradient flows, the node's role). ``annotate_cost`` writes :class:`autopar.ir.NodeCost`:
+the kernels eager PyTorch runs for the op forward and backward (``autopar.cost.compute.op_kernels``)
+timed on the cluster's device with global (unsharded) shapes, and the bytes it keeps for backward.
+``single_device_step`` walks the annotated graph as one eager training step runs it — the host
+issuing ops, the device running their kernels, tensors allocated and freed — and returns the
+step's time and peak memory (``autopar.cost.step``).
 
-What autograd saves for backward (``saved_bytes``) follows the ops' derivative formulas
-(``tools/autograd/derivatives.yaml``): matmuls keep their inputs, nonlinear pointwise ops their
-input, softmax its output, attention q/k/v/out and the log-sum-exp, layer norm its input and two
-statistics per row; linear ops (add, views, casts) keep nothing. A value kept by several consumers
-is counted once, on its producer, as Korthikanti et al. (arXiv 2205.05198 §4) count activations.
+Words:
+
+* **storage** — the memory a value lives in. A view (``view``, ``transpose``, a ``split``'s part, a
+  cast to its own dtype) shares its input's storage; every other op allocates its own, and the
+  storage's **owner** is the node that allocated it. Found from the fake tensors' storages, with one
+  rule the fake tensors do not know: attention kernels write their output as (batch, seq, heads,
+  dim), so ``contiguous`` of its transpose is free on the device.
+* **saved** — what autograd keeps for backward, from the ops' derivative formulas
+  (``tools/autograd/derivatives.yaml``): a matmul keeps each operand only if the *other* needs a
+  gradient; ``mul`` likewise (a rotary ``q · cos`` keeps ``cos``, not ``q``); nonlinear pointwise
+  ops their input (or output); softmax its output; attention q, k, v, its output and the
+  log-sum-exp; layer norm its input and two statistics per row; an embedding its indices; views,
+  additions and casts nothing. A storage kept through any of its views is counted once, at its
+  owner, as Korthikanti et al. (arXiv 2205.05198 §4) count activations.
+* **causal attention** — ``is_causal=True``, or a mask built structurally as a triangle
+  (``tril``/``triu``, or a comparison of key and query positions, as transformers' mask functions
+  build under ``torch.export``): costed as the causal kernel that skips the masked half.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.compute import BACKWARD_FLOP_RATIO, op_flops, roofline_time
+from autopar.cost.compute import OpKernels, TensorArg, kernel_time, op_kernels
+from autopar.cost.memory import state_bytes_per_param
+from autopar.cost.optimizer import optimizer_step_time
+from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
 
-__all__ = ["annotate_cost", "annotate_tensors", "saves_inputs", "saves_output"]
+__all__ = [
+    "FACTS",
+    "OpFacts",
+    "StepOptions",
+    "annotate_cost",
+    "annotate_tensors",
+    "attention_mask",
+    "extra_saved_bytes",
+    "grad_sync_share",
+    "is_alias",
+    "node_kernels",
+    "op_facts",
+    "ordered_tensor_args",
+    "saved_inputs",
+    "saves_inputs",
+    "saves_output",
+    "single_device_step",
+    "value_is_saved",
+]
 
 _LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -95,25 +135,141 @@ def annotate_tensors(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
+# ------------------------------------------------------------------------------- tensors
 def _nbytes(t: torch.Tensor) -> float:
     return float(math.prod(t.shape)) * t.element_size()
 
 
-def value_is_saved(node: Node) -> bool:
-    """True when some consumer keeps this value for backward (or the op keeps its own output)."""
+def _rg(node: Node) -> bool:
     info = node.meta.get(TENSOR)
-    if info is None:
+    return info is not None and info.requires_grad
+
+
+def _storage(node: Node) -> int | None:
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return v.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse/nested/opaque tensors
+        return None
+
+
+def ordered_tensor_args(node: Node) -> list[Node]:
+    """Tensor arguments in call order, duplicates kept (``mul(x, x)`` lists ``x`` twice)."""
+    out = []
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, Node) and isinstance(x.meta.get("val"), torch.Tensor))
+    return out
+
+
+def _attention_layout_view(node: Node) -> bool:
+    """``node`` reads an attention output through views only (module docstring: ``contiguous``
+    of the transposed output is free because the kernel wrote it as (batch, seq, heads, dim))."""
+    cur = node
+    for _ in range(8):
+        ins = tensor_inputs(cur)
+        if len(ins) != 1:
+            return False
+        cur = ins[0]
+        if op_family(cur) is OpFamily.ATTENTION:
+            return True
+        if op_family(cur) is not OpFamily.VIEW and op_name(cur) != "getitem":
+            return False
+    return False
+
+
+_MULTI_VIEWS = frozenset(("split", "split_with_sizes", "chunk", "unbind", "tensor_split"))
+
+
+def is_alias(node: Node) -> bool:
+    """The node's output shares the storage of one of its inputs (module docstring: storage)."""
+    if node.op != "call_function":
+        return False
+    st = _storage(node)
+    ins = tensor_inputs(node)
+    if st is not None and any(_storage(i) == st for i in ins):
+        return True
+    name = op_name(node)
+    if name == "getitem":
+        src = node.args[0]
+        return isinstance(src, Node) and op_info(src).family is OpFamily.VIEW and is_alias(src)
+    if name in _MULTI_VIEWS:
+        return True  # its parts are views (read through getitem)
+    return name == "contiguous" and _attention_layout_view(node)
+
+
+def _aliases(owner: Node) -> list[Node]:
+    """``owner`` and every node viewing its storage."""
+    out, stack, seen = [], [owner], {owner}
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        for u in n.users:
+            if u not in seen and is_alias(u) and u.op == "call_function":
+                seen.add(u)
+                stack.append(u)
+    return out
+
+
+def _operands(node: Node) -> tuple[int, int] | None:
+    """Positions (in ``ordered_tensor_args``) of the two operands whose derivative reads the other."""
+    name = op_name(node)
+    fam = op_family(node)
+    if fam is OpFamily.MATMUL or fam is OpFamily.CONV:
+        return (1, 2) if name in ("addmm", "baddbmm") else (0, 1)
+    if name in ("mul", "mul_"):
+        return (0, 1)
+    return None
+
+
+def saved_inputs(node: Node) -> list[Node]:
+    """The tensor inputs autograd keeps for ``node``'s backward (module docstring: saved)."""
+    if node.op != "call_function" or not _rg(node):
+        return []
+    args = ordered_tensor_args(node)
+    name = op_name(node)
+    fam = op_family(node)
+    pair = _operands(node)
+    if pair is not None and len(args) > max(pair):
+        a, b = args[pair[0]], args[pair[1]]
+        return list(dict.fromkeys([*([a] if _rg(b) else []), *([b] if _rg(a) else [])]))
+    if name in ("div", "div_") and len(args) == 2:
+        a, b = args
+        return list(dict.fromkeys([*([a] if _rg(b) else []), b]))
+    if name in ("where", "masked_fill", "masked_fill_"):
+        return [i for i in args if not i.meta["val"].is_floating_point()]
+    if fam in (OpFamily.EMBEDDING, OpFamily.ROUTING) and saves_inputs(node):
+        return [i for i in args if not i.meta["val"].is_floating_point()]  # the indices
+    if name in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_forward"):
+        return list(dict.fromkeys(args[:2]))  # its log-probabilities (the input's size) and targets
+    if saves_inputs(node):
+        return list(dict.fromkeys(args))
+    return []
+
+
+def value_is_saved(node: Node) -> bool:
+    """True when ``node`` owns a storage that autograd keeps for backward through any of its views
+    (module docstring). Parameters and buffers are training state, never activations."""
+    facts = node.meta.get(FACTS)
+    return facts.output_saved if facts is not None else _value_is_saved(node)
+
+
+def _value_is_saved(node: Node) -> bool:
+    info = node.meta.get(TENSOR)
+    if info is None or is_alias(node):
         return False
     if node.op == "placeholder" and info.kind in ("param", "buffer"):
-        return False  # weights are counted as training state, not activations
-    if saves_output(node) and info.requires_grad:
-        return True
-    for user in node.users:
-        uinfo = user.meta.get(TENSOR)
-        if uinfo is not None and uinfo.requires_grad and saves_inputs(user):
+        return False
+    for a in _aliases(node):
+        if saves_output(a) and _rg(a):
             return True
-        if op_name(user) == "getitem":
-            continue
+        for user in a.users:
+            if a in saved_inputs(user):
+                return True
     return False
 
 
@@ -129,41 +285,419 @@ def extra_saved_bytes(node: Node) -> float:
         return 4.0 * math.prod(shape[:-1])  # fp32 log-sum-exp per query row
     if family is OpFamily.NORM:
         return 8.0 * math.prod(shape[:-1])  # mean and rstd per row
-    if name in ("dropout", "native_dropout") and node.args[1] if len(node.args) > 1 else False:
+    if name in ("dropout", "native_dropout") and len(node.args) > 1 and node.args[1]:
         return float(math.prod(shape))  # bool mask
     return 0.0
 
 
+# ------------------------------------------------------------------------------- attention
+_TRIANGLE = {"tril", "triu"}
+_COMPARE = {"le", "lt", "ge", "gt"}
+_MASK_PASS = {
+    "expand", "view", "reshape", "unsqueeze", "squeeze", "slice", "select", "to", "_to_copy", "alias",
+    "contiguous", "clone", "__and__", "bitwise_and", "logical_and", "mul", "masked_fill", "where",
+    "logical_not", "bitwise_not", "__invert__", "add", "sub", "__or__", "bitwise_or", "logical_or",
+}  # fmt: skip
+
+
+def _varies(shape: tuple[int, ...], dim: int) -> bool:
+    return len(shape) >= -dim and shape[dim] > 1
+
+
+def _is_triangle(node: Node, depth: int = 0) -> bool:
+    """``node`` (a mask) is built as a triangle over its last two dimensions: a ``tril``/``triu``,
+    or a comparison of one value that varies along the query dimension only with one that varies
+    along the key dimension only; combined with other masks by ``and``/``where``, or reshaped."""
+    if depth > 40 or node.op != "call_function":
+        return False
+    name = op_name(node)
+    if name in _TRIANGLE:
+        return True
+    ins = tensor_inputs(node)
+    if name in _COMPARE and len(ins) == 2:
+        a, b = (tuple(i.meta["val"].shape) for i in ins)
+        rows = [_varies(s, -2) and not _varies(s, -1) for s in (a, b)]
+        cols = [_varies(s, -1) and not _varies(s, -2) for s in (a, b)]
+        return (rows[0] and cols[1]) or (rows[1] and cols[0])
+    if name in _MASK_PASS:
+        return any(_is_triangle(i, depth + 1) for i in ins)
+    return False
+
+
+def _schema_arg(node: Node, name: str, default: object = None) -> object:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return default
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else default
+    return default
+
+
+def attention_mask(node: Node) -> tuple[bool, bool]:
+    """``(causal, masked)`` of an attention node: ``causal`` when ``is_causal`` is set or its mask
+    is a triangle (``_is_triangle``); ``masked`` when it reads another explicit mask."""
+    causal = bool(_schema_arg(node, "is_causal", False))
+    mask = _schema_arg(node, "attn_mask") or _schema_arg(node, "attn_bias")
+    if isinstance(mask, Node):
+        if _is_triangle(mask):
+            return True, False
+        return causal, True
+    return causal, False
+
+
+# ------------------------------------------------------------------------------- kernels
+FACTS = "autopar.op_facts"
+
+
+@dataclass(frozen=True, slots=True)
+class OpFacts:
+    """What ``annotate_cost`` found about a node from the graph around it, so that costing its
+    sharded strategies (``autopar.passes.strategies``) does not walk the graph again."""
+
+    alias: bool
+    """Its output shares an input's storage (``is_alias``)."""
+    output_saved: bool
+    """It owns a storage autograd keeps for backward (``value_is_saved``)."""
+    grad_contributions: int
+    """Consumers that send its output a gradient."""
+    causal: bool = False
+    masked: bool = False
+    """Attention only: ``attention_mask``."""
+    groups: int = 1
+    """Convolution only: its groups."""
+
+
+def op_facts(node: Node) -> OpFacts:
+    """The node's ``OpFacts``: as ``annotate_cost`` recorded them, else found now."""
+    facts = node.meta.get(FACTS)
+    if facts is not None:
+        return facts
+    causal = masked = False
+    if op_family(node) is OpFamily.ATTENTION:
+        causal, masked = attention_mask(node)
+    groups = _schema_arg(node, "groups", 1) if node.op == "call_function" else 1
+    return OpFacts(
+        alias=is_alias(node),
+        output_saved=_value_is_saved(node),
+        grad_contributions=grad_contributions(node),
+        causal=causal,
+        masked=masked,
+        groups=groups if isinstance(groups, int) else 1,
+    )
+
+
+def _arg(n: Node, grad: bool) -> TensorArg:
+    v = n.meta["val"]
+    dtype = str(v.dtype).replace("torch.", "")
+    stored = None
+    if any(st == 0 for st, sz in zip(v.stride(), v.shape) if sz > 1):  # an expanded view
+        try:
+            stored = float(v.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError, AttributeError):
+            stored = None
+    return TensorArg(tuple(int(s) for s in v.shape), dtype, grad, stored)
+
+
+def grad_contributions(node: Node) -> int:
+    """How many consumers send ``node``'s output a gradient (autograd adds them up)."""
+    if not _rg(node):
+        return 0
+    return sum(1 for u in node.users if u.op == "call_function" and _rg(u) and op_name(u) != "getitem") or (
+        1 if any(_rg(u) for u in node.users) else 0
+    )
+
+
+def grad_sync_share(node: Node) -> float:
+    """The share of ``node``'s gradient synchronization one consumer's edge pays: autograd sums the
+    gradients of all its consumers first, and the runtime synchronizes the sum once (a tied
+    weight, a norm's output read by three projections), so each of ``k`` consumers pays ``1/k``
+    (exact when they read it alike, the case the runtime syncs once)."""
+    return 1.0 / max(1, op_facts(node).grad_contributions)
+
+
+def node_kernels(
+    node: Node, args: list[TensorArg] | None = None, outs: list[TensorArg] | None = None
+) -> OpKernels:
+    """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
+    global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
+    of ``ordered_tensor_args`` and ``tensor_outputs``)."""
+    if node.op != "call_function":
+        return OpKernels()
+    if args is None:
+        args = [_arg(i, _rg(i)) for i in ordered_tensor_args(node)]
+    if outs is None:
+        outs = [TensorArg(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in tensor_outputs(node)]
+    f = op_facts(node)
+    return op_kernels(
+        op_name(node),
+        args,
+        outs,
+        requires_grad=_rg(node),
+        alias=f.alias,
+        causal=f.causal,
+        masked=f.masked,
+        groups=f.groups,
+        grad_contributions=f.grad_contributions,
+    )
+
+
 def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Write ``NodeCost`` (single device, global shapes) on every op node."""
+    """Write ``NodeCost`` (single device, global shapes) on every node."""
     device = ctx.cluster.device
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
             continue
-        outs = tensor_outputs(node)
-        out_bytes = sum(_nbytes(o) for o in outs)
+        out_bytes = sum(_nbytes(o) for o in tensor_outputs(node))
+        node.meta.pop(FACTS, None)
+        node.meta[FACTS] = op_facts(node)
         if node.op != "call_function":
-            node.meta[COST] = NodeCost(0.0, 0.0, 0.0, out_bytes, 0.0, 0.0, 0.0)
+            bwd = 0.0
+            if info.kind == "param" and info.requires_grad:  # a tied weight's gradients are added up
+                extra = max(0, grad_contributions(node) - 1)
+                bwd = extra * (device.kernel_overhead + 3 * out_bytes / device.achieved_bandwidth)
+            node.meta[COST] = NodeCost(0.0, 0.0, 0.0, out_bytes, 0.0, 0.0, bwd)
             continue
-        ins = tensor_inputs(node)
-        in_shapes = [tuple(i.meta["val"].shape) for i in _ordered_tensor_args(node)]
-        flops, family = op_flops(op_name(node), in_shapes, info.shape)
-        moved = out_bytes + sum(_nbytes(i.meta["val"]) for i in ins)
-        fwd = roofline_time(flops, moved, device, info.dtype)
-        bwd_flops = flops * BACKWARD_FLOP_RATIO[family] if info.requires_grad else 0.0
-        bwd = roofline_time(bwd_flops, 2 * moved, device, info.dtype) if info.requires_grad else 0.0
+        ks = node_kernels(node)
+        fwd = sum(kernel_time(k, device) for k in ks.fwd)
+        bwd = sum(kernel_time(k, device) for k in ks.bwd)
         saved = (out_bytes if value_is_saved(node) else 0.0) + extra_saved_bytes(node)
-        node.meta[COST] = NodeCost(flops, bwd_flops, moved, out_bytes, saved, fwd, bwd)
+        node.meta[COST] = NodeCost(ks.fwd_flops, ks.bwd_flops, ks.fwd_bytes, out_bytes, saved, fwd, bwd)
     return gm
 
 
-def _ordered_tensor_args(node: Node) -> list[Node]:
-    """Tensor arguments in call order, duplicates kept (``mul(x, x)`` lists ``x`` twice)."""
-    out = []
-    for a in node.args:
-        if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, Node) and isinstance(x.meta.get("val"), torch.Tensor))
-    return out
+# ------------------------------------------------------------------------------- one step
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOptions:
+    """How the single-device step is run (the reference measurement's setup by default)."""
+
+    optimizer: str = "adamw"
+    fused: bool = True
+    """``AdamW(fused=True)``; ``False``: the foreach implementation."""
+    master_weights: bool = False
+    """An fp32 master copy of low-precision weights (mixed precision)."""
+    state_bytes: int | None = None
+    """Bytes per optimizer-moment element; ``None``: as ``autopar.cost.memory`` defaults."""
+
+
+def _pass_through(node: Node, i: Node) -> bool:
+    """Backward hands ``node``'s output gradient to input ``i`` unchanged (no new tensor)."""
+    name = op_name(node)
+    fam = op_family(node)
+    if name in ("expand", "slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind"):
+        return False
+    if fam is OpFamily.VIEW and (is_alias(node) or name in ("cat", "concat", "stack")):
+        return True
+    if name in ("contiguous", "clone", "alias", "detach", "getitem") or (
+        name in ("to", "_to_copy", "type_as") and is_alias(node)
+    ):
+        return True
+    if name in ("add", "add_", "sub", "sub_"):
+        args = ordered_tensor_args(node)
+        same = i.meta["val"].shape == node.meta["val"].shape
+        return same and (name.startswith("add") or (args and args[0] is i))
+    return False
+
+
+def _bwd_workspace(node: Node) -> float:
+    """Bytes a node's backward holds besides the gradients it returns."""
+    fam = op_family(node)
+    args = ordered_tensor_args(node)
+    if fam is OpFamily.ATTENTION and args and _rg(args[0]):
+        return 4.0 * math.prod(args[0].meta["val"].shape)  # dQ accumulated in fp32
+    if fam is OpFamily.LOSS and op_name(node) != "mse_loss" and args:
+        return _nbytes(args[0].meta["val"])  # the log-probabilities' gradient
+    return 0.0
+
+
+def single_device_step(gm: GraphModule, ctx: PassContext, options: StepOptions | None = None) -> StepEstimate:
+    """One eager training step of the annotated graph on one device of ``ctx.cluster``: forward,
+    ``loss.backward()``, ``optimizer.step()`` (module docstring; ``autopar.cost.step``).
+
+    What it models: every op of the captured graph and the kernels eager PyTorch runs for it
+    forward and backward, the host's time to issue them, autograd's gradient additions, the
+    optimizer update; memory as allocated and freed in that order, gradients set to ``None``
+    between steps (``zero_grad()``'s default), optimizer state present (a step after the first).
+    What it does not: ops hidden inside higher-order ops (their outputs are costed as one write),
+    the caching allocator's fragmentation, and anything outside the graph (data loading, logging).
+    """
+    opts = options or StepOptions(optimizer=ctx.config.optimizer, master_weights=ctx.mixed_precision)
+    device = ctx.cluster.device
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+
+    # -- training state and inputs: alive throughout
+    params = [
+        n for n in nodes if n.op == "placeholder" and TENSOR in n.meta and n.meta[TENSOR].kind == "param"
+    ]
+    trainable = [p for p in params if p.meta[TENSOR].requires_grad]
+    param_bytes = sum(_nbytes(p.meta["val"]) for p in params)
+    numel = sum(float(math.prod(p.meta["val"].shape)) for p in trainable)
+    pbytes = trainable[0].meta["val"].element_size() if trainable else 4
+    sb = state_bytes_per_param(
+        pbytes, optimizer=opts.optimizer, master_weights=opts.master_weights, state_bytes=opts.state_bytes
+    )
+    state = numel * sb.optimizer
+    resident = sum(
+        _nbytes(n.meta["val"])
+        for n in nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+    mem = MemoryTrace(resident + state)
+
+    # -- storages: owner, bytes, last forward use, savers
+    owner: dict[Node, Node] = {}
+    for n in nodes:
+        if isinstance(n.meta.get("val"), torch.Tensor) and n not in owner:
+            for a in _aliases(n):
+                owner.setdefault(a, n)
+    last_use: dict[Node, int] = {}
+    savers: dict[Node, list[Node]] = defaultdict(list)
+    outputs: set[Node] = set()
+    for n in nodes:
+        if n.op == "output":
+            outputs |= {owner.get(i, i) for i in n.all_input_nodes}
+            continue
+        for i in n.all_input_nodes:
+            o = owner.get(i)
+            if o is not None:
+                last_use[o] = max(last_use.get(o, 0), index[n])
+        for i in saved_inputs(n):
+            o = owner.get(i)
+            if o is not None and o.op != "placeholder":
+                savers[o].append(n)
+        if saves_output(n) and _rg(n) and n in owner:
+            savers[owner[n]].append(n)
+    release_at: dict[Node, list[Node]] = defaultdict(list)  # backward node -> storages it frees
+    for o, ss in savers.items():
+        release_at[min(ss, key=index.__getitem__)].append(o)
+
+    # -- forward
+    events: list[tuple[float, float]] = []
+    kernels = 0
+    fwd_dev = 0.0
+    bwd_kernels: dict[Node, OpKernels] = {}
+    frees: dict[int, list[Node]] = defaultdict(list)
+    for o, i in last_use.items():
+        if o.op != "placeholder" and o not in savers and o not in outputs:
+            frees[i].append(o)
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        ks = node_kernels(n)
+        bwd_kernels[n] = ks
+        dev = sum(kernel_time(k, device) for k in ks.fwd)
+        fwd_dev += dev
+        kernels += len(ks.fwd)
+        events.append((device.host_overhead, dev))
+        if owner.get(n) is n and isinstance(n.meta.get("val"), torch.Tensor):
+            mem.alloc(_nbytes(n.meta["val"]), f"forward of {n.name}")
+        elif owner.get(n) is None:  # a multi-output op: its results own themselves (getitem)
+            pass
+        mem.alloc(extra_saved_bytes(n), f"forward of {n.name}")
+        if op_family(n) is OpFamily.LOSS and op_name(n) != "mse_loss":
+            ws = _bwd_workspace(n)  # the log-probabilities, made and then kept as the saved value
+            mem.alloc(ws, f"forward of {n.name}")
+            mem.free(ws)
+        for o in frees.get(index[n], ()):
+            mem.free(_nbytes(o.meta["val"]))
+    t_fwd, host_fwd = eager_time(events)
+    activations = sum(_nbytes(o.meta["val"]) for o in savers) + sum(extra_saved_bytes(n) for n in nodes)
+
+    # -- backward: reverse order, gradients as refcounted tensors
+    live: dict[int, list[float]] = {}
+    grads: dict[Node, list[int]] = defaultdict(list)
+    counter = iter(range(1 << 62))
+
+    def new(nbytes: float, what: str) -> int:
+        t = next(counter)
+        live[t] = [nbytes, 1]
+        mem.alloc(nbytes, what)
+        return t
+
+    def unref(t: int) -> None:
+        live[t][1] -= 1
+        if live[t][1] == 0:
+            mem.free(live.pop(t)[0])
+
+    for o in outputs:  # loss.backward(): only the scalar loss gets a gradient
+        if _rg(o) and math.prod(o.meta["val"].shape) == 1:
+            grads[o].append(new(_nbytes(o.meta["val"]), "loss gradient"))
+    param_grad: dict[Node, int] = {}
+    bwd_events: list[tuple[float, float]] = []
+    bwd_dev = 0.0
+    for n in reversed(nodes):
+        if n.op == "placeholder" and n in grads:
+            ts = grads.pop(n)  # AccumulateGrad: the first becomes .grad, the others are added in
+            for t in ts:
+                if n not in param_grad:
+                    param_grad[n] = t
+                else:
+                    unref(t)
+            continue
+        if n.op != "call_function" or not _rg(n):
+            for o in release_at.pop(n, ()):
+                mem.free(_nbytes(o.meta["val"]))
+            continue
+        ts = grads.pop(n, [])
+        what = f"backward of {n.name}"
+        ks = bwd_kernels[n]
+        if ts:
+            dev = sum(kernel_time(k, device) for k in ks.bwd)
+            bwd_dev += dev
+            kernels += len(ks.bwd)
+            bwd_events.extend((device.host_overhead, kernel_time(k, device)) for k in ks.bwd)
+            for t in ts[1:]:  # accumulated into the first
+                unref(t)
+            g = ts[0]
+            ws = new(_bwd_workspace(n), what)
+            ins = [n.args[0]] if op_name(n) == "getitem" else ordered_tensor_args(n)
+            for i in dict.fromkeys(ins):
+                if not _rg(i):
+                    continue
+                if _pass_through(n, i):
+                    live[g][1] += 1
+                    grads[i].append(g)
+                else:
+                    grads[i].append(new(_nbytes(i.meta["val"]), what))
+            unref(ws)
+            unref(g)
+        mem.free(extra_saved_bytes(n))
+        for o in release_at.pop(n, ()):
+            mem.free(_nbytes(o.meta["val"]))
+    t_all, host_all = eager_time(bwd_events, start=t_fwd)
+    host_all = max(host_all, host_fwd)
+    backward = max(t_all, host_all) - t_fwd
+    grad_bytes = sum(live[t][0] for t in set(param_grad.values()) if t in live)
+
+    # -- optimizer step: parameters, gradients and state alive; foreach keeps a denominator list
+    if not opts.fused and opts.optimizer in ("adam", "adamw"):
+        s = opts.state_bytes if opts.state_bytes is not None else (4 if opts.master_weights else pbytes)
+        mem.alloc(numel * s, "optimizer step (foreach denominators)")
+    opt_time = optimizer_step_time(
+        numel,
+        len(trainable),
+        pbytes,
+        device,
+        optimizer=opts.optimizer,
+        state_bytes=opts.state_bytes,
+        master_weights=opts.master_weights,
+        fused=opts.fused,
+    )
+    return StepEstimate(
+        forward=max(t_fwd, host_fwd),
+        backward=backward,
+        optimizer=opt_time,
+        peak_memory=mem.peak,
+        peak_at=mem.where,
+        parameters=param_bytes,
+        gradients=grad_bytes,
+        optimizer_state=state,
+        activations=activations,
+        kernels=kernels,
+        device_time=fwd_dev + bwd_dev,
+        host_time=host_all,
+    )

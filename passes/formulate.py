@@ -12,7 +12,9 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
 4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
    and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
-   unary terms. Scalar outputs (a loss) must end replicated. A value an op writes into (batch
+   unary terms. A value read by several consumers has its gradients summed and synchronized once
+   (a tied embedding and LM head), so each of its edges pays its share of that all-reduce
+   (``grad_sync_share``). Scalar outputs (a loss) must end replicated. A value an op writes into (batch
    norm's running statistics, ``div_``) must reach it in its layout: a reshard there would copy
    it and the write would be lost, so such edges cost ∞ unless the specs agree.
 
@@ -35,6 +37,7 @@ from autopar.graph import tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
+from autopar.passes.annotate import grad_sync_share
 from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec
 from autopar.reshard import bucketed_grad_sync, grad_sync_axes
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
@@ -198,12 +201,13 @@ class _Builder:
         val = i.meta["val"]
         shape, itemsize, rg = tuple(val.shape), val.element_size(), info.requires_grad
         bucketed = bucketed_grad_sync(i)
+        share = grad_sync_share(i)
         mesh, cache = self.mesh, self.edge_cache
 
         def cost(src_key: tuple, dst: tuple) -> tuple[float, float]:
             """(seconds, bytes kept) of carrying ``src_key`` into ``dst``."""
             src, stage = src_key
-            key = (shape, itemsize, src_key, dst, rg, bucketed)
+            key = (shape, itemsize, src_key, dst, rg, bucketed, share)
             v = cache.get(key)
             if v is None:
                 spec, split = dst
@@ -211,9 +215,18 @@ class _Builder:
                     v = (0.0, 0.0)
                 else:
                     t = edge_cost(
-                        shape, itemsize, src, spec, split, rg, mesh, bucketed_sync=bucketed, zero_stage=stage
+                        shape,
+                        itemsize,
+                        src,
+                        spec,
+                        split,
+                        rg,
+                        mesh,
+                        bucketed_sync=bucketed,
+                        zero_stage=stage,
+                        sync_share=share,
                     )
-                    v = (t, kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
+                    v = (t, share * kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
                 cache[key] = v
             return v
 
@@ -247,6 +260,7 @@ class _Builder:
                     val.element_size(),
                     info.requires_grad,
                     bucketed_grad_sync(i),
+                    grad_sync_share(i),
                     i in written,
                 )
                 entry = pending.get(key)

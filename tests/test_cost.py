@@ -60,11 +60,11 @@ def test_cost_grows_with_bytes_and_devices():
 
 
 def test_roofline_takes_the_slower_of_compute_and_memory():
-    dev = Cluster.preset("A100-80GB").device  # 312 TFLOP/s bf16, 2039 GB/s, efficiencies 0.6 / 0.8
+    dev = Cluster.preset("A100-80GB").device  # 312 TFLOP/s bf16, 2039 GB/s, at their plateau efficiencies
     flops, nbytes = 1e12, 1e6
-    compute = flops / (312e12 * 0.6)
+    compute = flops / (312e12 * dev.compute_efficiency)
     assert roofline_time(flops, nbytes, dev, "bfloat16") == pytest.approx(compute)
-    memory = 1e12 / (2039e9 * 0.8)
+    memory = 1e12 / (2039e9 * dev.memory_efficiency)
     assert roofline_time(1e3, 1e12, dev, "bfloat16") == pytest.approx(memory)
     # fp32 runs at the TF32 rate (156 TFLOP/s): twice the bf16 time.
     assert roofline_time(flops, nbytes, dev, "float32") == pytest.approx(2 * compute)

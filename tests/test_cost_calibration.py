@@ -1,0 +1,60 @@
+"""The cost model against measurements: every row of the H100 reference files (``reference/``:
+bf16 matmuls, whole single-device GPT and LLaMA training steps measured with PyTorch 2.11) is
+predicted within ±10 % — forward + backward time, the optimizer step and peak memory — with
+nothing fitted per row (``autopar.reference``; ``examples/check_calibration.py`` prints the
+table). And the formulas' published anchors: ZeRO's bytes per parameter, causal attention
+halving, the matmul efficiency curve's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import Cluster
+from autopar.cost.compute import gemm_efficiency
+from autopar.cost.memory import zero_bytes_per_param
+from autopar.cost.optimizer import optimizer_bytes_per_param
+from autopar.reference import check_calibration, read_matmul_rows, read_step_rows
+
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def comparisons():
+    return check_calibration(Cluster.preset("H100-SXM", gpus_per_node=1))
+
+
+def test_reference_files_are_shipped():
+    assert len(read_matmul_rows()) >= 5
+    assert {r.model for r in read_step_rows()} >= {"gpt", "llama"}
+
+
+@pytest.mark.timeout(300)
+def test_every_reference_figure_within_ten_percent(comparisons):
+    figures = {c.what for c in comparisons}
+    assert {"forward+backward", "optimizer step", "peak memory", "TFLOP/s"} <= figures, figures
+    bad = [f"{c.row} {c.what}: {c.error * 100:+.1f}%" for c in comparisons if abs(c.error) > TOLERANCE]
+    assert not bad, "\n".join(bad)
+
+
+def test_matmul_efficiency_rises_with_the_reduction_and_fills_the_device():
+    dev = Cluster.preset("H100-SXM").device
+    effs = [gemm_efficiency(8192, 8192, k, dev) for k in (256, 1024, 4096, 16384)]
+    assert effs == sorted(effs) and effs[-1] <= dev.compute_efficiency
+    # Fewer output tiles than streaming multiprocessors leave units idle.
+    assert gemm_efficiency(128, 128, 8192, dev) < gemm_efficiency(8192, 8192, 8192, dev) / 10
+
+
+def test_zero_bytes_per_parameter_match_the_paper():
+    """Rajbhandari et al. (arXiv 1910.02054) Table 1, mixed precision Adam (K = 12), N = 64:
+    16, 4 + 12/N, 2 + 14/N, 16/N bytes per parameter."""
+    n = 64
+    assert zero_bytes_per_param(0, n) == 16
+    assert zero_bytes_per_param(1, n) == pytest.approx(4 + 12 / n)
+    assert zero_bytes_per_param(2, n) == pytest.approx(2 + 14 / n)
+    assert zero_bytes_per_param(3, n) == pytest.approx(16 / n)
+
+
+def test_fused_adamw_moves_each_state_once():
+    """fused AdamW with fp32 master weights: read the gradient (2), r/w both fp32 moments (16),
+    r/w the master (8) and write the bf16 weight (2)."""
+    assert optimizer_bytes_per_param(2, master_weights=True, fused=True) == 2 + 16 + 8 + 2
