@@ -20,6 +20,7 @@ from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan
 from autopar.report import explain
+from autopar.simulate import simulate  # the function (the module is autopar.simulate's namesake)
 
 __all__ = [
     "CaptureError",
@@ -37,4 +38,5 @@ __all__ = [
     "layouts",
     "parallelize",
     "plan",
+    "simulate",
 ]

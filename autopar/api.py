@@ -46,10 +46,10 @@ def plan(
     the parameters' dtype), ``zero_stage`` (1, 2 or 3; default the solver picks 2 or 3 per
     parameter), ``time_limit``, ``workers``, ``disable`` (pass names).
     """
-    from autopar.planner import plan_captured
+    from autopar.search import plan_model
 
     config = PlanConfig.build(config, **options)
-    return plan_captured(capture(model, example_inputs), cluster, config)
+    return plan_model(model, example_inputs, cluster, config)
 
 
 def _warnings_on_rank_zero(fn: Callable[..., ParallelModule]) -> Callable[..., ParallelModule]:
@@ -101,13 +101,17 @@ def parallelize(
     check_world(plan, cluster)
     cap = capture(model, example_inputs)
     if plan is None:
-        from autopar.planner import plan_captured
+        from autopar.search import plan_model
 
         # workers=1: solve the candidate meshes in this process. Forking here is unsafe (the process
         # group's threads are running) and impossible under a daemonic launcher (``spawn``).
-        plan = broadcast_plan(lambda: plan_captured(cap, cluster, config.replace(workers=1)))
+        plan = broadcast_plan(
+            lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)
+        )
+    if plan.pipeline is not None:
+        return _parallelize_pipeline(model, cluster, example_inputs, plan, config, timeout)
     device = device_for_backend(dist.get_backend())
-    axes, device_mesh, world_group = mesh_axes(plan, device, timeout)
+    axes, device_mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
     program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
     pm = ParallelModule(
         program,
@@ -146,6 +150,8 @@ def _capture_step(
         primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
         num_outputs=0,
         axis_names={ax.group_name: ax.name for ax in pm.axes},
+        recompute=plan.recompute,
+        **(_recompute_info(pm.captured, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
     )
     args, kwargs = normalize_inputs(example_inputs)
     ctx = PassContext(captured=pm.captured, cluster=cluster, config=config)
@@ -167,3 +173,126 @@ def _capture_step(
         for ax in pm.axes:
             ax.counting = True
     pm.set_step(step)
+
+
+def _parallelize_pipeline(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    plan: Plan,
+    config: PlanConfig,
+    timeout: float,
+) -> ParallelModule:
+    """This rank's module for a pipelined plan: ``plan``'s mesh is the layout inside a stage (it
+    spans ``world / pp`` devices), ``plan.pipeline.stage_of`` maps each captured node to its stage
+    (``pp · v`` stages, stage ``s`` on pipeline coordinate ``s mod pp``), and each pipeline rank
+    runs its actions of the plan's schedule (``autopar.schedule``). ``example_inputs`` is one
+    global batch; the plan was made for one micro-batch of it (the global batch cut in
+    ``microbatches`` along dimension 0)."""
+    import torch.distributed as dist
+
+    from autopar.capture import normalize_inputs
+    from autopar.passes import PassContext
+    from autopar.passes.joint import PrimalInfo, RankInfo
+    from autopar.passes.lower import lower
+    from autopar.passes.pipeline import build_pipeline, propagate_fake
+    from autopar.search import microbatch_inputs
+
+    pipe = plan.pipeline
+    assert pipe is not None
+    pp, microbatches, stage_of = pipe.pp, pipe.microbatches, pipe.stage_of
+    actions = pipe.actions()
+    args, kwargs = normalize_inputs(example_inputs)
+    micro = microbatch_inputs(args, kwargs, microbatches)
+    world = dist.get_world_size()
+    cap = capture(model, micro)
+    if cap.fingerprint != plan.fingerprint:
+        raise ValueError(
+            "the model captured on one micro-batch of these inputs is not the program the plan was made for "
+            "(its fingerprint differs): plan again for this model and batch shape"
+        )
+    device = device_for_backend(dist.get_backend())
+    axes, device_mesh, world_group = mesh_axes(
+        (pp, *plan.mesh_shape), ("pp", *plan.mesh_axes), device, timeout
+    )
+    pp_axis, stage_axes = axes[0], axes[1:]
+    program = lower(cap, plan, stage_axes, device=device, stage_of=stage_of)
+    # Which parameters this rank's stages read: from the cut program.
+    num_stages = pipe.num_stages
+    mine = {s for s in range(num_stages) if s % pp == pp_axis.coord}
+    phs = [n for n in program.graph.nodes if n.op == "placeholder"]
+    read = {
+        i.name for n in program.graph.nodes if n.meta.get("autopar.stage") in mine for i in n.all_input_nodes
+    }
+    held = {cap.params.get(p.name, cap.buffers.get(p.name)) for p in phs if p.name in read} - {None}
+    pm = ParallelModule(
+        program, plan, cap, stage_axes, model, device, device_mesh=device_mesh, world_group=world_group,
+        timeout=timeout, held=held,
+    )  # fmt: skip
+    margs, mkwargs = normalize_inputs(micro)
+    example = pm.primal_values(margs, mkwargs, local_inputs=False, check=False)
+    propagate_fake(program, [p if p is not None else _shape_of_unheld(pm, i) for i, p in enumerate(example)])
+    stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
+    info = RankInfo(
+        primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
+        num_outputs=0,
+        axis_names={ax.group_name: ax.name for ax in stage_axes},
+        recompute=plan.recompute,
+        **(_recompute_info(cap, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
+    )
+    ctx = PassContext(captured=cap, cluster=cluster, config=config)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    trainable_anywhere = [
+        i for i, (kind, key) in enumerate(pm.primal_roles()) if kind == "param" and named[key].requires_grad
+    ]
+    for ax in axes:
+        ax.counting = False
+    try:
+        runner = build_pipeline(
+            program, example, pm.primal_roles(), pm.grad_primals(), info, ctx,
+            num_stages=num_stages, pp_axis=pp_axis, pp_groups=_pp_groups(pp, world), actions=actions[pp_axis.coord],
+            microbatches=microbatches, timeout=timeout, trainable_anywhere=trainable_anywhere,
+        )  # fmt: skip
+    finally:
+        for ax in axes:
+            ax.counting = True
+    pm.pipeline = runner
+    pm.microbatches = microbatches
+    return pm
+
+
+def _pp_groups(pp: int, world: int) -> list[list[int]]:
+    """The global ranks of every pipeline group (the outermost mesh axis), by coordinate."""
+    return [[c * (world // pp) + i for c in range(pp)] for i in range(world // pp)]
+
+
+def _shape_of_unheld(pm: ParallelModule, i: int) -> Any:
+    """``(shape, dtype, device)`` of a parameter this rank does not hold (only its shape is read:
+    ``propagate_fake`` makes a fake tensor of it, allocating nothing)."""
+    from autopar.placement import local_shape
+
+    _, key = pm.primal_roles()[i]
+    return (local_shape(pm._shapes[key], pm._specs[key], pm._mesh), pm._dtypes_of[key], pm.device)
+
+
+def _recompute_info(cap: Any, cluster: Cluster, config: PlanConfig, mode: str) -> dict[str, Any]:
+    """``RankInfo``'s recomputation fields: captured node name -> the repeated-layer instance it
+    runs in (``transformer.h.3``, from the tensor annotations' module paths), and the captured
+    nodes ``mode`` recomputes (``passes.strategies.recomputed``, the rule the plan was costed by)."""
+    from autopar.graph import outer_instance
+    from autopar.ir import TENSOR
+    from autopar.passes import PassContext, run_passes
+    from autopar.passes.annotate import annotate_tensors
+    from autopar.passes.strategies import recomputed
+
+    if not any(TENSOR in n.meta for n in cap.gm.graph.nodes):
+        run_passes(cap.gm, PassContext(captured=cap, cluster=cluster, config=config), [annotate_tensors])
+    layer_of, sources = {}, set()
+    for n in cap.gm.graph.nodes:
+        info = n.meta.get(TENSOR)
+        if info is None or n.op != "call_function":
+            continue
+        layer_of[n.name] = outer_instance(info.module)
+        if recomputed(n, mode):
+            sources.add(n.name)
+    return {"layer_of": layer_of, "recompute_sources": frozenset(sources)}

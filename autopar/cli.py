@@ -160,6 +160,12 @@ _UNITS = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}  # fmt: skip
 
 
+def _pp(text: str) -> int | str:
+    if text in ("auto", "search"):
+        return text
+    return _positive_int(text)
+
+
 def _size(text: str) -> float:
     """``70GiB``, ``75e9``, ``80 GB`` → bytes."""
     m = _SIZE.match(text)
@@ -257,6 +263,15 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=_positive_int, help="meshes solved side by side (default 2)")
     g.add_argument("--fixed", action="append", metavar="NAME=SPEC",
                    help="fix a parameter's or input's placement, e.g. lm_head.weight=S(0),R (repeatable)")  # fmt: skip
+    g.add_argument("--pp", type=_pp, help="pipeline ranks: a number, 'auto' (default: pipelines of whole nodes "
+                   "where the cluster has several) or 'search' (every size)")  # fmt: skip
+    g.add_argument(
+        "--microbatches", type=_positive_int, help="micro-batches of a pipelined plan (default searched)"
+    )
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+                   help="pipeline schedule (default searched)")  # fmt: skip
+    g.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
+                   help="activation recomputation (default none; auto: the cheapest that fits)")  # fmt: skip
 
 
 def _sub(subs: Any, name: str, summary: str, examples: str, description: str = "") -> argparse.ArgumentParser:
@@ -472,7 +487,8 @@ def _config(args: argparse.Namespace) -> Any:
     return PlanConfig.build(
         mesh_shape=args.mesh, memory_budget=args.memory_budget, memory_reserve=args.memory_reserve,
         zero_stage=args.zero_stage, optimizer=args.optimizer, time_limit=args.time_limit, workers=args.workers,
-        fixed=fixed or None,
+        fixed=fixed or None, pp=getattr(args, "pp", None), microbatches=getattr(args, "microbatches", None),
+        schedule=getattr(args, "schedule", None), recompute=getattr(args, "recompute", None),
     )  # fmt: skip
 
 
@@ -521,14 +537,16 @@ def _baseline(spec: str, a: Any, args: argparse.Namespace, console: _Console) ->
             raise UsageError(
                 "best-megatron is not in this version of autopar yet; compare with megatron:tp=N instead"
             )
+        from autopar.config import PlanConfig
+
         with console.planning():
-            return best(w.model, w.example_inputs, cluster, **options)
+            return best(w.model, w.example_inputs, cluster, config=PlanConfig.build(None, **options))
     knobs = _megatron_knobs(spec.partition(":")[2], cluster)
     with console.planning(), console.step(f"planning {spec}"):
         return layouts.megatron(w.model, w.example_inputs, cluster, captured=cap, **knobs, **options)
 
 
-_KNOB_ALIASES = {"sp": "sequence_parallel", "mbs": "microbatch_size", "vp": "virtual_stages"}
+_KNOB_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "vp": "virtual", "v": "virtual"}
 
 
 def _megatron_knobs(text: str, cluster: Any) -> dict[str, Any]:
@@ -571,7 +589,7 @@ def _figures(plan: Any, directory: str, fmt: str = "png") -> list[Path]:
 
 # ------------------------------------------------------------------------------------ commands
 def _cmd_plan(args: argparse.Namespace, console: _Console) -> int:
-    from autopar.planner import plan_captured
+    from autopar.search import plan_model
 
     cluster = _cluster(args)
     config = _config(args)
@@ -579,7 +597,7 @@ def _cmd_plan(args: argparse.Namespace, console: _Console) -> int:
     cap = _capture(console, w)
     t0 = time.perf_counter()
     with console.planning():
-        plan = plan_captured(cap, cluster, config)
+        plan = plan_model(w.model, w.example_inputs, cluster, config, captured=cap)
     plan.info["workload"] = w.info
     print(f"model: {w.description or w.name}; {fmt_count(w.num_params)} parameters, {w.info['dtype']}; "
           f"batch {w.batch}" + (f" × {w.seq}" if w.seq else ""))  # fmt: skip

@@ -38,9 +38,28 @@ class PlanConfig:
     ``{"lm_head.weight": ("S(0)",)}``."""
     optimizer: str = "adamw"
     """Optimizer whose state is counted per parameter (``autopar.cost.memory``)."""
+    pp: int | str = "auto"
+    """Pipeline ranks (``autopar.schedule``; the search is ``autopar.search``): ``k`` plans ``k``
+    stages (1: one stage over all devices); ``"auto"`` plans one stage and, where the cluster spans
+    several nodes or one stage does not fit, pipelines of whole nodes (``pp`` dividing the node
+    count) with ``2·pp`` micro-batches; ``"search"`` tries every pipeline size dividing the devices
+    with ``pp``, ``2·pp`` and ``4·pp`` micro-batches (planning time grows with each candidate)."""
+    recompute: str = "none"
+    """Activation recomputation in every repeated layer (``Plan.recompute``): ``"none"``,
+    ``"selective"`` or ``"full"``; ``"auto"``: the fastest of the three that fits."""
+    microbatches: int | None = None
+    """Micro-batches per step of a pipelined plan; ``None``: searched (multiples of ``pp``)."""
+    schedule: str | None = None
+    """Pipeline schedule (``autopar.schedule.SCHEDULES``); ``None``: searched."""
+    virtual: int | None = None
+    """Stages per pipeline rank (the interleaved schedule's ``v``); ``None``: searched (1 or 2)."""
     mixed_precision: bool | None = None
     """Count an fp32 master weight per parameter (ZeRO's 16 bytes per parameter); ``None``:
     detected from the parameters' dtype (bf16/fp16 parameters mean mixed precision)."""
+    optimizer_state_dtype: str | None = None
+    """dtype of the optimizer's moments: ``"bfloat16"`` gives the published 12 / 5 / 3.25 / 1.5
+    bytes per parameter for DDP / ZeRO-1 / 2 / 3 at N = 8 (fp32 master kept); ``None``: float32
+    under mixed precision, else the parameters' dtype (``torch.optim``'s ``zeros_like(param)``)."""
     zero_stage: int | None = None
     """ZeRO stage of parameters stored sharded (1, 2 or 3); ``None``: the solver picks 2 or 3
     per parameter."""
@@ -72,6 +91,11 @@ class PlanConfig:
             object.__setattr__(self, "mesh_shape", shape)
         if self.optimizer not in OPTIMIZER_BYTES_PER_PARAM:
             fail(f"unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_BYTES_PER_PARAM)}")
+        if self.optimizer_state_dtype not in (None, "float32", "bfloat16", "float16"):
+            fail(
+                f"optimizer_state_dtype must be 'float32', 'bfloat16', 'float16' or None, "
+                f"got {self.optimizer_state_dtype!r}"
+            )
         if self.zero_stage not in (None, 1, 2, 3):
             fail(f"zero_stage must be 1, 2, 3 or None (solver's choice), got {self.zero_stage!r}")
         if not (
@@ -80,6 +104,30 @@ class PlanConfig:
             and self.time_limit > 0
         ):
             fail(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
+        if self.pp not in ("auto", "search") and (
+            not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1
+        ):
+            fail(f"pp must be a positive integer, 'auto' or 'search', got {self.pp!r}")
+        if self.recompute not in ("none", "selective", "full", "auto"):
+            fail(f"recompute must be 'none', 'selective', 'full' or 'auto', got {self.recompute!r}")
+        for what in ("microbatches", "virtual"):
+            v = getattr(self, what)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                fail(f"{what} must be a positive integer or None (searched), got {v!r}")
+        if self.schedule is not None:
+            from autopar.schedule import SCHEDULES
+
+            if self.schedule not in SCHEDULES:
+                fail(f"unknown pipeline schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
+            if self.virtual is not None and self.virtual > 1 and self.schedule != "interleaved":
+                fail(
+                    f"virtual={self.virtual} stages per rank needs schedule='interleaved', not {self.schedule!r}"
+                )
+        if isinstance(self.pp, int) and self.microbatches is not None and self.microbatches < self.pp:
+            fail(
+                f"microbatches={self.microbatches} < pp={self.pp}: every pipeline rank would idle at least "
+                f"{self.pp - self.microbatches} of every {self.pp} slots; use microbatches >= pp"
+            )
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             fail(f"workers must be a positive integer or None, got {self.workers!r}")
         if self.max_strategies < 2:

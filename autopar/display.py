@@ -356,9 +356,28 @@ def plan_summary(plan: Plan) -> str:
     comm = ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in zip(plan.mesh_axes, p.comm_bytes_per_axis))
     lines = [
         f"Plan on mesh {mesh_text(plan.mesh_shape, plan.mesh_axes)}  ({info.get('cluster_desc', '')})",
-        f"  predicted step time {fmt_time(p.step_time)} = compute {fmt_time(p.compute_time)} + "
-        f"communication {fmt_time(p.comm_time)}   ({'optimal' if p.optimal else 'best found'})",
+        f"  predicted step time {fmt_time(p.step_time)}   ({'optimal' if p.optimal else 'best found'}; "
+        f"solver's sum: compute {fmt_time(p.compute_time)} + communication {fmt_time(p.comm_time)})",
     ]
+    sim = info.get("simulated")
+    if sim:
+        parts = [f"compute and collectives {fmt_time(sim.get('compute_and_comm', 0.0))}"]
+        if "bubble_fraction" in sim:
+            parts.append(f"pipeline bubble {sim['bubble_fraction'] * 100:.1f}%")
+        parts.append(f"exposed gradient reduction {fmt_time(sim.get('exposed_grad_sync', 0.0))}")
+        parts.append(f"optimizer {fmt_time(sim.get('optimizer', 0.0))}")
+        lines.append("  simulated step: " + ", ".join(parts))
+    pipe = plan.pipeline
+    if pipe is not None:
+        counts = Counter(pipe.stage_of.values())
+        lines.append(
+            f"  pipeline: {pipe.pp} ranks × the stage mesh, {pipe.num_stages} stages "
+            f"({', '.join(str(counts[s]) for s in range(pipe.num_stages))} ops), {pipe.microbatches} micro-batches, "
+            f"schedule {pipe.schedule}{f' (v={pipe.virtual})' if pipe.virtual > 1 else ''}; peak memory per rank "
+            + ", ".join(fmt_bytes(b) for b in pipe.peak_memory)
+        )
+    if plan.recompute != "none":
+        lines.append(f"  recomputation: {plan.recompute} (in every repeated layer)")
     budget = info.get("memory_budget")
     mem = f"  memory per device {fmt_bytes(p.memory_per_device)}"
     if budget:

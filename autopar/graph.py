@@ -248,3 +248,23 @@ def tensor_outputs(node: Node) -> list[torch.Tensor]:
     if isinstance(val, (list, tuple)):
         return [v for v in val if isinstance(v, torch.Tensor)]
     return []
+
+
+_RANDOM_OPS = ("rand", "bernoulli", "normal", "multinomial", "uniform", "exponential", "poisson")
+
+
+def is_random(node: Node) -> bool:
+    """``node`` draws random numbers: sampling ops, and dropout with a non-zero probability in
+    training mode (``dropout(x, 0.0, True)`` is the identity)."""
+    if node.op != "call_function":
+        return False
+    name = op_name(node)
+    if "dropout" in name:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = (
+            node.args[2]
+            if len(node.args) > 2
+            else node.kwargs.get("train", node.kwargs.get("training", True))
+        )
+        return not (isinstance(p, (int, float)) and p == 0) and train is not False
+    return any(r in name for r in _RANDOM_OPS)

@@ -38,10 +38,10 @@ from autopar.passes import PassContext, run_passes
 from autopar.passes.annotate import annotate_tensors
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan
-from autopar.planner import plan_captured
+from autopar.planner import InfeasibleError, plan_captured
 from autopar.rules.routing import grouped_mm_operands, moe_regions
 
-__all__ = ["expert_weights", "megatron", "megatron_weight_roles"]
+__all__ = ["best_megatron", "expert_weights", "megatron", "megatron_weight_roles"]
 
 
 def _is_weight_matmul(node: Node) -> bool:
@@ -141,6 +141,10 @@ def megatron(
     sequence_parallel: bool = False,
     *,
     ep: int = 1,
+    pp: int = 1,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    virtual: int = 1,
     config: PlanConfig | None = None,
     captured: Captured | None = None,
     **options: Any,
@@ -159,7 +163,18 @@ def megatron(
     ``expert_tensor_parallel_size=1``): each ``tp`` rank runs whole experts on the tokens it
     routes. ``config`` (or its fields as keyword ``options``, e.g. ``memory_budget``) holds the
     other planning options; the layout sets the mesh and fixes the weights.
+
+    With ``pp > 1`` the model is cut into ``pp · virtual`` pipeline stages (at its seams, balanced
+    by compute: ``autopar.passes.stages``; Megatron-LM cuts equal layer counts, which is this for
+    equal layers), each stage laid out as above on ``world / pp`` devices, ``microbatches``
+    micro-batches (default ``pp``) run under ``schedule`` (``autopar.schedule``).
     """
+    if pp > 1:
+        return _megatron_pipelined(
+            model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, pp=pp,
+            microbatches=microbatches or pp, schedule=schedule, virtual=virtual,
+            config=PlanConfig.build(config, **options),
+        )  # fmt: skip
     world = cluster.world_size
     if dp is None:
         if world % tp:
@@ -302,3 +317,134 @@ def _is_rms_mean(node: Node) -> bool:
     """The mean of an RMSNorm: over the last dim of a pow(x, 2)."""
     src = node.args[0]
     return isinstance(src, Node) and op_name(src) == "pow"
+
+
+def _megatron_pipelined(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    tp: int,
+    dp: int | None,
+    sequence_parallel: bool,
+    *,
+    ep: int,
+    pp: int,
+    microbatches: int,
+    schedule: str,
+    virtual: int,
+    config: PlanConfig,
+) -> Plan:
+    """``megatron`` with pipeline stages (see its docstring)."""
+    from autopar.capture import normalize_inputs
+    from autopar.search import microbatch_inputs, pipelined_candidates, stage_cluster
+
+    sub = stage_cluster(cluster, pp)
+    if sub is None:
+        raise ValueError(
+            f"pp={pp} does not cut {cluster.nodes} node(s) × {cluster.gpus_per_node} devices into equal stages"
+        )
+    args, kwargs = normalize_inputs(example_inputs)
+    cap = capture(model, microbatch_inputs(args, kwargs, microbatches))
+    budget = config.budget(cluster.device.memory)
+    stage = megatron(
+        model, None, sub, tp, dp, sequence_parallel, ep=ep,
+        config=config.replace(memory_budget=budget * pp, mesh_shape=None, fixed={}), captured=cap,
+    )  # fmt: skip
+    found = pipelined_candidates(
+        stage, cap.gm, cluster, config.replace(schedule=schedule, virtual=virtual), pp, microbatches, budget
+    )
+    if not found:
+        raise InfeasibleError(
+            f"megatron(tp={tp}, pp={pp}, {schedule}, m={microbatches}): the stages do not fit the memory "
+            f"budget, or the model has fewer than {pp * virtual - 1} seams to cut at"
+        )
+    plan = found[0].plan
+    plan.info["layout"] = stage.info.get("layout", "megatron").replace(
+        "megatron(",
+        f"megatron(pp={pp}, m={microbatches}, {schedule}{f', v={virtual}' if virtual > 1 else ''}, ",
+        1,
+    )
+    plan.cluster = cluster.to_dict()
+    plan.info["cluster_desc"] = cluster.describe()
+    return plan
+
+
+def best_megatron(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    *,
+    config: PlanConfig | None = None,
+    **fixed: Any,
+) -> Plan:
+    """The fastest Megatron-LM layout that fits, as an expert tunes Megatron's knobs: tensor
+    parallel size ``tp`` (powers of two up to a node), pipeline size ``pp`` (stages of whole nodes,
+    or inside one), micro-batch size ``microbatch_size`` (1, 2, 4, 8 sequences per data-parallel
+    rank), ``schedule`` (1F1B, interleaved with ``virtual=2``), ``sequence_parallel`` and
+    ``recompute`` (none, selective, full). Any knob passed in ``fixed`` is held (e.g. ``tp=8,
+    pp=4, recompute="full"``). Every candidate is a ``megatron`` layout, planned and scored by the
+    simulator (``plan.predicted.step_time``); ``plan.info["megatron_candidates"]`` lists them."""
+    from autopar.capture import normalize_inputs
+    from autopar.search import batch_size
+
+    known = {"tp", "pp", "microbatch_size", "schedule", "virtual", "sequence_parallel", "recompute"}
+    unknown = sorted(set(fixed) - known)
+    if unknown:
+        raise TypeError(f"best_megatron: unknown knob(s) {unknown}; known: {sorted(known)}")
+    config = PlanConfig.build(config)
+    world, gpn = cluster.world_size, cluster.gpus_per_node
+    args, kwargs = normalize_inputs(example_inputs)
+    batch = batch_size(args, kwargs) or 1
+
+    def options(name: str, values: list[Any]) -> list[Any]:
+        return [fixed[name]] if name in fixed else values
+
+    tps = options("tp", [t for t in (1, 2, 4, 8, 16) if t <= gpn and world % t == 0])
+    tried: list[dict[str, Any]] = []
+    best: Plan | None = None
+    for tp in tps:
+        for pp in options("pp", [p for p in range(1, world // tp + 1) if (world // tp) % p == 0]):
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            per_rank = batch // dp
+            mbss = options("microbatch_size", [b for b in (1, 2, 4, 8) if per_rank % b == 0])
+            if pp == 1:
+                mbss = [per_rank]  # one stage: the whole per-rank batch at once
+            for mbs in mbss:
+                m = per_rank // mbs
+                if pp > 1 and m < pp:
+                    continue
+                scheds = options("schedule", ["1f1b", "interleaved"] if pp > 1 else ["1f1b"])
+                for sched in scheds:
+                    v = fixed.get("virtual", 2 if sched == "interleaved" else 1)
+                    if sched == "interleaved" and m % pp:
+                        continue
+                    for sp in options("sequence_parallel", [False, True] if tp > 1 else [False]):
+                        for rc in options("recompute", ["none", "selective", "full"]):
+                            knobs = {
+                                "tp": tp,
+                                "pp": pp,
+                                "mbs": mbs,
+                                "schedule": sched,
+                                "v": v,
+                                "sp": sp,
+                                "recompute": rc,
+                            }
+                            try:
+                                p = megatron(
+                                    model, example_inputs, cluster, tp, dp, sp, pp=pp, microbatches=m,
+                                    schedule=sched, virtual=v, config=config.replace(recompute=rc, pp=1),
+                                )  # fmt: skip
+                            except (InfeasibleError, ValueError) as e:
+                                tried.append(
+                                    {**knobs, "feasible": False, "why": str(e).splitlines()[0][:200]}
+                                )
+                                continue
+                            tried.append({**knobs, "feasible": True, "step_time": p.predicted.step_time})
+                            if best is None or p.predicted.step_time < best.predicted.step_time:
+                                best = p
+    if best is None:
+        raise InfeasibleError("no Megatron-LM layout fits:\n  " + "\n  ".join(f"{t}" for t in tried[:20]))
+    best.info["megatron_candidates"] = tried
+    return best

@@ -23,7 +23,7 @@ from typing import Any
 import autopar.display as display
 from autopar.placement import Spec, parse_spec
 
-__all__ = ["NodePlan", "Plan", "Predicted", "ReshardPlan"]
+__all__ = ["NodePlan", "PipelinePlan", "Plan", "Predicted", "ReshardPlan"]
 
 FORMAT_VERSION = 2
 """Version 2: ``NodePlan.zero_stage`` replaced the ``zero1``/``zero2`` rewrite tags of version 1."""
@@ -86,6 +86,62 @@ class Predicted:
     """CP-SAT proved the plan optimal for the cost model."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelinePlan:
+    """Pipeline stages of a plan (``autopar.schedule`` defines the words): the plan's mesh is one
+    stage's mesh, repeated ``pp`` times along an outer pipeline axis."""
+
+    pp: int
+    microbatches: int
+    schedule: str
+    virtual: int
+    """Stages per pipeline rank (``v``; > 1 with the interleaved schedule)."""
+    stage_of: dict[str, int]
+    """Captured node name -> stage ``0 … pp·v − 1``."""
+    stage_costs: tuple[dict[str, float], ...] = ()
+    """Per stage, the ``autopar.cost.timeline.StageCost`` fields the simulator plays (seconds and
+    bytes of one micro-batch)."""
+    bubble_fraction: float = 0.0
+    """Predicted idle share of the pipelined compute (``autopar.cost.timeline``)."""
+    peak_memory: tuple[float, ...] = ()
+    """Predicted peak bytes per pipeline rank."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+    def actions(self) -> list[list[tuple[str, int, int]]]:
+        """Every pipeline rank's actions (``autopar.schedule.make_schedule``)."""
+        from autopar.schedule import make_schedule
+
+        return make_schedule(self.schedule, self.pp, self.microbatches, self.virtual)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "virtual": self.virtual,
+            "stage_of": dict(self.stage_of),
+            "stage_costs": [dict(c) for c in self.stage_costs],
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory": list(self.peak_memory),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PipelinePlan:
+        return cls(
+            pp=int(d["pp"]),
+            microbatches=int(d["microbatches"]),
+            schedule=str(d["schedule"]),
+            virtual=int(d.get("virtual", 1)),
+            stage_of={str(k): int(v) for k, v in d["stage_of"].items()},
+            stage_costs=tuple(dict(c) for c in d.get("stage_costs", ())),
+            bubble_fraction=float(d.get("bubble_fraction", 0.0)),
+            peak_memory=tuple(float(x) for x in d.get("peak_memory", ())),
+        )
+
+
 @dataclass
 class Plan:
     """A parallel execution plan (see module docstring)."""
@@ -105,6 +161,16 @@ class Plan:
     """Hash of the captured graph the plan was made for."""
     info: dict[str, Any] = field(default_factory=dict)
     """Provenance: solver statistics, candidate meshes tried, planning time, layout name."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline stages, micro-batches and schedule; ``None``: one stage (the mesh is the world)."""
+    recompute: str = "none"
+    """Activation recomputation in every repeated layer: ``"none"``, ``"selective"`` (attention
+    scores) or ``"full"`` (keep each layer's input; ``autopar.passes.recompute``)."""
+
+    @property
+    def world_size(self) -> int:
+        """Devices the plan runs on: the stage mesh times the pipeline ranks."""
+        return math.prod(self.mesh_shape) * (self.pipeline.pp if self.pipeline is not None else 1)
 
     # ------------------------------------------------------------------ queries
     def param_placements(self, detailed: bool = False) -> dict[str, tuple[str, ...]]:
@@ -165,6 +231,8 @@ class Plan:
             "cluster": self.cluster,
             "fingerprint": self.fingerprint,
             "info": self.info,
+            **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
+            "recompute": self.recompute,
         }
 
     @classmethod
@@ -201,6 +269,8 @@ class Plan:
             cluster=d["cluster"],
             fingerprint=d["fingerprint"],
             info=d.get("info", {}),
+            pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
+            recompute=str(d.get("recompute", "none")),
         )
 
     def save(self, path: str | Path) -> None:

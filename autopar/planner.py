@@ -37,7 +37,7 @@ from torch.fx import Node
 from autopar.capture import Captured
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
-from autopar.cost.reshard import edge_cost, step_cost
+from autopar.cost.reshard import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
 from autopar.display import replication_notes
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
@@ -46,10 +46,11 @@ from autopar.passes import Pass, PassContext, run_passes
 from autopar.passes.annotate import annotate_cost, annotate_tensors
 from autopar.passes.formulate import STRATEGY_GRAPH, formulate, parse_fixed
 from autopar.passes.strategies import annotate_strategies, getitem_strategies, unruled_ops, with_follow
-from autopar.placement import Replicate, Shard, format_spec, local_shape
+from autopar.placement import Replicate, Shard, format_spec
 from autopar.planfile import NodePlan, Plan, Predicted, ReshardPlan
 from autopar.reshard import StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
 from autopar.rules.routing import grouped_mm_operands
+from autopar.simulate import graph_facts, simulate_captured
 from autopar.solver import InfeasibleError, SolverConfig, solve
 
 __all__ = [
@@ -183,6 +184,19 @@ def plan_captured(
     ``node_constraint``: a layout's restriction on strategies (``autopar.layouts``).
     """
     config = PlanConfig.build(config, **options)
+    if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
+        for mode in ("none", "selective", "full"):
+            try:
+                return plan_captured(
+                    cap,
+                    cluster,
+                    config.replace(recompute=mode),
+                    node_constraint=node_constraint,
+                    layout=layout,
+                )
+            except InfeasibleError:
+                if mode == "full":
+                    raise
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
     budget = config.budget(cluster.device.memory)
@@ -262,8 +276,24 @@ def plan_captured(
     if len(meshes) > 1:
         annotate(mesh)
     p = _build_plan(gm, cap, Mesh(mesh, cluster), sol)
+    p.recompute = config.recompute
+    facts = graph_facts(gm)
     p.info.update(
         {
+            "optimizer": config.optimizer,
+            "param_bytes": facts.param_bytes,
+            "first_reader": facts.first_reader,
+        }
+    )
+    sim = simulate_captured(p, gm, cluster)
+    p.predicted = replace(p.predicted, step_time=sim.step_time)
+    p.info.update(
+        {
+            "simulated": {
+                "compute_and_comm": sim.timeline.busy[0],
+                "exposed_grad_sync": sim.timeline.exposed_sync[0],
+                "optimizer": sim.optimizer_time,
+            },
             "meshes_tried": tried,
             "planning_time": time.perf_counter() - t_start,
             "pass_timings": dict(ctx.timings),
@@ -448,6 +478,7 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) -
     reshards: list[ReshardPlan] = []
     comm_bytes = [0.0] * mesh.ndim
     comm_time = sum(s.comm_time for s in chosen.values())
+    synced: set[tuple] = set()  # (value, layout, axes) whose gradient all-reduce is charged: once
     for c, s in chosen.items():
         for j, i in enumerate(tensor_inputs(c)):
             if i not in chosen or s.inputs[j] is None:
@@ -464,6 +495,9 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) -
             shape, itemsize = tuple(val.shape), val.element_size()
             steps = reshard_steps(shape, src, dst, mesh.shape)
             stage = chosen[i].zero_stage if info.kind == "param" and info.requires_grad else 0
+            sync_axes = grad_reduce_axes(s.split, dst, mesh, steps, stage) if info.requires_grad else ()
+            first_sync = (i.name, dst, sync_axes) not in synced
+            synced.add((i.name, dst, sync_axes))
             t = edge_cost(
                 shape,
                 itemsize,
@@ -474,14 +508,16 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) -
                 mesh,
                 bucketed_sync=bucketed_grad_sync(i),
                 zero_stage=stage,
+                sync_share=1.0 if first_sync else 0.0,
             )
             per_axis = [0.0] * mesh.ndim
             for st in steps:
                 b = math.prod(st.out_shape if st.kind == StepKind.ALL_GATHER else st.in_shape) * itemsize
                 if step_cost(st, itemsize, mesh) > 0:
                     per_axis[st.axis] += b
-            for a in grad_axes:
-                per_axis[a] += math.prod(local_shape(shape, dst, mesh.shape)) * itemsize
+            if first_sync:
+                for a, b in enumerate(grad_sync_bytes(shape, itemsize, dst, sync_axes, mesh)):
+                    per_axis[a] += b
             for a in range(mesh.ndim):
                 comm_bytes[a] += per_axis[a]
             comm_time += t

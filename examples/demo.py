@@ -1,4 +1,5 @@
-"""The autopar demo: plan a GPT for two nodes of eight A100s, compare with Megatron-LM, then
+"""The autopar demo: plan a GPT for two nodes of eight A100s, compare with the best Megatron-LM
+layout (``autopar.layouts.best_megatron``), then
 train a small GPT on four local processes under the plan autopar chooses.
 
 Part 1 (``plan_demo``): the model (a 12-layer, 1024-wide GPT with a 50k vocabulary, ~200M
@@ -45,7 +46,7 @@ def _line(name: str, plan: autopar.Plan) -> str:
 
 
 def plan_demo() -> None:
-    """Plan the GPT automatically, then as Megatron-LM lays it out (tp=8), and compare."""
+    """Plan the GPT automatically, then the best Megatron-LM layout, and compare."""
     cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=2)
     with torch.device("meta"):
         model = GPT(CONFIG)
@@ -65,8 +66,13 @@ def plan_demo() -> None:
         plan = autopar.plan(model, (idx, targets), cluster)
         t_auto = time.perf_counter() - t0
         t0 = time.perf_counter()
-        megatron = autopar.layouts.megatron(model, (idx, targets), cluster, tp=8)
+        # The best Megatron-LM layout an expert reaches by tuning tp and sequence parallelism (pp=1
+        # and no recomputation held, so the demo stays quick; layouts.best_megatron searches all).
+        megatron = autopar.layouts.best_megatron(model, (idx, targets), cluster, pp=1, recompute="none")
         t_megatron = time.perf_counter() - t0
+        rule = autopar.layouts.megatron(
+            model, (idx, targets), cluster, tp=8
+        )  # the rule of thumb: tp = a node
 
     print(plan.table(max_rows=30))
     print()
@@ -79,16 +85,18 @@ def plan_demo() -> None:
     print(f"meshes tried: {tried}")
     if plan.info.get("unruled_ops"):
         print(f"ops without a sharding rule (run replicated): {', '.join(plan.info['unruled_ops'])}")
-    print(f"planning took {t_auto:.1f} s (Megatron layout {t_megatron:.1f} s)")
+    print(f"planning took {t_auto:.1f} s (best Megatron layout search {t_megatron:.1f} s)")
     print()
     print(megatron.summary())
     print()
     print("predicted per training step:")
     print(_line("autopar", plan))
-    print(_line("Megatron", megatron))
+    print(_line("Megatron", megatron) + f"   best of {len(megatron.info['megatron_candidates'])} layouts: "
+          f"{megatron.info.get('layout', '')}")  # fmt: skip
+    print(_line("tp=8", rule) + "   (rule of thumb, for context)")
     a, m = plan.predicted, megatron.predicted
     print(
-        f"  autopar / Megatron: step time ×{a.step_time / m.step_time:.2f} "
+        f"  autopar / best Megatron: step time ×{a.step_time / m.step_time:.2f} "
         f"({m.step_time / a.step_time:.2f}× faster), memory ×{a.memory_per_device / m.memory_per_device:.2f}, "
         f"communication ×{sum(a.comm_bytes_per_axis) / sum(m.comm_bytes_per_axis):.2f}"
     )

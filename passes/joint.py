@@ -92,6 +92,7 @@ def trace_joint(
     devices are read); ``grad_primals`` the indices of those that get gradients (trainable
     parameters). Tracing uses fake tensors: no collective runs and no memory is allocated.
     """
+    import torch.fx.traceback as fx_traceback
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -99,8 +100,8 @@ def trace_joint(
     grad_set = set(grad_primals)
     # 1. Which outputs carry a gradient: a forward run on fake tensors.
     # A shape environment lets data-dependent sizes (the rows a MoE dispatch receives) trace as
-    # unbacked symbolic sizes instead of failing.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    # unbacked symbolic sizes instead of failing; the inputs' own shapes stay static.
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
     with mode:
         fake = [
             mode.from_tensor(p).requires_grad_(i in grad_set) if isinstance(p, torch.Tensor) else p
@@ -126,7 +127,11 @@ def trace_joint(
         for i in grad_primals:
             ps[i] = ps[i].detach().requires_grad_(True)
         with torch.enable_grad():
-            outs = program(*ps)
+            # Run node by node so each traced node keeps its source's ``meta["custom"]``
+            # (the captured node it was lowered from: recomputation finds layers by it).
+            outs = (
+                torch.fx.Interpreter(program).run(*ps) if isinstance(program, GraphModule) else program(*ps)
+            )
         flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         diff = [flat[i] for i in tangent_outputs]
         params = [ps[i] for i in grad_primals]
@@ -141,7 +146,8 @@ def trace_joint(
         )
 
     example = [p for p in primals] + tangent_examples
-    gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
     _strip_detach_noise(gm)
     jp = JointProgram(
         gm=gm,
@@ -330,6 +336,13 @@ class RankInfo:
     num_outputs: int
     axis_names: dict[str, str]
     """Process-group name -> mesh axis name (``dp``, ``tp`` …)."""
+    recompute: str = "none"
+    """The plan's activation recomputation (``passes.recompute.recompute_layers``)."""
+    layer_of: dict[str, str] = field(default_factory=dict)
+    """Captured node name -> the repeated-layer instance it belongs to (``transformer.h.3``)."""
+    recompute_sources: frozenset[str] = frozenset()
+    """Captured nodes the plan recomputes (``passes.strategies.recomputed``: the rule the plan
+    was costed with)."""
 
 
 def build_step(

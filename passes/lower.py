@@ -96,9 +96,20 @@ class LoweringError(RuntimeError):
 
 class _Lowerer:
     def __init__(
-        self, cap: Captured, plan: Plan, axes: Sequence[AxisGroup], device: torch.device, gather_outputs: bool
+        self,
+        cap: Captured,
+        plan: Plan,
+        axes: Sequence[AxisGroup],
+        device: torch.device,
+        gather_outputs: bool,
+        stage_of: dict[str, int] | None = None,
     ):
         self.cap = cap
+        self.stage_of = dict(stage_of or {})
+        self.pstage = 0
+        """The pipeline stage of the node being lowered (memo tables are per stage, so no derived
+        value crosses a stage boundary except the activations that must)."""
+        self.param_values: dict[tuple[Node, int], Node] = {}
         self.plan = plan
         self.axes = list(axes)
         self.mesh = tuple(plan.mesh_shape)
@@ -165,10 +176,10 @@ class _Lowerer:
         last = {s.axis: s for s in steps}
         # ZeRO-1 keeps full gradients: its gathers are not fused with the gradient all-reduce.
         fused = frozenset(a for a in sync if a in last and last[a].kind == StepKind.ALL_GATHER and stage != 1)
-        key = (producer, dst, fused)
+        key = (producer, dst, fused, self.pstage)
         value = self.reshard_memo.get(key)
         if value is None:
-            value = self.env[producer]
+            value = self.param_value(producer)
             zero3 = stage == 3
             for n_step, st in enumerate(steps):
                 if zero3 and n_step == 0 and st.kind == StepKind.ALL_GATHER:
@@ -189,12 +200,37 @@ class _Lowerer:
         rest = tuple(sorted(sync - fused))
         if not rest or (not steps and (producer, rest) in self.bucketed_values):
             return value  # nothing to sync, or the weight itself is synced (``plan_param_syncs``)
-        skey = (value, rest)
+        skey = (value, rest, self.pstage)
         synced = self.sync_memo.get(skey)
         if synced is None:
             synced = self.g.call_function(C.grad_sync, (value, *(self.ax(a) for a in rest)))
             self.sync_memo[skey] = synced
         return synced
+
+    def param_value(self, producer: Node) -> Node:
+        """The value a consumer reads for ``producer``: a data-parallel weight synced at the weight
+        (``plan_param_syncs``) gets its ``grad_sync`` here, once per pipeline stage that reads it."""
+        axes = self.param_syncs.get(producer.name) if producer.op == "placeholder" else None
+        if not axes:
+            return self.env[producer]
+        key = (producer, self.pstage)
+        if key not in self.param_values:
+            self.param_values[key] = self.g.call_function(
+                C.grad_sync, (self.env[producer], *(self.ax(a) for a in axes))
+            )
+        return self.param_values[key]
+
+    def _tag(self, source: Node) -> None:
+        """Mark the nodes just emitted for ``source`` with it and its pipeline stage."""
+        for n in reversed(self.g.nodes):
+            if "autopar.source" in n.meta or n.op == "placeholder":
+                break
+            if n.op == "get_attr" and n.target.startswith(("_ax", "_gathered_params")):
+                continue
+            n.meta["autopar.source"] = source.name
+            n.meta["autopar.stage"] = self.pstage
+            # Kept by the joint trace (``torch.fx.traceback.preserve_node_meta``).
+            n.meta["custom"] = {"autopar.source": source.name}
 
     # -------------------------------------------------------------- main walk
     def plan_param_syncs(self) -> None:
@@ -248,21 +284,20 @@ class _Lowerer:
     def run(self) -> GraphModule:
         self.plan_param_syncs()
         for node in self.cap.graph.nodes:
+            if node.op in ("call_function", "output"):
+                self.pstage = self.stage_of.get(node.name, self.pstage)
             if node.op == "placeholder":
                 self.env[node] = self.g.placeholder(node.name)
-                axes = self.param_syncs.get(node.name)
-                if axes:
-                    self.env[node] = self.g.call_function(
-                        C.grad_sync, (self.env[node], *(self.ax(a) for a in axes))
-                    )
             elif node.op == "get_attr":
                 obj = _fetch(self.cap.gm, node.target)
                 _install(self.root, node.target, obj)
                 self.env[node] = self.g.get_attr(node.target)
             elif node.op == "call_function":
                 self.lower_call(node)
+                self._tag(node)
             elif node.op == "output":
                 self.lower_output(node)
+                self._tag(node)
             else:
                 raise self.fail(node, f"unsupported node kind {node.op}")
         self.g.lint()
@@ -466,8 +501,12 @@ def lower(
     axes: Sequence[AxisGroup],
     device: torch.device | str = "cpu",
     gather_outputs: bool = True,
+    stage_of: dict[str, int] | None = None,
 ) -> GraphModule:
-    """This rank's program (see module docstring). ``axes[i]`` is mesh axis ``i`` as this rank sees it."""
+    """This rank's program (see module docstring). ``axes[i]`` is mesh axis ``i`` as this rank sees
+    it. ``stage_of``: captured node name -> pipeline stage; every emitted node is tagged with its
+    stage (``meta["autopar.stage"]``) and source node (``meta["autopar.source"]``) for
+    ``passes.pipeline.cut_stages``."""
     if plan.fingerprint != cap.fingerprint:
         raise LoweringError(
             f"the plan was made for a different program (graph fingerprint {plan.fingerprint}, this model and "
@@ -475,4 +514,4 @@ def lower(
         )
     if len(axes) != len(plan.mesh_shape) or any(ax.size != n for ax, n in zip(axes, plan.mesh_shape)):
         raise LoweringError(f"axis groups {axes} do not match the plan's mesh {plan.mesh_shape}")
-    return _Lowerer(cap, plan, axes, torch.device(device), gather_outputs).run()
+    return _Lowerer(cap, plan, axes, torch.device(device), gather_outputs, stage_of).run()

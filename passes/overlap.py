@@ -36,7 +36,7 @@ from torch.fx import GraphModule, Node
 from autopar.graph import OpFamily, op_family, op_info, outer_instance
 from autopar.passes import PassContext
 from autopar.passes.joint import PHASE, RANK, Phase, output_node
-from autopar.passes.recompute import recompute_in_backward
+from autopar.passes.recompute import recompute_in_backward, recompute_layers
 from autopar.runtime.step import FUNCTIONAL_COLLECTIVES
 
 __all__ = [
@@ -372,5 +372,5 @@ def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-RANK_PASSES = (regather_zero3_params, bucket_gradients, prefetch_params, sink_waits)
+RANK_PASSES = (recompute_layers, regather_zero3_params, bucket_gradients, prefetch_params, sink_waits)
 """The rank-program passes, in order (data: ``PlanConfig.disable`` turns any off by name)."""

@@ -3,8 +3,8 @@
 For a mesh with axes ``0..A-1`` a node's N-D strategies are the products of its one-axis
 strategies (``autopar.rules``), kept when every tensor it touches divides evenly. Each carries
 
-* ``compute_time`` — roofline forward + backward time of the local op: FLOPs divided by the number
-  of devices sharing the work, bytes from the local shapes;
+* ``compute_time`` — forward + backward time of the kernels the local op runs on this device's
+  shards (``autopar.cost.compute``, the same kernels ``annotate_cost`` times with global shapes);
 * ``comm_time`` — collectives inside the op (vocabulary-parallel cross-entropy);
 * ``memory`` — bytes per device: for a parameter its training state (weight, gradient, optimizer
   state; ``autopar.cost.memory``), for an input its local batch, for an op the activations saved
@@ -31,13 +31,13 @@ from dataclasses import replace
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.compute import roofline_time
+from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
-from autopar.graph import op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
+from autopar.graph import OpFamily, is_random, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
-from autopar.passes.annotate import extra_saved_bytes, value_is_saved
+from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
 from autopar.placement import Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.routing import MoERegion, moe_regions, region_strategies
@@ -142,12 +142,14 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         local = local_shape(tuple(val.shape), s.outputs[0], mesh)
         if info.kind == "param":
             numel = float(math.prod(local))
+            state = ctx.config.optimizer_state_dtype
             mem = (
                 training_state_bytes(
                     numel,
                     val.element_size(),
                     optimizer=ctx.config.optimizer,
                     mixed_precision=ctx.mixed_precision,
+                    state_bytes=itemsize(state) if state is not None else None,
                 )
                 if info.requires_grad
                 else numel * val.element_size()
@@ -156,24 +158,30 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
             mem = _nbytes(local, val.dtype)
         # A user input is written into each device's memory every step: a device given only its
         # shard of the batch loads less (without this, replicated and sharded inputs would tie).
-        load = roofline_time(0.0, mem, ctx.cluster.device) if info.kind == "input" else 0.0
+        load = memory_time(mem, ctx.cluster.device) if info.kind == "input" else 0.0
         return replace(s, compute_time=load, comm_time=0.0, memory=mem)
     cost = node.meta.get(COST)
     if cost is None:
         return s
     divisor = math.prod(n for n, sp in zip(mesh, s.split) if sp)
     ins = tensor_inputs(node)
-    moved = 0.0
-    for i, spec in zip(ins, s.inputs):
-        v = i.meta["val"]
-        moved += _nbytes(
-            local_shape(tuple(v.shape), spec, mesh) if spec is not None else tuple(v.shape), v.dtype
-        )
-    for o, spec in zip(outs, s.outputs):
-        moved += _nbytes(local_shape(tuple(o.shape), spec, mesh), o.dtype)
+    # The op's kernels on this device's shards (autopar.cost.compute): a GEMM whose reduction
+    # dimension is split runs at the efficiency of its shorter K, not at 1/divisor of the time.
+    spec_of = dict(zip(ins, s.inputs))
+    args = []
+    for a in ordered_tensor_args(node):
+        v = a.meta["val"]
+        spec = spec_of.get(a)
+        shape = local_shape(tuple(v.shape), spec, mesh) if spec is not None else tuple(v.shape)
+        args.append(TensorArg(shape, str(v.dtype).replace("torch.", ""), _requires_grad(a)))
+    local_outs = [
+        TensorArg(local_shape(tuple(o.shape), spec, mesh), str(o.dtype).replace("torch.", ""))
+        for o, spec in zip(outs, s.outputs)
+    ]
+    ks = node_kernels(node, args, local_outs)
     dev = ctx.cluster.device
-    fwd = roofline_time(cost.fwd_flops / divisor, moved, dev, info.dtype)
-    bwd = roofline_time(cost.bwd_flops / divisor, 2 * moved, dev, info.dtype) if info.requires_grad else 0.0
+    fwd = sum(kernel_time(k, dev) for k in ks.fwd)
+    bwd = sum(kernel_time(k, dev) for k in ks.bwd)
     comm = 0.0
     for a, c in enumerate(s.comms):
         if c.startswith("all_reduce:"):
@@ -200,7 +208,68 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     if value_is_saved(node):
         mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
     mem += extra_saved_bytes(node) / divisor
+    if recomputed(node, ctx.config.recompute):  # its forward runs again in backward; nothing saved
+        return replace(s, compute_time=2 * fwd + bwd, comm_time=2 * comm, memory=0.0)
     return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem)
+
+
+def _square(node: Node) -> bool:
+    shape = getattr(node.meta.get("val"), "shape", None)
+    return shape is not None and len(shape) >= 3 and shape[-1] == shape[-2] and int(shape[-1]) > 1
+
+
+def _attention_scores(node: Node, depth: int = 0) -> bool:
+    """An attention-score tensor, found by structure: the ``… × s × s`` product of two activations
+    (queries and keys: neither is a weight), or a same-shaped op on one (scaling, masking,
+    softmax, dropout)."""
+    if depth > 12 or not _square(node):
+        return False
+    ins = tensor_inputs(node)
+    if op_info(node).family is OpFamily.MATMUL:
+        return len(ins) >= 2 and not any(_from_param(i) for i in ins[:2])
+    first = ins[0] if ins else None
+    if first is None or getattr(first.meta.get("val"), "shape", None) != node.meta["val"].shape:
+        return False
+    return _attention_scores(first, depth + 1)
+
+
+def _from_param(node: Node, depth: int = 0) -> bool:
+    """``node`` is a parameter, or views of one."""
+    info = node.meta.get(TENSOR)
+    if info is not None and info.kind == "param":
+        return True
+    if depth > 6 or node.op != "call_function" or op_info(node).family is not OpFamily.VIEW:
+        return False
+    ins = tensor_inputs(node)
+    return bool(ins) and _from_param(ins[0], depth + 1)
+
+
+def recomputed(node: Node, mode: str) -> bool:
+    """Whether recomputation ``mode`` recomputes ``node`` in backward instead of saving it — the
+    rule ``autopar.passes.recompute.recompute_layers`` applies to the per-rank program: inside a
+    repeated layer, ``full``: every node but the layer's outputs (values read outside it);
+    ``selective``: the attention-score tensors (``_attention_scores``); never random ops or
+    in-place writes. The runtime pass recomputes the program nodes lowered from exactly these."""
+    if mode not in ("full", "selective") or node.op != "call_function":
+        return False
+    info = node.meta.get(TENSOR)
+    if info is None or "*" not in info.layer or is_random(node):
+        return False
+    if op_info(node).writes or op_name(node).endswith("_"):
+        return False
+    if mode == "selective":
+        return _attention_scores(node)
+    inst = outer_instance(info.module)
+    for u in node.users:
+        ui = u.meta.get(TENSOR)
+        if u.op == "output" or ui is None or outer_instance(ui.module) != inst:
+            return False
+    return True
+
+
+def _requires_grad(node: Node) -> bool:
+    info = node.meta.get(TENSOR)
+    return info is not None and info.requires_grad
 
 
 def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:

@@ -43,6 +43,10 @@ def _free_port() -> int:
 def _worker(
     rank: int, world: int, port: int, threads: int, pg_timeout: float, fn: Callable, args: tuple, q: Any
 ) -> None:
+    import faulthandler
+
+    # A native crash (SIGSEGV, SIGABRT) prints this rank's Python stack to the inherited stderr.
+    faulthandler.enable()
     try:
         torch.set_num_threads(threads)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

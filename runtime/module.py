@@ -45,6 +45,7 @@ from autopar.runtime import collectives as C
 from autopar.runtime.collectives import AxisGroup
 from autopar.runtime.compat import all_gather_into
 from autopar.runtime.monitor import DEFAULT_TIMEOUT, StepMonitor
+from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.step import StepProgram, run_step
 
 __all__ = [
@@ -123,8 +124,10 @@ class ParallelModule(nn.Module):
         world_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         check_inputs: str | None = None,
+        held: set[str] | None = None,
     ) -> None:
         super().__init__()
+        self._held = held
         if check_inputs not in (None, "hash"):
             raise ValueError(f"check_inputs must be None or 'hash', got {check_inputs!r}")
         self.program = program
@@ -143,6 +146,7 @@ class ParallelModule(nn.Module):
         self._specs: dict[str, Spec] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
+        self._dtypes_of: dict[str, torch.dtype] = {}
         self.index_inputs = dict(cap.index_inputs)
         """User input path -> the ranges its values must lie in (checked every call)."""
         self.check_inputs = check_inputs
@@ -165,11 +169,13 @@ class ParallelModule(nn.Module):
             )
             val = node.meta.get("val")
             shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+            if isinstance(val, torch.Tensor):
+                self._dtypes_of[cap.params.get(name, cap.buffers.get(name, name))] = val.dtype
             if name in cap.params:
                 fqn = cap.params[name]
                 full = full_params[fqn]
                 self._specs[fqn], self._shapes[fqn] = spec, shape
-                if fqn not in self._param_names:
+                if fqn not in self._param_names and self._holds(fqn):
                     local = self._materialize(full, spec)
                     _set_path(self, "m." + fqn, nn.Parameter(local, requires_grad=full.requires_grad))
                     self._param_names.append(fqn)
@@ -177,7 +183,7 @@ class ParallelModule(nn.Module):
             elif name in cap.buffers:
                 fqn = cap.buffers[name]
                 self._specs[fqn], self._shapes[fqn] = spec, shape
-                if fqn not in self._buffer_names:
+                if fqn not in self._buffer_names and self._holds(fqn):
                     local = self._materialize(full_buffers[fqn], spec)
                     _set_path(self, "m." + fqn, local, buffer=True, persistent=fqn in persistent)
                     self._buffer_names.append(fqn)
@@ -205,11 +211,20 @@ class ParallelModule(nn.Module):
             world=dist.get_world_size() if dist.is_initialized() else 1,
             timeout=timeout,
         )
+        self.microbatches = 1
+        """Micro-batches a call's batch is cut into (a pipelined plan; the plan is for one)."""
+        self.pipeline: PipelineRunner | None = None
+        """This rank's pipeline stages and schedule (a pipelined plan); ``forward`` runs the whole
+        schedule and returns the mean loss over micro-batches (``autopar.runtime.pipeline``)."""
         self.step: StepProgram | None = None
         """The whole training step as forward and backward programs (``set_step``); without one,
         the forward program runs under autograd."""
 
     # ------------------------------------------------------------------ construction helpers
+    def _holds(self, fqn: str) -> bool:
+        """Whether this rank holds ``fqn`` (in a pipelined plan: read by one of its stages)."""
+        return self._held is None or fqn in self._held
+
     def _materialize(self, full: torch.Tensor, spec: Spec) -> torch.Tensor:
         if full.device.type == "meta":
             return torch.empty(
@@ -238,7 +253,7 @@ class ParallelModule(nn.Module):
         values = []
         for kind, key in self._bindings:
             if kind in ("param", "buffer"):
-                values.append(_get_path(self, "m." + key))
+                values.append(_get_path(self, "m." + key) if self._holds(key) else None)
             elif kind == "const":
                 values.append(self._constants[key])
             else:
@@ -261,8 +276,11 @@ class ParallelModule(nn.Module):
         return values
 
     def _check_input(self, key: str, x: torch.Tensor, local_inputs: bool) -> None:
-        """dtype and shape against the plan (the global batch, or this rank's shard of it)."""
+        """dtype and shape against the plan (the global batch, or this rank's shard of it; a
+        pipelined plan takes ``microbatches`` of the shape it was planned for, along dim 0)."""
         spec, shape = self._specs["input:" + key], self._shapes["input:" + key]
+        if self.microbatches > 1 and shape:
+            shape = (shape[0] * self.microbatches, *shape[1:])
         dtype = self._dtypes.get("input:" + key)
         if dtype is not None and x.dtype != dtype:
             raise TypeError(
@@ -351,7 +369,7 @@ class ParallelModule(nn.Module):
         return [
             i
             for i, (kind, key) in enumerate(self._bindings)
-            if kind == "param" and _get_path(self, "m." + key).requires_grad
+            if kind == "param" and self._holds(key) and _get_path(self, "m." + key).requires_grad
         ]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -362,6 +380,11 @@ class ParallelModule(nn.Module):
             if err is None:
                 raise
             raise err from exc
+        if self.pipeline is not None:
+            trainable = [values[i] for i in self.pipeline.trainable]
+            loss = self.pipeline.loss(values, trainable)
+            leaves = [loss] + [None] * (self._out_spec.num_leaves - 1)
+            return pytree.tree_unflatten(leaves, self._out_spec)
         if self.step is not None and torch.is_grad_enabled():
             outs = run_step(self.step, values)
             return pytree.tree_unflatten(list(outs), self._out_spec)
@@ -384,6 +407,37 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------------ state
     @torch.no_grad()
+    def report(self) -> str:
+        """This rank's last step as measured, beside the plan's prediction for the same rank: the
+        step, the compute (stage programs with their collectives), the time spent waiting for
+        pipeline transfers, the idle rest, and the micro-batches in flight. A pipelined module
+        only (the prediction is the plan's schedule played by ``autopar.cost.timeline``)."""
+        from autopar.cost.timeline import StageCost, play
+        from autopar.schedule import max_in_flight
+
+        if self.pipeline is None or self.plan.pipeline is None:
+            raise RuntimeError("report() describes a pipelined module; this module runs one stage")
+        m = self.pipeline.last
+        if not m:
+            raise RuntimeError("report(): run a training step first")
+        pipe = self.plan.pipeline
+        r = self.pipeline.pp.coord
+        actions = pipe.actions()
+        tl = play(actions, [StageCost(**c) for c in pipe.stage_costs])
+        rows = [
+            ("step", tl.step_time, m["step"]),
+            ("compute", tl.busy[r], m["compute"]),
+            ("waiting for transfers + idle", tl.step_time - tl.busy[r], m["p2p"] + m["idle"]),
+        ]
+        lines = [f"pipeline rank {r} of {pipe.pp}, {pipe.schedule}, {pipe.microbatches} micro-batches"]
+        lines += [
+            f"  {name:<30} predicted {p * 1e3:9.3f} ms   measured {q * 1e3:9.3f} ms" for name, p, q in rows
+        ]
+        lines.append(
+            f"  {'micro-batches in flight':<30} predicted {max_in_flight(actions[r]):9d}      measured {int(m['in_flight']):9d}"
+        )
+        return "\n".join(lines)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """What ``model.state_dict()`` returns: full tensors gathered from the shards (every rank)."""
         out: dict[str, torch.Tensor] = {}
@@ -393,14 +447,31 @@ class ParallelModule(nn.Module):
             if fqn not in cache:
                 if fqn not in self._specs:
                     raise KeyError(f"state_dict key {key!r} is not part of the captured program")
-                local = _get_path(self, "m." + fqn).detach()
                 spec = self._specs[fqn]
-                full = run_reshard(
-                    local, self._shapes[fqn], spec, tuple(Replicate() for _ in spec), self.axes
-                )
+                if self.pipeline is None:
+                    local = _get_path(self, "m." + fqn).detach()
+                    full = run_reshard(
+                        local, self._shapes[fqn], spec, tuple(Replicate() for _ in spec), self.axes
+                    )
+                else:
+                    full = self._gather_across_stages(fqn)
                 cache[fqn] = full.cpu() if full.device.type != "cpu" else full.clone()
             out[key] = cache[fqn]
         return out
+
+    def _gather_across_stages(self, fqn: str) -> torch.Tensor:
+        """A pipelined module's full ``fqn``: gathered in its stage's mesh, then broadcast over the
+        pipeline axis from the lowest pipeline coordinate holding it."""
+        runner, spec, shape = self.pipeline, self._specs[fqn], self._shapes[fqn]
+        stage_axes = self.axes
+        holder = min(runner.holders[fqn])
+        if self._holds(fqn):
+            local = _get_path(self, "m." + fqn).detach()
+            full = run_reshard(local, shape, spec, tuple(Replicate() for _ in spec), stage_axes).contiguous()
+        else:
+            full = torch.empty(shape, dtype=self._dtypes_of[fqn], device=self.device)
+        dist.broadcast(full, src=runner.pp_ranks[holder], group=runner.pp.group)
+        return full
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -417,6 +488,8 @@ class ParallelModule(nn.Module):
                 continue
             if tuple(full.shape) != self._shapes[fqn]:
                 raise ValueError(f"{key}: shape {tuple(full.shape)} ≠ model's {self._shapes[fqn]}")
+            if not self._holds(fqn):
+                continue  # another pipeline stage's
             local = _get_path(self, "m." + fqn)
             local.copy_(local_shard(full.to(local.device), self._specs[fqn], self._mesh, self._coord))
 
@@ -547,10 +620,11 @@ def check_world(plan: Plan | None, cluster: Cluster) -> int:
             "rank first (or use autopar.runtime.launch.spawn for local processes)"
         )
     world = dist.get_world_size()
-    if plan is not None and math.prod(plan.mesh_shape) != world:
+    if plan is not None and plan.world_size != world:
+        pp = f"{plan.pipeline.pp} pipeline ranks × " if plan.pipeline is not None else ""
         raise ValueError(
-            f"plan mesh {mesh_arithmetic(tuple(plan.mesh_shape))} ≠ world size {world}: run it on "
-            f"{math.prod(plan.mesh_shape)} processes, or plan again for {world}"
+            f"plan mesh {pp}{mesh_arithmetic(tuple(plan.mesh_shape))} ≠ world size {world}: run it on "
+            f"{plan.world_size} processes, or plan again for {world}"
         )
     if plan is None and cluster.world_size != world:
         raise ValueError(
@@ -561,15 +635,16 @@ def check_world(plan: Plan | None, cluster: Cluster) -> int:
 
 
 def mesh_axes(
-    plan: Plan, device: torch.device, timeout: float = DEFAULT_TIMEOUT
+    shape: Sequence[int], names: Sequence[str], device: torch.device, timeout: float = DEFAULT_TIMEOUT
 ) -> tuple[list[AxisGroup], Any, Any]:
-    """This rank's view of every mesh axis of ``plan`` — its own process group, created with the
-    collective ``timeout`` (seconds), and its coordinate — a ``DeviceMesh`` over those groups (for
-    DTensor checkpoints) and a group of all ranks with the same timeout (input checks). Every rank
-    must call this (groups are created collectively, in the same order everywhere)."""
+    """This rank's view of every axis of the mesh ``shape`` (named ``names``) — its own process
+    group, created with the collective ``timeout`` (seconds), and its coordinate — a
+    ``DeviceMesh`` over those groups (for DTensor checkpoints) and a group of all ranks with the
+    same timeout (input checks). Every rank must call this (groups are created collectively, in
+    the same order everywhere)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    shape = tuple(plan.mesh_shape)
+    shape = tuple(shape)
     rank = dist.get_rank()
     ranks = torch.arange(math.prod(shape)).reshape(shape)
     coord = [int(c) for c in torch.nonzero(ranks == rank)[0]]
@@ -583,9 +658,8 @@ def mesh_axes(
                 mine = g
         groups.append(mine)
     world_group = dist.new_group(list(range(ranks.numel())), timeout=span)
-    mesh = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=tuple(plan.mesh_axes))
+    mesh = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=tuple(names))
     axes = [
-        AxisGroup(axis=a, name=plan.mesh_axes[a], size=n, coord=coord[a], group=groups[a])
-        for a, n in enumerate(shape)
+        AxisGroup(axis=a, name=names[a], size=n, coord=coord[a], group=groups[a]) for a, n in enumerate(shape)
     ]
     return axes, mesh, world_group

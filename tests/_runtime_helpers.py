@@ -278,7 +278,17 @@ def regathered_params(pm: Any) -> int:
         return 0
     joint_primals = [n.name for n in pm.step.joint.graph.nodes if n.op == "placeholder"]
     params = {joint_primals[i] for i in pm.step.grad_primals}
-    passthrough = {"view", "reshape", "_unsafe_view", "contiguous", "clone", "_to_copy", "t", "permute"}
+    passthrough = {
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "contiguous",
+        "clone",
+        "_to_copy",
+        "t",
+        "permute",
+        "alias",
+    }
     count = 0
     for n in pm.step.backward.graph.nodes:
         if n.op != "call_function" or "all_gather_into_tensor" not in str(n.target):

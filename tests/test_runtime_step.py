@@ -90,12 +90,13 @@ def runs() -> list[dict[str, Any]]:
 def test_untraceable_backward_falls_back_with_one_warning_and_trains_exactly(runs):
     model, inputs = _opaque()
     ref = H.train(model, inputs, torch.optim.SGD(model.parameters(), lr=0.1))
-    for r in runs:
+    for rank, r in enumerate(runs):
         assert r["opaque_captured"] is False
-        assert len(r["opaque_warnings"]) == 1, r["opaque_warnings"]
-        assert "DataDependent" in r["opaque_warnings"][0] or "item" in r["opaque_warnings"][0]
+        # Once, not once per rank: rank 0 shows it (every rank runs the same code).
+        assert len(r["opaque_warnings"]) == (1 if rank == 0 else 0), (rank, r["opaque_warnings"])
         for a, b in zip(r["opaque_losses"], ref):
             assert abs(a - b) <= 1e-5 * abs(b)
+    assert "DataDependent" in runs[0]["opaque_warnings"][0] or "item" in runs[0]["opaque_warnings"][0]
 
 
 @pytest.mark.distributed

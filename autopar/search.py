@@ -1,0 +1,298 @@
+"""The 3D search: pipeline ranks, micro-batches and schedule around the SPMD plan of one stage,
+every candidate scored by the whole-step simulator (``autopar.simulate``).
+
+Words (``autopar.schedule`` defines stage, action and the schedules):
+
+* **candidate** — ``(pp, m, schedule, v)``: ``pp`` pipeline ranks (dividing the device count, at
+  most one more than the model's seams, ``autopar.passes.stages``), ``m`` micro-batches (a
+  multiple of ``pp`` dividing the global batch: ``pp``, ``2·pp``, ``4·pp``, … up to the batch),
+  a schedule, ``v`` stages per rank (2 with ``interleaved`` where the model has the seams).
+  ``pp = 1`` is the one-stage plan.
+* **stage mesh** — each pipeline rank's devices: ``world / pp`` of them, the inner devices of the
+  cluster (a stage stays in one node while it fits: pipeline transfers are the ones that cross
+  nodes, as Megatron-LM places them). The SPMD planner (``autopar.planner``) plans one micro-batch
+  on it; its memory budget is relaxed to ``pp ×`` the device's (a stage holds a ``1/pp`` share of
+  the model), and the simulator's per-rank peak (static state of the rank's stages + activations
+  of the micro-batches in flight) must then fit the device's budget, or the candidate is dropped.
+* **score** — the simulated step time: the schedule played with each stage's forward, input- and
+  weight-gradient times, transfers to the next stage over the pipeline axis's link, gradient
+  reductions overlapped in buckets, then the optimizer step. The fastest candidate that fits wins.
+
+Planning time: one SPMD plan per ``(pp, m)``; the schedules of one ``(pp, m)`` share it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.capture import Captured, capture, normalize_inputs
+from autopar.cluster import Cluster
+from autopar.config import PlanConfig
+from autopar.cost.timeline import play
+from autopar.passes.stages import seams, stage_cuts
+from autopar.placement import local_shape, parse_spec
+from autopar.planfile import PipelinePlan, Plan
+from autopar.planner import InfeasibleError, plan_captured
+from autopar.schedule import make_schedule
+from autopar.simulate import graph_facts, optimizer_time, stage_costs
+
+__all__ = ["batch_size", "microbatch_inputs", "pipelined_candidates", "plan_model", "stage_cluster"]
+
+log = logging.getLogger("autopar.planner")
+
+
+def batch_size(args: tuple, kwargs: dict) -> int | None:
+    """The global batch: dimension 0 of the user's tensor inputs (``None`` without one)."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return None
+
+
+def microbatch_inputs(args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
+    """The first of ``m`` micro-batches of a global batch (every tensor cut along dimension 0)."""
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] % m:
+                raise ValueError(
+                    f"a batch of {x.shape[0]} does not cut into {m} equal micro-batches; use a micro-batch count "
+                    f"dividing {x.shape[0]}"
+                )
+            return x[: x.shape[0] // m]
+        return x
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
+    """The devices of one pipeline rank (module docstring: stage mesh); ``None`` when ``pp`` does
+    not divide the cluster into equal stages."""
+    world = cluster.world_size
+    if world % pp:
+        return None
+    n = world // pp
+    if n <= cluster.gpus_per_node:
+        if cluster.gpus_per_node % n:
+            return None
+        return replace(cluster, gpus_per_node=n, nodes=1)
+    if n % cluster.gpus_per_node or cluster.nodes % pp:
+        return None
+    return replace(cluster, nodes=cluster.nodes // pp)
+
+
+@dataclass
+class Scored:
+    plan: Plan
+    step_time: float
+    what: str
+
+
+def pipelined_candidates(
+    spmd: Plan,
+    gm: Any,
+    cluster: Cluster,
+    config: PlanConfig,
+    pp: int,
+    m: int,
+    budget: float,
+) -> list[Scored]:
+    """Every schedule for one ``(pp, m)`` around the stage plan ``spmd`` (module docstring)."""
+    facts = graph_facts(gm)
+    by_name = {n.name: n for n in spmd.nodes}
+    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    mesh = tuple(spmd.mesh_shape)
+    link = cluster.axis_link((pp, *mesh), 0)
+
+    reshard_time: dict[str, float] = {}
+    for r in spmd.reshards:  # charged where they are consumed, as ``stage_costs`` charges them
+        if not r.grad_sync_axes:
+            reshard_time[r.consumer] = reshard_time.get(r.consumer, 0.0) + r.time
+
+    def node_time(n: Any) -> float:
+        p = by_name.get(n.name)
+        return p.compute_time + p.comm_time + reshard_time.get(n.name, 0.0) if p is not None else 0.0
+
+    def local_bytes(name: str) -> float:
+        p, v = by_name.get(name), vals.get(name)
+        if p is None or not isinstance(v, torch.Tensor):
+            return 0.0
+        return math.prod(local_shape(tuple(v.shape), parse_spec(p.outputs[0]), mesh)) * v.element_size()
+
+    n_seams = len(seams(gm))
+    schedules = [config.schedule] if config.schedule else ["1f1b", "zb-h1", "gpipe", "interleaved"]
+    out = []
+    for schedule in schedules:
+        vs = [config.virtual] if config.virtual else ([2] if schedule == "interleaved" else [1])
+        for v in vs:
+            if schedule == "interleaved" and (m % pp or pp * v - 1 > n_seams):
+                continue
+            if v > 1 and schedule != "interleaved":
+                continue
+            S = pp * v
+            try:
+                stage_of = stage_cuts(gm, S, node_time)
+            except ValueError:
+                continue
+            boundary = [0.0] * S
+            for n in gm.graph.nodes:
+                s = stage_of.get(n.name)
+                if s is None:
+                    continue
+                if any(stage_of.get(u.name, S - 1) > s for u in n.users if u.op == "call_function"):
+                    boundary[s] += local_bytes(n.name)
+            costs = stage_costs(
+                spmd,
+                stage_of,
+                S,
+                first_reader=facts.first_reader,
+                fwd_share=facts.fwd_share.get,
+                trainable_matmul=facts.trainable_matmul,
+                boundary_bytes=boundary,
+                send_time=lambda b: link.latency + b / link.bandwidth,
+            )
+            try:
+                actions = make_schedule(schedule, pp, m, v)
+            except ValueError:
+                continue
+            tl = play(actions, costs)
+            peak = max(tl.peak_memory)
+            label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
+            if peak > budget:
+                log.info(
+                    "%s: peak memory %.2f GiB over the budget %.2f GiB", label, peak / 2**30, budget / 2**30
+                )
+                continue
+            pipe = PipelinePlan(
+                pp=pp,
+                microbatches=m,
+                schedule=schedule,
+                virtual=v,
+                stage_of=stage_of,
+                stage_costs=tuple(
+                    {f: getattr(c, f) for f in c.__dataclass_fields__}
+                    for c in costs  # type: ignore[attr-defined]
+                ),
+                bubble_fraction=tl.bubble_fraction(),
+                peak_memory=tuple(tl.peak_memory),
+            )
+            p = replace(spmd, pipeline=pipe, info=dict(spmd.info))
+            opt = max(optimizer_time(p, cluster, range(r, S, pp)) for r in range(pp))
+            step = tl.step_time + opt
+            p.predicted = replace(spmd.predicted, step_time=step, memory_per_device=peak)
+            p.info["simulated"] = {
+                "compute_and_comm": max(tl.busy),
+                "bubble_fraction": tl.bubble_fraction(),
+                "exposed_grad_sync": max(tl.exposed_sync),
+                "optimizer": opt,
+            }
+            out.append(Scored(p, step, label))
+    return out
+
+
+def plan_model(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    config: PlanConfig,
+    captured: Captured | None = None,
+) -> Plan:
+    """Plan ``model`` (``autopar.plan``): the one-stage plan and the pipelined candidates
+    ``config.pp`` asks for (``PlanConfig.pp``; module docstring); the fastest that fits.
+    ``captured``: the model already captured on ``example_inputs``."""
+    args, kwargs = normalize_inputs(example_inputs)
+    t0 = time.perf_counter()
+
+    def whole() -> Captured:
+        return captured if captured is not None else capture(model, (args, kwargs))
+
+    if config.pp == 1:
+        return plan_captured(whole(), cluster, config)
+    world = cluster.world_size
+    budget = config.budget(cluster.device.memory)
+    batch = batch_size(args, kwargs)
+    scored: list[Scored] = []
+    errors: list[str] = []
+    tried: list[dict[str, Any]] = []
+    if config.pp == "search":
+        pps = [d for d in range(1, world + 1) if world % d == 0]
+    elif config.pp == "auto":
+        pps = [1] + [d for d in range(2, cluster.nodes + 1) if cluster.nodes % d == 0]
+    else:
+        pps = [int(config.pp)]
+    seam_count: int | None = None
+    for pp in pps:
+        if pp == 1:
+            try:
+                p = plan_captured(whole(), cluster, config.replace(pp=1))
+                scored.append(Scored(p, p.predicted.step_time, "pp=1"))
+                tried.append({"pp": 1, "step_time": p.predicted.step_time})
+            except InfeasibleError as e:
+                errors.append(f"pp=1: {e}")
+                if config.pp == "auto" and len(pps) == 1:  # one stage does not fit: pipelines too
+                    pps += [d for d in range(2, world + 1) if world % d == 0]
+            continue
+        sub = stage_cluster(cluster, pp)
+        if sub is None:
+            errors.append(
+                f"pp={pp}: {world} devices on {cluster.nodes} node(s) do not cut into {pp} equal stages"
+            )
+            continue
+        if seam_count is not None and pp - 1 > seam_count:
+            errors.append(f"pp={pp}: the model has {seam_count} seams")
+            continue
+        if batch is None:
+            errors.append(f"pp={pp}: no batch dimension to cut into micro-batches")
+            continue
+        ms = [config.microbatches] if config.microbatches else []
+        if not ms and config.pp != "search":
+            ms = [k for k in (2 * pp, pp) if batch % k == 0][:1]
+        if not ms:
+            k = pp
+            while k <= batch:
+                if batch % k == 0:
+                    ms.append(k)
+                if len(ms) == 3:
+                    break
+                k *= 2
+        for m in ms:
+            if batch % m:
+                errors.append(f"pp={pp}: a batch of {batch} does not cut into {m} micro-batches")
+                continue
+            cap = capture(model, microbatch_inputs(args, kwargs, m))
+            stage_config = config.replace(
+                pp=1,
+                microbatches=None,
+                schedule=None,
+                virtual=None,
+                memory_budget=budget * pp,
+                mesh_shape=None,
+            )
+            try:
+                spmd = plan_captured(cap, sub, stage_config)
+            except InfeasibleError as e:
+                errors.append(f"pp={pp} m={m}: {e}")
+                continue
+            if seam_count is None:
+                seam_count = len(seams(cap.gm))
+            found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
+            if not found:
+                errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
+            for s in found:
+                tried.append({"pp": pp, "microbatches": m, "candidate": s.what, "step_time": s.step_time})
+            scored += found
+    if not scored:
+        raise InfeasibleError("no pipeline layout fits:\n  " + "\n  ".join(errors))
+    best = min(scored, key=lambda s: s.step_time)
+    best.plan.info["pipeline_candidates"] = tried
+    best.plan.info["planning_time"] = time.perf_counter() - t0
+    best.plan.info["cluster_desc"] = cluster.describe()
+    best.plan.cluster = cluster.to_dict()
+    return best.plan

@@ -1,0 +1,278 @@
+"""The whole-step simulator: a plan's training step played out in time, per rank.
+
+Words (``autopar.cost.timeline`` holds the arithmetic, ``autopar.schedule`` the schedules):
+
+* **stage costs** — what the simulator plays. A pipelined plan stores them per stage
+  (``PipelinePlan.stage_costs``, computed when it was planned, :func:`stage_costs`); a plan with
+  one stage has one, built from its nodes.
+* **forward / backward split** — a node's ``compute_time`` is forward + backward. Where the plan
+  was made from a captured graph, the split is the node's own (``autopar.ir.NodeCost``); from a
+  saved plan alone, backward is twice the forward (the matmul rule: one product forward, two
+  backward). Of the backward, a matmul with a trainable weight spends half on the weight's
+  gradient (``W``), the rest of the graph's backward is the input gradient (``B``).
+* **communication** — collectives inside ops and reshards between them run where they are, on
+  the critical path (tensor- and sequence-parallel collectives are synchronous with the compute
+  that needs them; ZeRO-3 gathers are prefetched a layer ahead by the runtime, which this charges
+  as exposed: an upper bound), split between forward and backward like the compute. Gradient
+  reductions over data-parallel axes overlap the backward in buckets (``cost.timeline``).
+* **optimizer** — one ``optimizer.step()`` over the parameter shards a rank holds
+  (``autopar.cost.optimizer``), after the step's last gradient is reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch.fx import GraphModule, Node
+
+from autopar.cluster import Cluster
+from autopar.cost.optimizer import optimizer_step_time
+from autopar.cost.timeline import Event, StageCost, Timeline, play
+from autopar.graph import OpFamily, op_family, tensor_inputs
+from autopar.ir import COST, TENSOR
+from autopar.placement import local_shape, parse_spec
+from autopar.planfile import NodePlan, Plan
+from autopar.schedule import make_schedule
+
+__all__ = ["GraphFacts", "StepSimulation", "graph_facts", "simulate", "simulate_captured", "stage_costs"]
+
+
+@dataclass
+class StepSimulation:
+    """A simulated step (``simulate``): the timeline and the figures it adds up to."""
+
+    timeline: Timeline
+    optimizer_time: float
+    schedule: str
+    microbatches: int
+
+    @property
+    def step_time(self) -> float:
+        return self.timeline.step_time + self.optimizer_time
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction()
+
+    @property
+    def events(self) -> list[Event]:
+        """The step as events (``cost.timeline.Event``), the optimizer step last on every rank."""
+        tl = self.timeline
+        out = tl.event_list()
+        out += [Event(f"rank {r}", "optimizer", e, e + self.optimizer_time) for r, e in enumerate(tl.end)]
+        return out
+
+    def __str__(self) -> str:
+        tl = self.timeline
+        pp = len(tl.busy)
+        lines = [
+            f"simulated step {self.step_time * 1e3:.3f} ms: {pp} pipeline rank(s), schedule {self.schedule}, "
+            f"{self.microbatches} micro-batch(es); optimizer {self.optimizer_time * 1e3:.3f} ms",
+        ]
+        for r in range(pp):
+            lines.append(
+                f"  rank {r}: busy {tl.busy[r] * 1e3:.3f} ms, idle {tl.bubble[r] * 1e3:.3f} ms, exposed gradient "
+                f"reduction {tl.exposed_sync[r] * 1e3:.3f} ms, peak memory {tl.peak_memory[r] / 2**30:.2f} GiB"
+            )
+        if pp > 1:
+            lines.append(tl.format())
+        return "\n".join(lines)
+
+
+def _node_split(n: NodePlan, fwd_share: Callable[[str], float] | None, trainable_matmul: set[str]) -> tuple:
+    """(F, B, W) seconds of one node's compute + in-op communication (module docstring)."""
+    total = n.compute_time + n.comm_time
+    f = fwd_share(n.name) if fwd_share is not None else None
+    f = 1 / 3 if f is None else f
+    bwd = total * (1 - f)
+    w = bwd / 2 if n.name in trainable_matmul else 0.0
+    return total * f, bwd - w, w
+
+
+def stage_costs(
+    plan: Plan,
+    stage_of: dict[str, int] | None = None,
+    num_stages: int = 1,
+    *,
+    first_reader: dict[str, str] | None = None,
+    fwd_share: Callable[[str], float] | None = None,
+    trainable_matmul: Sequence[str] = (),
+    boundary_bytes: Sequence[float] = (),
+    send_time: Callable[[float], float] | None = None,
+) -> list[StageCost]:
+    """Per stage, the costs of one micro-batch under ``plan`` (its nodes and reshards, made for one
+    micro-batch on one stage's mesh). ``stage_of``: captured node -> stage (all in stage 0 when
+    ``None``); ``first_reader``: a parameter or input node -> the node reading it first (its
+    stage holds it); ``fwd_share``: a node's forward share of its time; ``trainable_matmul``: the
+    matmuls computing a trainable weight's gradient; ``boundary_bytes[s]``: the bytes stage ``s``
+    sends on; ``send_time``: seconds to send that many bytes to the next pipeline rank."""
+    stage_of = stage_of or {}
+    first_reader = first_reader or {}
+    tm = set(trainable_matmul)
+    f = [0.0] * num_stages
+    b = [0.0] * num_stages
+    w = [0.0] * num_stages
+    act = [0.0] * num_stages
+    static = [0.0] * num_stages
+    sync = [0.0] * num_stages
+    chunks = [0] * num_stages
+
+    def where(name: str) -> int:
+        s = stage_of.get(name)
+        if s is None:
+            s = stage_of.get(first_reader.get(name, ""), 0)
+        return s
+
+    for n in plan.nodes:
+        s = where(n.name)
+        if n.kind == "param":
+            static[s] += n.memory
+            continue
+        act[s] += n.memory
+        nf, nb, nw = _node_split(n, fwd_share, tm)
+        f[s] += nf
+        b[s] += nb
+        w[s] += nw
+    for r in plan.reshards:
+        s = where(r.consumer)
+        if r.grad_sync_axes:
+            sync[s] += r.time
+            chunks[s] += 1
+        else:
+            f[s] += r.time / 3
+            b[s] += 2 * r.time / 3
+    out = []
+    for s in range(num_stages):
+        nbytes = boundary_bytes[s] if s < len(boundary_bytes) else 0.0
+        out.append(
+            StageCost(
+                forward=f[s],
+                backward_input=b[s],
+                backward_weight=w[s],
+                send=send_time(nbytes) if send_time is not None and nbytes > 0 else 0.0,
+                activation=act[s],
+                static=static[s],
+                grad_sync=sync[s],
+                sync_chunks=max(1, min(chunks[s], 8)),
+            )
+        )
+    return out
+
+
+def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = None) -> float:
+    """One optimizer step over the parameter shards of one device (of pipeline rank holding
+    ``stages``, when given: parameters whose first reader is in them)."""
+    numel = 0.0
+    tensors = 0
+    pp_stage = plan.pipeline.stage_of if plan.pipeline is not None else None
+    first = plan.info.get("first_reader", {})
+    for n in plan.nodes:
+        if n.kind != "param" or not n.shape:
+            continue
+        if (
+            stages is not None
+            and pp_stage is not None
+            and pp_stage.get(first.get(n.name, ""), 0) not in stages
+        ):
+            continue
+        numel += math.prod(local_shape(tuple(n.shape), parse_spec(n.outputs[0]), tuple(plan.mesh_shape)))
+        tensors += 1
+    opt = plan.info.get("optimizer", "adamw")
+    pbytes = int(plan.info.get("param_bytes", 4))
+    return optimizer_step_time(
+        numel,
+        tensors,
+        pbytes,
+        cluster.device,
+        optimizer=opt if opt in ("adamw", "adam", "sgd", "sgd_momentum") else "adamw",
+        master_weights=pbytes < 4,
+    )
+
+
+def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
+    """Play ``plan``'s training step (module docstring); ``cluster``: the plan's own by default."""
+    cluster = cluster or Cluster.from_dict(plan.cluster)
+    p = plan.pipeline
+    if p is None:
+        stages = stage_costs(plan)
+        actions = make_schedule("1f1b", 1, 1)
+        tl = play(actions, stages)
+        return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
+    stages = [StageCost(**d) for d in p.stage_costs]
+    tl = play(p.actions(), stages)
+    opt = max(optimizer_time(plan, cluster, range(r, p.num_stages, p.pp)) for r in range(p.pp))
+    return StepSimulation(
+        tl, opt, p.schedule + (f" (v={p.virtual})" if p.virtual > 1 else ""), p.microbatches
+    )
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the simulator reads off a captured, annotated graph (module docstring)."""
+
+    first_reader: dict[str, str]
+    """Parameter or input node -> the first compute node reading it."""
+    fwd_share: dict[str, float]
+    """Compute node -> forward share of its forward + backward time."""
+    trainable_matmul: tuple[str, ...]
+    """Matmuls whose backward computes a trainable weight's gradient."""
+    param_bytes: int
+    """Bytes per element of the trainable parameters (the largest)."""
+
+
+def graph_facts(gm: GraphModule) -> GraphFacts:
+    """The facts of ``gm`` (captured and annotated: ``autopar.ir.COST`` and ``TENSOR``)."""
+    first: dict[str, str] = {}
+    share: dict[str, float] = {}
+    weights: set[Node] = set()
+    pbytes = 0
+    for n in gm.graph.nodes:
+        info = n.meta.get(TENSOR)
+        if n.op == "placeholder":
+            readers = [u for u in n.users if u.op == "call_function"]
+            if readers:
+                first[n.name] = readers[0].name
+            if info is not None and info.kind == "param" and info.requires_grad:
+                weights.add(n)
+                val = n.meta.get("val")
+                if val is not None:
+                    pbytes = max(pbytes, val.element_size())
+            continue
+        if n.op != "call_function":
+            continue
+        c = n.meta.get(COST)
+        if c is not None and c.fwd_time + c.bwd_time > 0:
+            share[n.name] = c.fwd_time / (c.fwd_time + c.bwd_time)
+    # A weight read through views (a transpose, a cast) still makes its matmul compute its gradient.
+    reach = set(weights)
+    for n in gm.graph.nodes:
+        if (
+            n.op == "call_function"
+            and op_family(n) is OpFamily.VIEW
+            and any(i in reach for i in tensor_inputs(n))
+        ):
+            reach.add(n)
+    tm = tuple(
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and op_family(n) is OpFamily.MATMUL
+        and any(i in reach for i in tensor_inputs(n))
+    )
+    return GraphFacts(first, share, tm, pbytes or 4)
+
+
+def simulate_captured(plan: Plan, gm: GraphModule, cluster: Cluster) -> StepSimulation:
+    """Simulate a one-stage ``plan`` just made from ``gm`` (the forward/backward split of each node
+    is its own, not the saved-plan default)."""
+    facts = graph_facts(gm)
+    stages = stage_costs(
+        plan,
+        first_reader=facts.first_reader,
+        fwd_share=facts.fwd_share.get,
+        trainable_matmul=facts.trainable_matmul,
+    )
+    tl = play(make_schedule("1f1b", 1, 1), stages)
+    return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)

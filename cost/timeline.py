@@ -1,0 +1,200 @@
+"""The whole pipelined step in time: each rank's actions (``autopar.schedule``) played out with
+their durations and the transfers between stages.
+
+Words:
+
+* **stage costs** — per stage and micro-batch: ``forward``, ``backward_input`` (``B``) and
+  ``backward_weight`` (``W``) seconds of compute; ``send`` seconds to move the stage's boundary
+  values to the next stage (its gradients take the same time back); ``activation`` bytes kept from
+  ``F`` until ``W``; ``static`` bytes (weights, gradients, optimizer state) and ``grad_sync``
+  seconds of data-parallel gradient reduction for one micro-batch's gradients.
+* **play** — an action starts when its rank is free and its inputs have arrived: ``F(s, i)`` after
+  ``F(s−1, i)`` plus the transfer (none when both stages are on one rank), ``B(s, i)`` after its
+  ``F`` and ``B(s+1, i)`` plus the transfer, ``W(s, i)`` after its ``B``. Sends are asynchronous
+  (``isend``): they cost the sender nothing, the receiver waits for them. This is the discrete
+  event simulation Megatron-LM's and the zero-bubble paper's bubble formulas summarise: for
+  ``p`` equal stages 1F1B idles ``(p − 1)·(f + b + w)`` per rank, the bubble fraction
+  ``(p − 1)/m`` of Narayanan et al. (arXiv 2104.04473 §2.2.1), and interleaving divides it by
+  ``v``.
+* **gradient reduction** — the runtime reduces each micro-batch's weight gradients over the
+  data-parallel axes inside its ``W``, in ``sync_chunks`` buckets issued as the backward produces
+  them (PyTorch DDP's bucketing, Li et al., VLDB 2020), on a communication stream that runs beside
+  the compute: a ``W``'s reduction starts no earlier than the ``W`` and the communication stream is
+  free, and its last bucket no earlier than the ``W`` ends. The rank's step ends when both its
+  compute and its communication stream are done.
+* **bubble** — a rank's idle time before its last action ends: the step's makespan less its busy
+  time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from autopar.schedule import Action, stage_rank
+
+__all__ = ["Event", "StageCost", "Timeline", "play"]
+
+KIND_NAMES = {"F": "forward", "B": "backward (input gradient)", "W": "backward (weight gradient)"}
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One interval of the played step, for drawing: ``lane`` (``"rank 0"``, ``"rank 0 comm"``),
+    ``kind`` (forward, backward…, gradient reduction, optimizer), seconds, and a short label
+    (``"s1 mb3"``: stage and micro-batch)."""
+
+    lane: str
+    kind: str
+    start: float
+    end: float
+    label: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCost:
+    """One stage's costs per micro-batch (module docstring)."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    send: float = 0.0
+    activation: float = 0.0
+    static: float = 0.0
+    grad_sync: float = 0.0
+    sync_chunks: int = 1
+
+
+@dataclass
+class Timeline:
+    """The played schedule: when each action ran, per rank busy, idle and peak memory."""
+
+    events: dict[Action, tuple[int, float, float]] = field(default_factory=dict)
+    """Action -> (rank, start, end) seconds."""
+    busy: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
+    """When each rank's step ends (its last action, then its exposed gradient reduction)."""
+    exposed_sync: list[float] = field(default_factory=list)
+    peak_memory: list[float] = field(default_factory=list)
+    comm: list[tuple[int, float, float]] = field(default_factory=list)
+    """Gradient reductions as ``(rank, start, end)`` on the ranks' communication streams."""
+
+    def event_list(self) -> list[Event]:
+        """Every action and gradient reduction as an :class:`Event` (``autopar.viz.gantt``)."""
+        out = [
+            Event(f"rank {r}", KIND_NAMES[k], s, e, f"s{st} mb{mb}")
+            for (k, st, mb), (r, s, e) in sorted(self.events.items(), key=lambda kv: kv[1][1])
+        ]
+        out += [Event(f"rank {r} comm", "gradient reduction", s, e) for r, s, e in self.comm]
+        return out
+
+    @property
+    def step_time(self) -> float:
+        return max(self.end) if self.end else 0.0
+
+    @property
+    def bubble(self) -> list[float]:
+        """Idle seconds of each rank before its compute ends."""
+        last = max((e for _, _, e in self.events.values()), default=0.0)
+        return [last - b for b in self.busy]
+
+    def bubble_fraction(self) -> float:
+        """Mean idle share of the compute makespan."""
+        last = max((e for _, _, e in self.events.values()), default=0.0)
+        return sum(self.bubble) / (len(self.busy) * last) if last > 0 else 0.0
+
+    def format(self, width: int = 72) -> str:
+        """One text row per rank: ``F``/``B``/``W`` blocks and ``.`` for idle, to scale."""
+        last = max((e for _, _, e in self.events.values()), default=0.0) or 1.0
+        rows = []
+        for r in range(len(self.busy)):
+            line = ["."] * width
+            for (kind, _, _), (rr, s, e) in self.events.items():
+                if rr != r:
+                    continue
+                a, b = int(s / last * width), max(int(s / last * width) + 1, int(e / last * width))
+                for x in range(a, min(b, width)):
+                    line[x] = kind
+            rows.append(f"rank {r}: {''.join(line)}")
+        return "\n".join(rows)
+
+
+def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Timeline:
+    """Play ``actions`` (one list per pipeline rank) with ``stages``' costs (module docstring).
+    Raises ``ValueError`` if the schedule deadlocks."""
+    pp = len(actions)
+    n = len(stages)
+    done: dict[Action, float] = {}
+    tl = Timeline(busy=[0.0] * pp)
+    free = [0.0] * pp
+    pos = [0] * pp
+    mem = [stages_static(stages, r, pp) for r in range(pp)]
+    peak = list(mem)
+    comm = [0.0] * pp  # when each rank's communication stream is free
+
+    def arrival(dep: Action, same_rank: bool, transfer: float) -> float | None:
+        t = done.get(dep)
+        if t is None:
+            return None
+        return t if same_rank else t + transfer
+
+    def ready_at(a: Action, r: int) -> float | None:
+        kind, s, i = a
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            return arrival(("F", s - 1, i), stage_rank(s - 1, pp) == r, stages[s - 1].send)
+        if kind == "B":
+            f = done.get(("F", s, i))
+            if f is None:
+                return None
+            if s == n - 1:
+                return f
+            g = arrival(("B", s + 1, i), stage_rank(s + 1, pp) == r, stages[s].send)
+            return None if g is None else max(f, g)
+        return done.get(("B", s, i))
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                t = ready_at(a, r)
+                if t is None:
+                    break
+                kind, s, _ = a
+                c = stages[s]
+                dur = c.forward if kind == "F" else c.backward_input if kind == "B" else c.backward_weight
+                start = max(free[r], t)
+                end = start + dur
+                tl.events[a] = (r, start, end)
+                done[a] = end
+                free[r] = end
+                tl.busy[r] += dur
+                pos[r] += 1
+                progressed = True
+                if kind == "F":
+                    mem[r] += c.activation
+                    peak[r] = max(peak[r], mem[r])
+                elif kind == "W":
+                    mem[r] -= c.activation
+                    if c.grad_sync > 0:
+                        last = c.grad_sync / max(1, c.sync_chunks)
+                        begin = max(comm[r], start)
+                        comm[r] = max(begin + c.grad_sync, end + last)
+                        tl.comm.append((r, comm[r] - c.grad_sync, comm[r]))
+    stuck = [(r, actions[r][pos[r]]) for r in range(pp) if pos[r] < len(actions[r])]
+    if stuck:
+        raise ValueError(f"the schedule deadlocks: ranks wait forever at {stuck}")
+    for r in range(pp):
+        exposed = max(0.0, comm[r] - free[r])
+        tl.exposed_sync.append(exposed)
+        tl.end.append(free[r] + exposed)
+    tl.peak_memory = peak
+    return tl
+
+
+def stages_static(stages: Sequence[StageCost], rank: int, pp: int) -> float:
+    """Static bytes (weights, gradients, optimizer state) of the stages ``rank`` holds."""
+    return sum(stages[s].static for s in range(rank, len(stages), pp))

@@ -1,0 +1,80 @@
+"""Megatron-LM's Table 1 (Narayanan et al., SC'21: GPT from 1.7B to 1T parameters on up to 3072
+A100s), predicted: for each row, the best Megatron-LM layout at the paper's tensor and pipeline
+sizes with full recomputation (micro-batch size and schedule tuned, as the paper tuned them:
+``autopar.layouts.best_megatron``), its simulated step turned into TFLOP/s per GPU with the paper's
+FLOP count, against the published figure; and with ``--autopar``, autopar's own plan beside it.
+
+    python examples/megatron_table1.py                  # every row (minutes: each row is planned)
+    python examples/megatron_table1.py --rows 1 2 5     # some rows (1-based, the CSV's order)
+    python examples/megatron_table1.py --rows 1 --autopar
+
+FLOPs per step (the paper's §5.1, with recomputation): ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``.
+The model is ``autopar.models.GPT`` with the row's shape, vocabulary 51200 and sequence 2048 in
+bf16 on the meta device; the cluster ``Cluster.preset("A100-80GB", gpus_per_node=8,
+nodes=gpus/8)`` (DGX A100: one 200 Gb/s NIC per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import autopar
+from autopar.models import GPT, GPTConfig
+
+CSV = Path(__file__).resolve().parents[1] / "reference" / "megatron_gpt_weak_scaling.csv"
+SEQ, VOCAB = 2048, 51200
+
+
+def rows() -> list[dict[str, str]]:
+    with open(CSV) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="*", help="1-based rows of the table (default: all)")
+    ap.add_argument("--autopar", action="store_true", help="also plan with autopar.plan and print the ratio")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    table = rows()
+    picked = args.rows or list(range(1, len(table) + 1))
+    print(f"{'row':>3} {'params':>7} {'gpus':>5} {'tp':>3} {'pp':>3} {'layout found':<44} "
+          f"{'pred TF/s':>9} {'paper':>6} {'error':>7} {'plan s':>7}" + ("  autopar/megatron" if args.autopar else ""))  # fmt: skip
+    for i in picked:
+        r = table[i - 1]
+        layers, hidden, heads = int(r["layers"]), int(r["hidden"]), int(r["heads"])
+        gpus, batch, tp, pp = int(r["gpus"]), int(r["batch"]), int(r["tp"]), int(r["pp"])
+        with torch.device("meta"):
+            model = GPT(
+                GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=SEQ, vocab_size=VOCAB)
+            )
+        model = model.to(torch.bfloat16)
+        ids = torch.empty(batch, SEQ, dtype=torch.long, device="meta")
+        cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=gpus // 8)
+        t0 = time.perf_counter()
+        plan = autopar.layouts.best_megatron(model, (ids, ids), cluster, tp=tp, pp=pp, recompute="full")
+        took = time.perf_counter() - t0
+        flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
+        pred = flops / (plan.predicted.step_time * gpus) / 1e12
+        paper = float(r["tflops_per_gpu"])
+        layout = plan.info.get("layout", "")[:44]
+        line = (f"{i:>3} {r['params_b']:>6}B {gpus:>5} {tp:>3} {pp:>3} {layout:<44} {pred:>9.1f} {paper:>6.0f} "
+                f"{(pred / paper - 1) * 100:>+6.1f}% {took:>7.1f}")  # fmt: skip
+        if args.autopar:
+            auto = autopar.plan(model, (ids, ids), cluster, recompute="auto")
+            line += f"  {plan.predicted.step_time / auto.predicted.step_time:>6.3f}x"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""Pipeline stages: this rank's program cut at the plan's stage boundaries, and each stage's whole
+step (forward, input-gradient and weight-gradient programs).
+
+Words:
+
+* **stage** — a contiguous part of the model (by the plan's ``stage_of``: captured node ->
+  stage index ``0 … S−1``); with ``v`` virtual stages per rank, rank ``r`` of ``p`` holds stages
+  ``r, r + p, …`` (Megatron-LM's interleaved assignment).
+* **boundary value** — a value computed by one stage and read by a later one. It is sent from
+  its producer to every stage that reads it, directly (a residual or an encoder output that
+  skips stages goes straight to its reader). Its gradient travels back the same way.
+* **stage program** — the nodes of one stage as a forward program: ``(primals…, received…) ->
+  (sent…, outputs…)``; the model's outputs (a loss) come out of the last stage.
+* **stage step** — the stage program traced with its backward (``passes.joint``) and split into a
+  forward program, an input-gradient program (``B``: the gradients of the received values, which
+  the previous stages are waiting for) and a weight-gradient program (``W``: the parameters'
+  gradients), as zero-bubble schedules run them (Qi et al., ICLR 2024); other schedules run
+  ``B`` and ``W`` back to back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from autopar.runtime.pipeline import StageStep
+
+__all__ = [
+    "STAGE",
+    "StageProgram",
+    "StageStep",
+    "build_stage_step",
+    "cut_stages",
+    "differentiable_values",
+    "propagate_fake",
+    "split_backward",
+]
+
+STAGE = "autopar.stage"
+SOURCE = "autopar.source"
+
+
+@dataclass
+class StageProgram:
+    """One stage's forward program and how it connects to the others."""
+
+    stage: int
+    gm: GraphModule
+    primals: tuple[int, ...]
+    """Indices (into the whole program's placeholders) of the primals this stage reads."""
+    received: tuple[str, ...]
+    """Boundary values this stage reads, by the name of their node in the whole program."""
+    sent: tuple[str, ...]
+    """Boundary values this stage computes for later stages."""
+    producer: dict[str, int] = field(default_factory=dict)
+    """Received value -> the stage that computes it."""
+    readers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Sent value -> the stages that read it."""
+    num_outputs: int = 0
+    """The model's outputs this stage returns after the sent values (the last stage: all)."""
+
+
+def propagate_fake(program: GraphModule, primals: Sequence[object]) -> None:
+    """Write a FakeTensor ``meta["val"]`` on every node of ``program`` (the lowered program is
+    built by hand: shapes of its values are needed to receive them and to trace each stage).
+    A primal given as ``(shape, dtype, device)`` stands for a tensor this rank does not hold."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = []
+    for p in primals:
+        if isinstance(p, torch.Tensor):
+            fake.append(mode.from_tensor(p))
+        elif isinstance(p, tuple) and len(p) == 3 and isinstance(p[1], torch.dtype):  # (shape, dtype, device)
+            with mode:
+                fake.append(torch.empty(p[0], dtype=p[1], device=p[2]))
+        else:
+            fake.append(p)
+    FakeTensorProp(program, mode).propagate(*fake)
+
+
+def _stage(n: Node) -> int | None:
+    return n.meta.get(STAGE)
+
+
+def cut_stages(program: GraphModule, num_stages: int) -> list[StageProgram]:
+    """Cut ``program`` (lowered with ``stage_of``, values propagated with ``propagate_fake``) into
+    its stages (see module docstring). Raises ``ValueError`` when a stage reads a value of a later
+    stage (the cut is not a pipeline)."""
+    g = program.graph
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    out = next(n for n in g.nodes if n.op == "output")
+    last = num_stages - 1
+
+    def stage_of(n: Node) -> int:
+        s = _stage(n)
+        if s is None:  # a node emitted for no captured node: with its first reader
+            readers = [u for u in n.users if u.op != "output"]
+            s = min((stage_of(u) for u in readers), default=last)
+            n.meta[STAGE] = s
+        return s
+
+    compute = [n for n in g.nodes if n.op == "call_function"]
+    for n in compute:
+        stage_of(n)
+    # Boundary values: a stage's value read by another stage (or returned by the model).
+    readers: dict[Node, set[int]] = {}
+    for n in compute:
+        s = stage_of(n)
+        for u in n.users:
+            t = last if u is out else stage_of(u) if u.op == "call_function" else s
+            if t < s:
+                raise ValueError(
+                    f"stage {t} reads {n.name}, computed by the later stage {s}: the stage cut is not a pipeline "
+                    f"(every value must flow to the same or a later stage)"
+                )
+            if t != s:
+                readers.setdefault(n, set()).add(t)
+    stages = []
+    for s in range(num_stages):
+        sg = Graph()
+        env: dict[Node, Node] = {}
+        mine = [n for n in compute if stage_of(n) == s]
+        used_primals = sorted(
+            {phs.index(i) for n in mine for i in n.all_input_nodes if i.op == "placeholder"}
+            | ({phs.index(o) for o in out.all_input_nodes if o.op == "placeholder"} if s == last else set())
+        )
+        for i in used_primals:
+            env[phs[i]] = sg.placeholder(phs[i].name)
+            env[phs[i]].meta.update(phs[i].meta)
+        received = [
+            i for n in mine for i in n.all_input_nodes if i.op == "call_function" and stage_of(i) != s
+        ]
+        if s == last:
+            received += [i for i in out.all_input_nodes if i.op == "call_function" and stage_of(i) != s]
+        received = list(dict.fromkeys(received))
+        for r in received:
+            env[r] = sg.placeholder(f"recv_{r.name}")
+            env[r].meta.update(r.meta)
+
+        def arg(x: Node, env: dict[Node, Node] = env, sg: Graph = sg) -> Node:
+            if x not in env and x.op == "get_attr":
+                env[x] = sg.get_attr(x.target)
+            return env[x]
+
+        for n in mine:
+            env[n] = sg.node_copy(n, arg)
+        sent = [n for n in mine if n in readers]
+        outs: list[object] = [env[n] for n in sent]
+        num_outputs = 0
+        if s == last:
+            model_outs = out.args[0]
+            flat = list(model_outs) if isinstance(model_outs, (tuple, list)) else [model_outs]
+            outs += [arg(o) if isinstance(o, Node) else o for o in flat]
+            num_outputs = len(flat)
+        sg.output(tuple(outs))
+        sg.lint()
+        stages.append(
+            StageProgram(
+                stage=s,
+                gm=GraphModule(program, sg, class_name=f"Stage{s}Program"),
+                primals=tuple(used_primals),
+                received=tuple(r.name for r in received),
+                sent=tuple(n.name for n in sent),
+                producer={r.name: stage_of(r) for r in received},
+                readers={n.name: tuple(sorted(readers[n])) for n in sent},
+                num_outputs=num_outputs,
+            )
+        )
+    return stages
+
+
+# ------------------------------------------------------------------------------------ stage steps
+
+
+def split_backward(jp: object, num_primals: int) -> tuple:
+    """Split the joint program ``jp`` (``passes.joint.JointProgram``) into forward, input-gradient
+    and weight-gradient programs: backward nodes that the gradients of placeholders ``>=
+    num_primals`` (received values) need form ``B``; the rest (parameter gradients) form ``W``."""
+    from autopar.passes.joint import PHASE, Phase, output_node
+
+    gm = jp.gm
+    out = output_node(gm)
+    outs = list(out.args[0])
+    grads = outs[jp.num_outputs :]
+    pos = {p: i for i, p in enumerate(jp.grad_primals)}
+    input_grads = [grads[pos[p]] for p in jp.grad_primals if p >= num_primals]
+    weight_grads = [grads[pos[p]] for p in jp.grad_primals if p < num_primals]
+    fwd = [n for n in gm.graph.nodes if n.op != "output" and n.meta.get(PHASE) == Phase.FWD]
+    bwd = [n for n in gm.graph.nodes if n.op != "output" and n.meta.get(PHASE) == Phase.BWD]
+    fwd_set, bwd_set = set(fwd), set(bwd)
+    need_i: set[Node] = set()
+    stack = [g for g in input_grads if isinstance(g, Node) and g in bwd_set]
+    while stack:
+        n = stack.pop()
+        if n in need_i or n not in bwd_set:
+            continue
+        need_i.add(n)
+        stack.extend(n.all_input_nodes)
+    tangents = [n for n in bwd if n.op == "placeholder"]
+    b_nodes = [n for n in bwd if n in need_i or n.op == "placeholder"]
+    w_nodes = [n for n in bwd if n not in need_i and n.op != "placeholder"]
+
+    def reads(nodes: list[Node], pool: set[Node]) -> list[Node]:
+        seen: dict[Node, None] = {}
+        for n in nodes:
+            for i in n.all_input_nodes:
+                if i in pool:
+                    seen[i] = None
+        return list(seen)
+
+    saved_i = reads(b_nodes, fwd_set)
+    saved_w_nodes = reads(w_nodes, fwd_set) + [
+        g for g in weight_grads if isinstance(g, Node) and g in fwd_set
+    ]
+    saved_w_nodes = list(dict.fromkeys(saved_w_nodes))
+    passed = reads(w_nodes, set(b_nodes)) + [g for g in weight_grads if isinstance(g, Node) and g in need_i]
+    passed = list(dict.fromkeys(passed))
+    saved = list(dict.fromkeys(saved_i + saved_w_nodes))
+
+    def build(name: str, inputs: list[Node], body: list[Node], results: list[object]) -> GraphModule:
+        g = Graph()
+        env: dict[Node, Node] = {}
+        for i in inputs:
+            env[i] = g.placeholder(i.name)
+            env[i].meta.update(i.meta)
+        for n in body:
+            if n in env:
+                continue
+            env[n] = g.node_copy(n, lambda x: env[x])
+        g.output(tuple(env[r] if isinstance(r, Node) else r for r in results))
+        g.lint()
+        return GraphModule(gm, g, class_name=name)
+
+    primal_phs = [n for n in fwd if n.op == "placeholder"]
+    forward = build("StageForward", primal_phs, fwd, [*outs[: jp.num_outputs], *saved])
+    backward_input = build("StageBackwardInput", saved_i + tangents, b_nodes, [*input_grads, *passed])
+    backward_weight = build("StageBackwardWeight", saved_w_nodes + passed, w_nodes, weight_grads)
+    return (
+        forward,
+        backward_input,
+        backward_weight,
+        len(saved_i),
+        tuple(saved.index(s) for s in saved_w_nodes),
+    )
+
+
+def build_stage_step(
+    sp: StageProgram,
+    primals: Sequence[object],
+    trainable: Sequence[int],
+    info: object,
+    ctx: object,
+    passes: Sequence[object] | None = None,
+    differentiable: set[str] | None = None,
+) -> StageStep:
+    """Trace stage ``sp``'s whole step and split it (see module docstring).
+
+    ``primals``: example values of the whole program's placeholders (only shapes are read);
+    ``trainable``: indices of those that are trainable parameters; ``info``: the program's
+    ``RankInfo`` (primal roles, for the rank-program passes, which run on the stage's step);
+    ``differentiable``: the boundary values a gradient flows back through (``differentiable``):
+    the stage computes gradients for the received ones among them, and must be handed gradients
+    for exactly the sent ones among them (else the ranks would wait for each other forever)."""
+    from dataclasses import replace
+
+    from autopar.passes import run_passes
+    from autopar.passes.joint import RANK, mark_phases_keep, trace_joint
+    from autopar.passes.overlap import RANK_PASSES
+
+    phs = [n for n in sp.gm.graph.nodes if n.op == "placeholder"]
+    examples = [primals[i] for i in sp.primals] + [
+        phs[len(sp.primals) + k].meta["val"] for k in range(len(sp.received))
+    ]
+    floats = [
+        len(sp.primals) + k
+        for k, r in enumerate(sp.received)
+        if isinstance(examples[len(sp.primals) + k], torch.Tensor)
+        and examples[len(sp.primals) + k].is_floating_point()
+        and (differentiable is None or r in differentiable)
+    ]
+    params = [j for j, i in enumerate(sp.primals) if i in set(trainable)]
+    jp = trace_joint(sp.gm, examples, params + floats)
+    jp.gm.meta[RANK] = replace(info, primals=tuple(info.primals[i] for i in sp.primals))
+    jp.gm = run_passes(jp.gm, ctx, RANK_PASSES if passes is None else passes)
+    mark_phases_keep(jp)
+    if differentiable is not None:
+        want = {i for i, v in enumerate(sp.sent) if v in differentiable}
+        got = {i for i in jp.tangent_outputs if i < len(sp.sent)}
+        if want != got:
+            names = sorted(sp.sent[i] for i in want ^ got)
+            raise RuntimeError(
+                f"stage {sp.stage}: autograd and the graph disagree on whether a gradient flows back through "
+                f"{names}; the pipeline cannot be cut there (report this with the model)"
+            )
+    fwd, bwd_i, bwd_w, n_saved_i, saved_w = split_backward(jp, len(sp.primals))
+    return StageStep(
+        stage=sp.stage,
+        forward=fwd,
+        backward_input=bwd_i,
+        backward_weight=bwd_w,
+        joint=jp.gm,
+        primals=sp.primals,
+        received=sp.received,
+        sent=sp.sent,
+        producer=sp.producer,
+        readers=sp.readers,
+        num_outputs=sp.num_outputs,
+        num_saved_i=n_saved_i,
+        saved_w=saved_w,
+        tangent_outputs=jp.tangent_outputs,
+        received_grads=tuple(p - len(sp.primals) for p in jp.grad_primals if p >= len(sp.primals)),
+        param_grads=tuple(p for p in jp.grad_primals if p < len(sp.primals)),
+        received_meta=[
+            (tuple(examples[len(sp.primals) + k].shape), examples[len(sp.primals) + k].dtype)
+            for k in range(len(sp.received))
+        ],
+    )
+
+
+_NO_GRAD = frozenset(("detach", "detach_", "alias_no_grad"))
+
+
+def differentiable_values(program: GraphModule, trainable: Sequence[int]) -> set[str]:
+    """Names of the values of ``program`` a gradient flows back through: floating-point values
+    computed from a trainable parameter (every rank computes the same set from the whole program,
+    so a stage and the stages it talks to agree on which boundary values carry gradients)."""
+    phs = [n for n in program.graph.nodes if n.op == "placeholder"]
+    rg = {phs[i] for i in trainable}
+    for n in program.graph.nodes:
+        if n.op != "call_function" or str(getattr(n.target, "__name__", n.target)).split(".")[0] in _NO_GRAD:
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and not v.is_floating_point():
+            continue
+        if any(i in rg for i in n.all_input_nodes):
+            rg.add(n)
+    return {n.name for n in rg}
+
+
+def assign_stages(num_stages: int, pp: int) -> dict[int, int]:
+    """Stage -> pipeline coordinate: stage ``s`` on coordinate ``s mod pp`` (with ``v`` stages per
+    rank, rank ``r`` holds ``r, r + pp, …``: Megatron-LM's interleaved assignment)."""
+    if num_stages % pp:
+        raise ValueError(f"{num_stages} stages do not spread evenly over pp={pp} ranks")
+    return {s: s % pp for s in range(num_stages)}
+
+
+def build_pipeline(
+    program: GraphModule,
+    primals: Sequence[object],
+    roles: Sequence[tuple[str, str]],
+    trainable: Sequence[int],
+    info: object,
+    ctx: object,
+    *,
+    num_stages: int,
+    pp_axis: object,
+    pp_groups: Sequence[Sequence[int]],
+    actions: Sequence[tuple[str, int, int]],
+    microbatches: int,
+    timeout: float = 300.0,
+    trainable_anywhere: Sequence[int] | None = None,
+) -> object:
+    """This rank's ``PipelineRunner``: the program (lowered with ``stage_of``) cut into stages, the
+    stages this rank holds traced into stage steps, and the groups that sum tied weights' gradients
+    across pipeline ranks. ``primals``: example values of one micro-batch (shapes only; parameters
+    this rank does not hold may be None); ``roles``: ``(kind, name)`` of each primal; ``pp_groups``:
+    the global ranks of every pipeline group (each rank's, by coordinate; every rank creates the
+    tied-weight groups of all of them, in the same order); ``actions``: this rank's schedule;
+    ``trainable_anywhere``: the trainable parameters of every stage, held here or not (which
+    boundary values carry gradients must be decided alike on every rank)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from autopar.runtime.pipeline import PipelineRunner
+
+    pp = pp_axis.size
+    coord = assign_stages(num_stages, pp)
+    stages = cut_stages(program, num_stages)
+    holders: dict[str, list[int]] = {}
+    for sp in stages:
+        for i in sp.primals:
+            kind, name = roles[i]
+            if kind in ("param", "buffer"):
+                holders.setdefault(name, [])
+                if coord[sp.stage] not in holders[name]:
+                    holders[name].append(coord[sp.stage])
+    rg = differentiable_values(program, trainable_anywhere if trainable_anywhere is not None else trainable)
+    steps = {
+        sp.stage: build_stage_step(sp, primals, trainable, info, ctx, differentiable=rg)
+        for sp in stages
+        if coord[sp.stage] == pp_axis.coord
+    }
+    # Weights held on several pipeline ranks (tied): one group per distinct set of coordinates in
+    # each pipeline group; every rank creates all of them, in the same order.
+    me = dist.get_rank()
+    pp_ranks = next(list(g) for g in pp_groups if me in g)
+    shared = []
+    groups: dict[tuple[int, ...], object] = {}
+    for key in sorted({tuple(sorted(c)) for c in holders.values() if len(c) > 1}):
+        for g in pp_groups:
+            group = dist.new_group([g[c] for c in key], timeout=datetime.timedelta(seconds=timeout))
+            if me in g:
+                groups[key] = group
+    for i, (kind, name) in enumerate(roles):
+        if kind == "param" and i in set(trainable) and len(holders.get(name, ())) > 1:
+            shared.append((i, groups[tuple(sorted(holders[name]))]))
+    return PipelineRunner(
+        steps=steps,
+        stage_coord=coord,
+        pp=pp_axis,
+        pp_ranks=list(pp_ranks),
+        actions=[a for a in actions if coord[a[1]] == pp_axis.coord],
+        microbatches=microbatches,
+        primal_kinds=[k for k, _ in roles],
+        trainable=list(trainable),
+        shared=shared,
+        holders=holders,
+    )

@@ -1,0 +1,309 @@
+"""Running pipeline stages: one small interpreter over this rank's list of actions.
+
+Words (see ``autopar.passes.pipeline`` for stages, boundary values and the three programs of a
+stage step; ``autopar.schedule`` for schedules):
+
+* **action** — ``(kind, stage, microbatch)``: ``F`` runs the stage's forward program, ``B`` its
+  input-gradient program, ``W`` its weight-gradient program (zero-bubble schedules place ``W``
+  apart; others run it right after ``B``). The list is data, the same the simulator walks.
+* **transfer** — a boundary value goes from its producer to each reader stage by point-to-point
+  send/receive on the pipeline axis (or in memory when both stages are this rank's), tagged by
+  value and micro-batch so transfers never mix; its gradient goes back the same way, summed over
+  the readers.
+* **micro-batch** — the rank's batch is cut into ``m`` equal pieces along dimension 0; the loss
+  is the mean of the micro-batches' losses (each micro-batch's loss gets the gradient ``1/m``),
+  which equals the whole batch's when micro-batches count equally (the model's mean losses over
+  equal-sized micro-batches).
+
+A step runs the whole schedule when the module is called (forward and backward of every
+micro-batch), stashes the parameter gradients, and returns the loss as a tensor whose backward
+adds ``grad_output ·`` stash into ``.grad``: ``loss = pm(batch); loss.backward()`` trains as for
+any other plan, gradient accumulation included. Weights held by stages on several ranks (a tied
+embedding and LM head) have their gradients summed between those ranks after the schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.fx import GraphModule
+
+from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.monitor import StepMonitor
+
+__all__ = ["PipelineRunner", "StageStep"]
+
+
+@dataclass
+class StageStep:
+    """One stage's step as three programs (built by ``passes.pipeline.build_stage_step``).
+
+    ``forward(*primals, *received) -> (*sent, *outputs, *saved)``;
+    ``backward_input(*saved[:num_saved_i], *tangents) -> (*received_grads, *passed)``;
+    ``backward_weight(*saved[saved_w], *passed) -> param_grads``.
+    """
+
+    stage: int
+    forward: GraphModule
+    backward_input: GraphModule
+    backward_weight: GraphModule
+    joint: GraphModule
+    primals: tuple[int, ...]
+    """Indices of the whole program's primals this stage reads."""
+    received: tuple[str, ...]
+    sent: tuple[str, ...]
+    producer: dict[str, int]
+    readers: dict[str, tuple[int, ...]]
+    num_outputs: int
+    num_saved_i: int
+    saved_w: tuple[int, ...]
+    tangent_outputs: tuple[int, ...]
+    received_grads: tuple[int, ...]
+    param_grads: tuple[int, ...]
+    """Positions in ``primals`` whose gradient ``backward_weight`` returns."""
+    received_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    """Shape and dtype of each received value (one micro-batch)."""
+
+
+def _storages(values: tuple) -> dict[int, float]:
+    """The distinct storages among ``values`` and their bytes (views of one storage once)."""
+    seen: dict[int, float] = {}
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            seen[st.data_ptr()] = float(st.nbytes())
+    return seen
+
+
+class _Loss(torch.autograd.Function):
+    """The step's loss; its backward hands the stashed gradients to autograd, scaled."""
+
+    @staticmethod
+    def forward(ctx, runner: PipelineRunner, loss: torch.Tensor, *params: torch.Tensor):  # type: ignore[override]
+        ctx.runner = runner
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        grads = ctx.runner.stash
+        return (None, None, *[None if s is None else s * g for s in grads])
+
+
+@dataclass(eq=False)
+class PipelineRunner:
+    """This rank's stages and schedule (see module docstring)."""
+
+    steps: dict[int, StageStep]
+    """The stages this rank holds."""
+    stage_coord: dict[int, int]
+    """Stage -> the pipeline coordinate holding it."""
+    pp: AxisGroup
+    pp_ranks: list[int]
+    """Global ranks along this rank's pipeline axis, by coordinate."""
+    actions: list[tuple[str, int, int]]
+    microbatches: int
+    primal_kinds: list[str]
+    """Kind of each primal (``param``, ``buffer``, ``input``, ``const``)."""
+    trainable: list[int]
+    """Primal indices of the trainable parameters this rank holds."""
+    shared: list[tuple[int, Any]] = field(default_factory=list)
+    """(primal index, process group) of weights also held by another pipeline rank."""
+    holders: dict[str, list[int]] = field(default_factory=dict)
+    """Parameter or buffer name -> the pipeline coordinates holding it."""
+    monitor: StepMonitor | None = None
+    value_ids: dict[str, int] = field(default_factory=dict)
+    stash: list[torch.Tensor | None] = field(default_factory=list)
+    times: list[dict[str, float]] = field(default_factory=list)
+    """Per step, when ``timing``: see ``last``."""
+    last: dict[str, float] = field(default_factory=dict)
+    """The last step's seconds on this rank: ``step`` (the whole schedule), ``compute`` (running
+    stage programs, their collectives inside), ``p2p`` (waiting for transfers), ``idle`` (the
+    rest), ``in_flight`` (the most micro-batches whose activations were kept at once) and
+    ``saved_peak`` (the most bytes of them kept at once, distinct storages counted once)."""
+    timing: bool = False
+
+    def __post_init__(self) -> None:
+        names = sorted({v for s in self.steps.values() for v in (*s.sent, *s.received)})
+        self.value_ids = {v: i for i, v in enumerate(names)}
+
+    # ---------------------------------------------------------------------------- transfers
+    def _tag(self, value: str, mb: int, direction: int) -> int:
+        return (self.value_ids[value] * self.microbatches + mb) * 2 + direction
+
+    def _rank_of(self, stage: int) -> int:
+        return self.pp_ranks[self.stage_coord[stage]]
+
+    def _mine(self, stage: int) -> bool:
+        return self.stage_coord[stage] == self.pp.coord
+
+    # ---------------------------------------------------------------------------- a step
+    def run(self, primals: Sequence[Any], grad: bool) -> tuple[Any, ...]:
+        """Run the schedule on ``primals`` (the whole program's inputs, this rank's batch) and
+        return the model's outputs (on every rank: broadcast from the last stage's rank)."""
+        m = self.microbatches
+        split = [
+            list(torch.chunk(p, m, dim=0))
+            if k == "input" and isinstance(p, torch.Tensor) and p.dim() > 0
+            else None
+            for p, k in zip(primals, self.primal_kinds)
+        ]
+
+        def inputs_for(step: StageStep, mb: int) -> list[Any]:
+            return [split[i][mb] if split[i] is not None else primals[i] for i in step.primals]
+
+        local: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, mb, direction) -> tensor
+        pending: list[Any] = []
+        saved: dict[tuple[int, int], tuple] = {}
+        passed: dict[tuple[int, int], tuple] = {}
+        outputs: dict[int, tuple] = {}
+        grads: dict[int, torch.Tensor] = {}
+        clock = {"compute": 0.0, "p2p": 0.0}
+        in_flight = 0
+        live = peak_saved = 0.0  # bytes kept for backward (each storage once)
+        refs: dict[int, list[float]] = {}  # storage -> [bytes, saved tuples holding it]
+        weights = {
+            p.untyped_storage().data_ptr()
+            for p, k in zip(primals, self.primal_kinds)
+            if k in ("param", "buffer") and isinstance(p, torch.Tensor)
+        }
+        t_step = time.perf_counter()
+        last = max(self.stage_coord)
+
+        def recv(
+            value: str, src_stage: int, mb: int, direction: int, shape: tuple, dtype: torch.dtype
+        ) -> torch.Tensor:
+            key = (value, mb, direction)
+            if self._mine(src_stage):
+                return local.pop(key)
+            t0 = time.perf_counter()
+            buf = torch.empty(shape, dtype=dtype)
+            dist.irecv(
+                buf, src=self._rank_of(src_stage), group=self.pp.group, tag=self._tag(value, mb, direction)
+            ).wait()
+            clock["p2p"] += time.perf_counter() - t0
+            return buf
+
+        def send(value: str, t: torch.Tensor, dst_stage: int, mb: int, direction: int, first: bool) -> None:
+            if self._mine(dst_stage):
+                key = (value, mb, direction)
+                local[key] = t if first or key not in local else local[key] + t
+                return
+            t = t.contiguous()
+            pending.append((dist.isend(t, dst=self._rank_of(dst_stage), group=self.pp.group,
+                                       tag=self._tag(value, mb, direction)), t))  # fmt: skip
+
+        for kind, stage, mb in self.actions if grad else self._forward_order():
+            step = self.steps[stage]
+            if kind == "F":
+                received = [
+                    recv(r, step.producer[r], mb, 0, *step.received_meta[k])
+                    for k, r in enumerate(step.received)
+                ]
+                t0 = time.perf_counter()
+                res = step.forward(*inputs_for(step, mb), *received)
+                clock["compute"] += time.perf_counter() - t0
+                n_sent = len(step.sent)
+                for v, t in zip(step.sent, res[:n_sent]):
+                    for reader in step.readers[v]:
+                        send(v, t.detach(), reader, mb, 0, True)
+                if step.num_outputs:
+                    outputs[mb] = tuple(res[n_sent : n_sent + step.num_outputs])
+                if grad:
+                    saved[(stage, mb)] = tuple(res[n_sent + step.num_outputs :])
+                    in_flight = max(in_flight, len(saved))
+                    for ptr, nbytes in _storages(saved[(stage, mb)]).items():
+                        if ptr in weights:
+                            continue  # parameters and buffers are state, not activations
+                        if ptr not in refs:
+                            refs[ptr] = [nbytes, 0]
+                            live += nbytes
+                        refs[ptr][1] += 1
+                    peak_saved = max(peak_saved, live)
+            elif kind == "B":
+                sv = saved[(stage, mb)]
+                tangents = []
+                n_sent = len(step.sent)
+                for i in step.tangent_outputs:
+                    if i < n_sent:
+                        v = step.sent[i]
+                        shape, dtype = self._sent_meta(step, i)
+                        total = None
+                        for reader in step.readers[v]:
+                            g = recv(v, reader, mb, 1, shape, dtype)
+                            total = g if total is None else total + g
+                        tangents.append(total)
+                    else:
+                        out = outputs[mb][i - n_sent]
+                        scale = 1.0 / m if out.dim() == 0 else 0.0
+                        tangents.append(torch.full_like(out, scale))
+                t0 = time.perf_counter()
+                res = step.backward_input(*sv[: step.num_saved_i], *tangents)
+                clock["compute"] += time.perf_counter() - t0
+                n_rg = len(step.received_grads)
+                for k, g in zip(step.received_grads, res[:n_rg]):
+                    r = step.received[k]
+                    send(r, g, step.producer[r], mb, 1, True)
+                passed[(stage, mb)] = tuple(res[n_rg:])
+            else:  # "W"
+                sv = saved.pop((stage, mb))
+                for ptr in _storages(sv):
+                    if ptr in weights:
+                        continue
+                    refs[ptr][1] -= 1
+                    if refs[ptr][1] == 0:
+                        live -= refs.pop(ptr)[0]
+                t0 = time.perf_counter()
+                res = step.backward_weight(*[sv[j] for j in step.saved_w], *passed.pop((stage, mb)))
+                clock["compute"] += time.perf_counter() - t0
+                for j, g in zip(step.param_grads, res):
+                    i = step.primals[j]
+                    grads[i] = g if i not in grads else grads[i] + g
+        t0 = time.perf_counter()
+        for work, _ in pending:
+            work.wait()
+        clock["p2p"] += time.perf_counter() - t0
+        # The model's outputs: the mean loss over micro-batches, from the last stage's rank.
+        src = self._rank_of(last)
+        if self._mine(last):
+            loss = torch.stack([outputs[mb][0].detach().float() for mb in range(m)]).mean()
+        else:
+            loss = torch.zeros(())
+        dist.broadcast(loss, src=src, group=self.pp.group)
+        if grad:
+            for i, group in self.shared:
+                g = grads.get(i)
+                if g is None:
+                    g = torch.zeros_like(primals[i])
+                dist.all_reduce(g, group=group)
+                grads[i] = g
+            self.stash = [grads.get(i) for i in self.trainable]
+        clock["step"] = time.perf_counter() - t_step
+        clock["idle"] = max(0.0, clock["step"] - clock["compute"] - clock["p2p"])
+        clock["in_flight"] = float(in_flight)
+        clock["saved_peak"] = peak_saved
+        self.last = clock
+        if self.timing:
+            self.times.append(clock)
+        return (loss,)
+
+    def _sent_meta(self, step: StageStep, i: int) -> tuple[tuple[int, ...], torch.dtype]:
+        out = next(n for n in step.forward.graph.nodes if n.op == "output")
+        val = out.args[0][i].meta.get("val")
+        return tuple(val.shape), val.dtype
+
+    def _forward_order(self) -> list[tuple[str, int, int]]:
+        """Forward only (no gradients): every held stage in order, every micro-batch."""
+        return [("F", s, mb) for s in sorted(self.steps) for mb in range(self.microbatches)]
+
+    def loss(self, primals: Sequence[Any], params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One training step's loss (see module docstring)."""
+        grad = torch.is_grad_enabled()
+        (loss,) = self.run(primals, grad)
+        if not grad:
+            return loss
+        return _Loss.apply(self, loss, *params)

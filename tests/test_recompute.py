@@ -1,0 +1,139 @@
+"""Activation recomputation: planned (the cost of each mode) and run (a transform of the
+whole-step program, ``passes.recompute.recompute_layers``), training exactly like no
+recomputation while keeping fewer activations.
+
+* plans: ``full`` keeps less memory and computes more than ``none``; ``selective`` drops the
+  ``s × s`` attention tensors of eager attention and changes nothing where attention is fused;
+  ``recompute="auto"`` falls back to recomputation when nothing else fits;
+* runs (2 gloo processes): GPT (fused attention) under ``full``, GPT-2 with eager attention under
+  ``selective`` and ``full``, and a 2-stage pipeline under ``full`` — losses and parameters equal
+  to one process, and the forward program hands backward fewer bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import _runtime_helpers as H
+import pytest
+import torch
+
+import autopar
+from autopar.runtime.launch import spawn
+
+pytestmark = pytest.mark.filterwarnings("ignore:autopar")
+
+
+def build(kind: str) -> tuple[torch.nn.Module, Any]:
+    """``gpt2-eager``: GPT-2 with transformers' eager attention (its scores are ``s × s`` tensors)."""
+    if kind != "gpt2-eager":
+        return H.build(kind)
+    model, inputs = H.build("gpt2")
+    model.config._attn_implementation = "eager"
+    return model, inputs
+
+
+def _saved_bytes(step: Any) -> int:
+    """Bytes the forward program hands to backward (its outputs after the model's)."""
+    out = next(n for n in reversed(step.forward.graph.nodes) if n.op == "output")
+    vals = [a.meta.get("val") for a in out.args[0][step.num_outputs :] if hasattr(a, "meta")]
+    return sum(math.prod(v.shape) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------ single process
+
+
+def test_plans_trade_memory_for_compute():
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304))
+    ids = torch.empty(16, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8)
+    plans = {
+        m: autopar.plan(model, (ids, ids), cluster, recompute=m, mesh_shape=(8,)) for m in ("none", "full")
+    }
+    assert plans["full"].recompute == "full" and plans["none"].recompute == "none"
+    assert plans["full"].predicted.memory_per_device < 0.7 * plans["none"].predicted.memory_per_device
+    assert plans["full"].predicted.compute_time > 1.15 * plans["none"].predicted.compute_time
+    # fused attention: selective recomputes nothing
+    sel = autopar.plan(model, (ids, ids), cluster, recompute="selective", mesh_shape=(8,))
+    assert sel.predicted.memory_per_device == pytest.approx(plans["none"].predicted.memory_per_device)
+
+
+def test_auto_recomputes_only_when_nothing_else_fits():
+    model, inputs = build("gpt")
+    cluster = autopar.Cluster.local(2)
+    # Data parallel with every weight whole: only recomputation can lower the memory.
+    fixed = {n: ("R",) for n, _ in model.named_parameters()} | {k: ("S(0)",) for k in H.input_paths(inputs)}
+    opts = {"pp": 1, "mesh_shape": (2,), "fixed": fixed}
+    free = autopar.plan(model, inputs, cluster, recompute="auto", **opts)
+    assert free.recompute == "none"
+    full = autopar.plan(model, inputs, cluster, recompute="full", **opts)
+    budget = (free.predicted.memory_per_device + full.predicted.memory_per_device) / 2
+    tight = autopar.plan(model, inputs, cluster, recompute="auto", memory_budget=budget, **opts)
+    assert tight.recompute in ("selective", "full") and tight.predicted.memory_per_device <= budget
+
+
+# ------------------------------------------------------------------------------ distributed
+
+
+def worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dict[str, Any]:
+    H.quiet()
+    model, inputs = build(kind)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {}
+    for name, plan in plans.items():
+        pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+        pm.load_full_state_dict(initial)
+        losses = H.train(pm, inputs, H.make_optimizer("adamw", pm.parameters()))
+        if pm.pipeline is not None:
+            saved = sum(
+                sum(math.prod(v.shape) * v.element_size() for v in _vals(st))
+                for st in pm.pipeline.steps.values()
+            )
+        else:
+            saved = _saved_bytes(pm.step)
+        out[name] = {"result": (losses, pm.full_state_dict()), "saved": saved}
+    return out
+
+
+def _vals(stage_step: Any) -> list[torch.Tensor]:
+    out = next(n for n in reversed(stage_step.forward.graph.nodes) if n.op == "output")
+    first = len(stage_step.sent) + stage_step.num_outputs
+    return [a.meta["val"] for a in out.args[0][first:] if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("kind", "modes", "pp"),
+    [
+        ("gpt", ("none", "full"), 1),
+        ("gpt2-eager", ("none", "selective", "full"), 1),
+        ("llama", ("none", "full"), 2),
+    ],
+)
+def test_recomputation_trains_exactly_and_keeps_less(kind, modes, pp):
+    model, inputs = build(kind)
+    cluster = autopar.Cluster.local(2)
+    opts = {"pp": 2, "microbatches": 2, "schedule": "1f1b"} if pp == 2 else {"pp": 1}
+    plans = {m: autopar.plan(model, inputs, cluster, recompute=m, **opts) for m in modes}
+    results = spawn(worker, 2, kind, plans, timeout=540)
+    torch.manual_seed(0)
+    ref_model, ref_inputs = build(kind)
+    ref = (
+        H.train(ref_model, ref_inputs, H.make_optimizer("adamw", ref_model.parameters())),
+        {k: v.detach().clone() for k, v in ref_model.state_dict().items()},
+    )
+    problems = []
+    for rank, res in enumerate(results):
+        for m in modes:
+            problems += H.compare_training(ref, res[m]["result"], "adamw", f"{kind} {m} rank {rank}")
+        for m in modes[1:]:
+            if not res[m]["saved"] < res["none"]["saved"]:
+                problems.append(
+                    f"{kind} {m} rank {rank}: saves {res[m]['saved']} bytes, none saves {res['none']['saved']}"
+                )
+    assert not problems, "\n".join(problems)
