@@ -92,6 +92,17 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[st
     return out
 
 
+def _fit_or_bound(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """``fit_alpha_beta``; where the times do not grow with size (scheduling noise larger than the
+    transfer, common with more processes than cores), a conservative bound instead: α the fastest
+    time, and the largest buffer's time beyond α (at least 5 % of it) charged per byte."""
+    try:
+        return fit_alpha_beta(sizes, times)
+    except ValueError:
+        alpha = min(times)
+        return alpha, max(times[-1] - alpha, 0.05 * times[-1]) / sizes[-1]
+
+
 def measure_local(
     world_size: int, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: float = 300.0
 ) -> Cluster:
@@ -106,7 +117,7 @@ def measure_local(
     for g, rows in r0["rows"].items():
         for kind, pts0 in rows.items():
             pts = [(s, max(r["rows"][g][kind][i][1] for r in results)) for i, (s, _) in enumerate(pts0)]
-            alpha, beta = fit_alpha_beta([s for s, _ in pts], [t for _, t in pts])
+            alpha, beta = _fit_or_bound([s for s, _ in pts], [t for _, t in pts])
             measured.append((kind, g, alpha, beta))
             if g == world_size:
                 fits[kind] = (alpha, beta)
