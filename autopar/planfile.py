@@ -237,11 +237,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """A plan from its JSON form; every field is checked (type, range, that every spec has
+        one valid placement per mesh axis) and an error names the field."""
         if d.get("format") != FORMAT_VERSION:
             raise ValueError(
                 f"plan format {d.get('format')} is not supported (this autopar reads format {FORMAT_VERSION}): "
                 f"plan the model again with this version"
             )
+
+        _validate(d)
 
         def tup(x: Any) -> Any:
             if isinstance(x, list):
@@ -344,3 +348,94 @@ def _checksum(d: dict[str, Any]) -> str:
     """A hash of a plan's JSON contents, independent of key order and formatting."""
     canonical = json.dumps(json.loads(json.dumps(d)), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _validate(d: dict[str, Any]) -> None:
+    """Check a plan's JSON form field by field (``Plan.from_dict``); raise ``ValueError`` naming
+    the field and what it should be."""
+    import math as _m
+
+    def fail(field: str, want: str, got: Any) -> None:
+        raise ValueError(f"plan field {field!r} must be {want}, got {got!r}"[:400])
+
+    def ints(field: str, v: Any, least: int = 1) -> None:
+        if (
+            not isinstance(v, list)
+            or not v
+            or any(not isinstance(x, int) or isinstance(x, bool) or x < least for x in v)
+        ):
+            fail(field, f"a non-empty list of integers >= {least}", v)
+
+    for key in (
+        "mesh_shape",
+        "mesh_axes",
+        "nodes",
+        "params",
+        "inputs",
+        "reshards",
+        "predicted",
+        "cluster",
+        "fingerprint",
+    ):
+        if key not in d:
+            raise ValueError(f"plan field {key!r} is missing")
+    ints("mesh_shape", d["mesh_shape"])
+    ndim = len(d["mesh_shape"])
+    axes = d["mesh_axes"]
+    if not isinstance(axes, list) or len(axes) != ndim or not all(isinstance(a, str) and a for a in axes):
+        fail("mesh_axes", f"{ndim} axis names (one per mesh_shape entry)", axes)
+
+    def spec(field: str, v: Any) -> None:
+        if not isinstance(v, list) or len(v) != ndim or not all(isinstance(p, str) for p in v):
+            fail(field, f"a list of {ndim} placements (one per mesh axis)", v)
+        try:
+            parse_spec(tuple(v))
+        except ValueError as e:
+            fail(field, f"valid placements ({e})", v)
+
+    if not isinstance(d["nodes"], list):
+        fail("nodes", "a list", type(d["nodes"]).__name__)
+    for i, n in enumerate(d["nodes"]):
+        if not isinstance(n, dict) or not isinstance(n.get("name"), str):
+            fail(f"nodes[{i}]", "an object with a 'name'", n)
+        for j, o in enumerate(n.get("outputs", [])):
+            spec(f"nodes[{i}] ({n['name']}).outputs[{j}]", o)
+        for j, o in enumerate(n.get("inputs", [])):
+            if o is not None:
+                spec(f"nodes[{i}] ({n['name']}).inputs[{j}]", o)
+        for f in ("compute_time", "comm_time", "memory"):
+            v = n.get(f, 0.0)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not _m.isfinite(v) or v < 0:
+                fail(f"nodes[{i}] ({n['name']}).{f}", "a finite number >= 0", v)
+    for table in ("params", "inputs"):
+        if not isinstance(d[table], dict):
+            fail(table, "an object", type(d[table]).__name__)
+        for k, v in d[table].items():
+            spec(f"{table}[{k!r}]", v)
+    pred = d["predicted"]
+    if not isinstance(pred, dict):
+        fail("predicted", "an object", pred)
+    for f in ("step_time", "compute_time", "comm_time", "memory_per_device"):
+        v = pred.get(f)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not _m.isfinite(v) or v < 0:
+            fail(f"predicted.{f}", "a finite number >= 0", v)
+    if d.get("recompute", "none") not in ("none", "selective", "full"):
+        fail("recompute", "'none', 'selective' or 'full'", d.get("recompute"))
+    pipe = d.get("pipeline")
+    if pipe:
+        from autopar.schedule import SCHEDULES
+
+        for f in ("pp", "microbatches", "virtual"):
+            ints(f"pipeline.{f}", [pipe.get(f, 1)])
+        if pipe.get("schedule") not in SCHEDULES:
+            fail("pipeline.schedule", f"one of {', '.join(SCHEDULES)}", pipe.get("schedule"))
+        stages = pipe["pp"] * pipe.get("virtual", 1)
+        so = pipe.get("stage_of")
+        if not isinstance(so, dict) or any(
+            not isinstance(v, int) or not 0 <= v < stages for v in so.values()
+        ):
+            fail("pipeline.stage_of", f"an object of node name -> stage 0…{stages - 1}", str(so)[:80])
+        if len(pipe.get("stage_costs", [])) not in (0, stages):
+            fail(
+                "pipeline.stage_costs", f"{stages} entries (one per stage)", len(pipe.get("stage_costs", []))
+            )

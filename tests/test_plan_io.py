@@ -113,3 +113,27 @@ def test_importing_autopar_and_its_runtime_does_not_import_ortools(tmp_path, gpt
     run = _python(_IMPORTS_NO_ORTOOLS, str(path))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ortools modules: []" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d.update(mesh_shape="2"), "'mesh_shape'"),
+        (lambda d: d.update(mesh_shape=[2.5]), "'mesh_shape'"),
+        (lambda d: d.update(mesh_axes=["dp", "tp"]), "'mesh_axes'"),
+        (lambda d: d["params"].update({next(iter(d["params"])): ["R", "R"]}), "params["),
+        (lambda d: d["params"].update({next(iter(d["params"])): ["Q"]}), "params["),
+        (lambda d: d["nodes"][3].update(outputs=[["S(x)"]]), ").outputs[0]"),
+        (lambda d: d["predicted"].update(step_time=float("nan")), "'predicted.step_time'"),
+        (lambda d: d.update(recompute="sometimes"), "'recompute'"),
+        (lambda d: d.pop("fingerprint"), "'fingerprint' is missing"),
+    ],
+)
+def test_every_field_is_validated_and_the_error_names_it(tmp_path, gpt2_plan, edit, field):
+    d = json.loads(json.dumps(gpt2_plan.to_dict()))  # as read from a file: lists, not tuples
+    edit(d)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        autopar.Plan.load(path, verify=False)
+    assert str(path) in str(e.value) and field in str(e.value), str(e.value)
