@@ -121,6 +121,9 @@ def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dic
             "in_flight": pm.pipeline.last["in_flight"] if pm.pipeline is not None else None,
             "saved_peak": pm.pipeline.last["saved_peak"] if pm.pipeline is not None else None,
             "coord": pm.pipeline.pp.coord if pm.pipeline is not None else None,
+            "sent": {s: len(st.sent) for s, st in pm.pipeline.steps.items()}
+            if pm.pipeline is not None
+            else {},
             "report": report,
         }
     return out
@@ -159,6 +162,8 @@ def test_every_schedule_trains_like_one_process(kind):
         assert plans["interleaved"].pipeline.num_stages == 4
     results = spawn(train_worker, 2, kind, plans, timeout=540)
     _check(kind, plans, results)
+    if kind == "llama":  # its first stage sends several tensors: hidden state, rotary tables, mask
+        assert results[0]["1f1b"]["sent"][0] >= 2, results[0]["1f1b"]["sent"]
     by = {name: [r[name]["in_flight"] for r in results] for name in plans}
     assert by["gpipe"] == [4, 4] and by["1f1b"] == [2, 1], by  # 1F1B keeps fewer activations
     # Measured bytes kept for backward: 1F1B below GPipe, in the ratio the simulator predicts
@@ -234,3 +239,35 @@ def test_command_line_plans_a_pipeline(tmp_path, capsys):
     assert plan.pipeline is not None and plan.pipeline.schedule == "zb-h1"
     assert main(["--quiet", "simulate", str(out)]) == 0
     assert "rank 1" in capsys.readouterr().out
+
+
+def t5_worker(rank: int, world: int, plan: Any) -> dict[str, Any]:
+    H.quiet()
+    from test_architectures import _train, build
+
+    model, batch = build("t5")
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), batch, plan=plan)
+    sent = {s: list(st.sent) for s, st in pm.pipeline.steps.items()}
+    return {"losses": _train(pm, batch), "sent": sent}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_encoder_decoder_cut_between_encoder_and_decoder_trains_like_one_process():
+    """T5 cut in two: the only seam is where the encoder ends (inside it the relative position
+    bias crosses too, inside the decoder the encoder's output), so the encoder's output is what
+    crosses, read by every decoder layer's cross-attention; losses equal one process's. (Stages
+    passing several tensors: LLaMA's first stage sends its hidden state, rotary tables and mask.)"""
+    from test_architectures import _train, build
+
+    model, batch = build("t5")
+    plan = autopar.plan(model, batch, autopar.Cluster.local(2), pp=2, microbatches=2, schedule="1f1b")
+    results = spawn(t5_worker, 2, plan, timeout=240)
+    assert len(results[0]["sent"][0]) >= 1, results[0]["sent"]
+    model, batch = build("t5")
+    reference = _train(model, batch)
+    for r in results:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference)) <= 1e-5, (
+            r["losses"],
+            reference,
+        )
