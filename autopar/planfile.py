@@ -318,7 +318,7 @@ class Plan:
         except TypeError as e:
             raise ValueError(f"{path}: a field has the wrong form ({e}): {redo}") from None
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise ValueError(f"{path}: {e}: {redo}") from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.to_dict() == other.to_dict()
@@ -360,7 +360,7 @@ def _validate(d: dict[str, Any]) -> None:
 
     def ints(field: str, v: Any, least: int = 1) -> None:
         if (
-            not isinstance(v, list)
+            not isinstance(v, (list, tuple))
             or not v
             or any(not isinstance(x, int) or isinstance(x, bool) or x < least for x in v)
         ):
@@ -378,22 +378,22 @@ def _validate(d: dict[str, Any]) -> None:
         "fingerprint",
     ):
         if key not in d:
-            raise ValueError(f"plan field {key!r} is missing")
+            raise ValueError(f"not a plan file (no field {key!r})")
     ints("mesh_shape", d["mesh_shape"])
     ndim = len(d["mesh_shape"])
     axes = d["mesh_axes"]
-    if not isinstance(axes, list) or len(axes) != ndim or not all(isinstance(a, str) and a for a in axes):
+    if not isinstance(axes, (list, tuple)) or len(axes) != ndim or not all(isinstance(a, str) and a for a in axes):
         fail("mesh_axes", f"{ndim} axis names (one per mesh_shape entry)", axes)
 
     def spec(field: str, v: Any) -> None:
-        if not isinstance(v, list) or len(v) != ndim or not all(isinstance(p, str) for p in v):
+        if not isinstance(v, (list, tuple)) or len(v) != ndim or not all(isinstance(p, str) for p in v):
             fail(field, f"a list of {ndim} placements (one per mesh axis)", v)
         try:
             parse_spec(tuple(v))
         except ValueError as e:
             fail(field, f"valid placements ({e})", v)
 
-    if not isinstance(d["nodes"], list):
+    if not isinstance(d["nodes"], (list, tuple)):
         fail("nodes", "a list", type(d["nodes"]).__name__)
     for i, n in enumerate(d["nodes"]):
         if not isinstance(n, dict) or not isinstance(n.get("name"), str):

@@ -115,7 +115,7 @@ def test_a_truncated_edited_or_foreign_plan_file_names_the_file_and_what_to_do(t
         autopar.Plan.load(binary)
     other = tmp_path / "other.json"
     other.write_text('{"format": 2, "mesh_shape": [2]}')
-    with pytest.raises(ValueError, match=r"other.json: not a plan file \(no field 'nodes'\)"):
+    with pytest.raises(ValueError, match=r"other.json: not a plan file \(no field 'mesh_axes'\)"):
         autopar.Plan.load(other)
     with pytest.raises(FileNotFoundError, match=r"missing.json: no such plan file"):
         autopar.Plan.load(tmp_path / "missing.json")

@@ -126,7 +126,7 @@ def test_importing_autopar_and_its_runtime_does_not_import_ortools(tmp_path, gpt
         (lambda d: d["nodes"][3].update(outputs=[["S(x)"]]), ").outputs[0]"),
         (lambda d: d["predicted"].update(step_time=float("nan")), "'predicted.step_time'"),
         (lambda d: d.update(recompute="sometimes"), "'recompute'"),
-        (lambda d: d.pop("fingerprint"), "'fingerprint' is missing"),
+        (lambda d: d.pop("fingerprint"), "no field 'fingerprint'"),
     ],
 )
 def test_every_field_is_validated_and_the_error_names_it(tmp_path, gpt2_plan, edit, field):
