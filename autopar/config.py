@@ -48,7 +48,10 @@ class PlanConfig:
     """Activation recomputation in every repeated layer (``Plan.recompute``): ``"none"``,
     ``"selective"`` or ``"full"``; ``"auto"``: the fastest of the three that fits."""
     microbatches: int | None = None
-    """Micro-batches per step of a pipelined plan; ``None``: searched (multiples of ``pp``)."""
+    """Micro-batches per step: of a pipelined plan, or with ``pp=1`` gradient accumulation (the
+    micro-batches one after another, gradients reduced once); ``None``: searched (multiples of
+    ``pp``; with one stage, accumulation is tried when the whole batch does not fit, or always
+    under ``pp="search"``)."""
     schedule: str | None = None
     """Pipeline schedule (``autopar.schedule.SCHEDULES``); ``None``: searched."""
     virtual: int | None = None

@@ -7,7 +7,9 @@ Words (``autopar.schedule`` defines stage, action and the schedules):
   most one more than the model's seams, ``autopar.passes.stages``), ``m`` micro-batches (a
   multiple of ``pp`` dividing the global batch: ``pp``, ``2·pp``, ``4·pp``, … up to the batch),
   a schedule, ``v`` stages per rank (2 with ``interleaved`` where the model has the seams).
-  ``pp = 1`` is the one-stage plan.
+  ``pp = 1`` is the one-stage plan: with ``m = 1`` the whole batch at once, with ``m > 1``
+  gradient accumulation (the micro-batches one after another on every device, gradients summed
+  and reduced once, as Megatron-LM runs ``--micro-batch-size`` below the per-rank batch).
 * **stage mesh** — each pipeline rank's devices: ``world / pp`` of them, the inner devices of the
   cluster (a stage stays in one node while it fits: pipeline transfers are the ones that cross
   nodes, as Megatron-LM places them). The SPMD planner (``autopar.planner``) plans one micro-batch
@@ -127,7 +129,12 @@ def pipelined_candidates(
         return math.prod(local_shape(tuple(v.shape), parse_spec(p.outputs[0]), mesh)) * v.element_size()
 
     n_seams = len(seams(gm))
-    schedules = [config.schedule] if config.schedule else ["1f1b", "zb-h1", "gpipe", "interleaved"]
+    if config.schedule:
+        schedules = [config.schedule]
+    elif pp == 1:  # gradient accumulation: one stage, its micro-batches one after another
+        schedules = ["1f1b"]
+    else:
+        schedules = ["1f1b", "zb-h1", "gpipe", "interleaved"]
     out = []
     for schedule in schedules:
         vs = [config.virtual] if config.virtual else ([2] if schedule == "interleaved" else [1])
@@ -213,7 +220,7 @@ def plan_model(
     def whole() -> Captured:
         return captured if captured is not None else capture(model, (args, kwargs))
 
-    if config.pp == 1:
+    if config.pp == 1 and config.microbatches in (None, 1):
         return plan_captured(whole(), cluster, config)
     world = cluster.world_size
     budget = config.budget(cluster.device.memory)
@@ -230,15 +237,19 @@ def plan_model(
     seam_count: int | None = None
     for pp in pps:
         if pp == 1:
-            try:
-                p = plan_captured(whole(), cluster, config.replace(pp=1))
-                scored.append(Scored(p, p.predicted.step_time, "pp=1"))
-                tried.append({"pp": 1, "step_time": p.predicted.step_time})
-            except InfeasibleError as e:
-                errors.append(f"pp=1: {e}")
-                if config.pp == "auto" and len(pps) == 1:  # one stage does not fit: pipelines too
-                    pps += [d for d in range(2, world + 1) if world % d == 0]
-            continue
+            if config.microbatches in (None, 1):
+                try:
+                    p = plan_captured(whole(), cluster, config.replace(pp=1))
+                    scored.append(Scored(p, p.predicted.step_time, "pp=1"))
+                    tried.append({"pp": 1, "step_time": p.predicted.step_time})
+                    if config.pp != "search":
+                        continue
+                except InfeasibleError as e:
+                    errors.append(f"pp=1: {e}")
+                    if config.pp == "auto" and len(pps) == 1:  # one stage does not fit: pipelines too
+                        pps += [d for d in range(2, world + 1) if world % d == 0]
+            if batch is None or (config.microbatches in (None, 1) and config.pp == "auto" and scored):
+                continue
         sub = stage_cluster(cluster, pp)
         if sub is None:
             errors.append(
@@ -252,10 +263,10 @@ def plan_model(
             errors.append(f"pp={pp}: no batch dimension to cut into micro-batches")
             continue
         ms = [config.microbatches] if config.microbatches else []
-        if not ms and config.pp != "search":
+        if not ms and config.pp != "search" and pp > 1:
             ms = [k for k in (2 * pp, pp) if batch % k == 0][:1]
-        if not ms:
-            k = pp
+        if not ms:  # pp = 1: gradient accumulation over 2, 4, 8 micro-batches
+            k = pp if pp > 1 else 2
             while k <= batch:
                 if batch % k == 0:
                     ms.append(k)

@@ -239,8 +239,19 @@ class ParallelModule(nn.Module):
         for path, leaf in _leaves_by_path(args, kwargs).items():
             key = "input:" + path
             if key in self._specs and isinstance(leaf, torch.Tensor):
-                out[path] = local_shard(leaf, self._specs[key], self._mesh, self._coord)
+                out[path] = self._input_shard(leaf, self._specs[key])
         return out
+
+    def _input_shard(self, x: torch.Tensor, spec: Spec) -> torch.Tensor:
+        """This rank's rows of a global input. With micro-batches, the global batch is cut into
+        ``microbatches`` pieces along dimension 0 first and each piece sharded as the plan says
+        (the plan was made for one micro-batch), the pieces' shards stacked in order, so that the
+        pipeline runner's cut of the local tensor gives each micro-batch's shard — whatever the
+        input's spec (a replicated target beside a batch-split input included)."""
+        if self.microbatches == 1 or x.dim() == 0:
+            return local_shard(x, spec, self._mesh, self._coord)
+        pieces = torch.chunk(x, self.microbatches, dim=0)
+        return torch.cat([local_shard(p, spec, self._mesh, self._coord) for p in pieces], dim=0)
 
     def primal_values(
         self, args: tuple, kwargs: dict, local_inputs: bool | None = None, check: bool = True
@@ -266,7 +277,7 @@ class ParallelModule(nn.Module):
                 if isinstance(x, torch.Tensor):
                     self._check_input(key, x, local_inputs)
                     if not local_inputs:
-                        x = local_shard(x, self._specs["input:" + key], self._mesh, self._coord)
+                        x = self._input_shard(x, self._specs["input:" + key])
                     x = x.to(self.device)
                 values.append(x)
         if check and self.index_inputs:
