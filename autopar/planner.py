@@ -2,7 +2,8 @@
 
 Pipeline (each stage inspectable, see ``autopar.ir``):
 
-1. ``GRAPH_PASSES`` once: tensor facts and single-device costs (``annotate_tensors``,
+1. ``GRAPH_PASSES`` once: tensor facts, the fused kernels the cost model assumes on a GPU
+   cluster, and single-device costs (``annotate_tensors``, ``annotate_fusions``,
    ``annotate_cost``);
 2. for each candidate mesh, ``MESH_PASSES``: the strategies of every node on that mesh
    (``annotate_strategies``), a layout's restrictions where one is given, and the solver's input
@@ -45,6 +46,7 @@ from autopar.mesh import Mesh
 from autopar.passes import Pass, PassContext, run_passes
 from autopar.passes.annotate import annotate_cost, annotate_tensors
 from autopar.passes.formulate import STRATEGY_GRAPH, formulate, parse_fixed
+from autopar.passes.fusion import FUSIONS, annotate_fusions, fusion_plan
 from autopar.passes.strategies import annotate_strategies, getitem_strategies, unruled_ops, with_follow
 from autopar.placement import Replicate, Shard, format_spec
 from autopar.planfile import NodePlan, Plan, Predicted, ReshardPlan
@@ -94,7 +96,7 @@ def _progress(task: str, started: bool, done: int, total: int) -> None:
 
 NodeConstraint = Callable[[Node, Strategy], bool]
 
-GRAPH_PASSES: tuple[Pass, ...] = (annotate_tensors, annotate_cost)
+GRAPH_PASSES: tuple[Pass, ...] = (annotate_tensors, annotate_fusions, annotate_cost)
 """Passes run once per captured graph."""
 MESH_PASSES: tuple[Pass, ...] = (annotate_strategies, formulate)
 """Passes run for each candidate mesh, before the solver."""
@@ -268,15 +270,18 @@ def plan_captured(
     if best is None:
         if len(errors) == 1:
             raise errors[0]
+        known = [e.smallest for e in errors if e.smallest is not None]
         raise InfeasibleError(
             "no mesh shape fits the memory budget:\n  "
-            + "\n  ".join(f"{m}: {e}" for m, e in zip(meshes, errors))
+            + "\n  ".join(f"{m}: {e}" for m, e in zip(meshes, errors)),
+            smallest=min(known) if known else None,
         )
     mesh, sol = best
     if len(meshes) > 1:
         annotate(mesh)
     p = _build_plan(gm, cap, Mesh(mesh, cluster), sol)
     p.recompute = config.recompute
+    p.fusions = fusion_plan(gm.meta.get(FUSIONS, ()))
     facts = graph_facts(gm)
     p.info.update(
         {
@@ -364,7 +369,11 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
     def child(conn: Any, mesh: tuple[int, ...]) -> None:
         try:
             t, sol = attempt(mesh)
-            conn.send(("ok", t, sol) if not isinstance(sol, Exception) else ("infeasible", t, str(sol)))
+            conn.send(
+                ("ok", t, sol)
+                if not isinstance(sol, Exception)
+                else ("infeasible", t, (str(sol), getattr(sol, "smallest", None)))
+            )
         except Exception as exc:  # sent to the parent, which re-raises it
             try:
                 conn.send(("error", 0.0, exc))
@@ -395,7 +404,7 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
             for _, other, _ in running:
                 other.kill()
             raise payload
-        results[i] = (t, InfeasibleError(payload) if status == "infeasible" else payload)
+        results[i] = (t, InfeasibleError(*payload) if status == "infeasible" else payload)
         _progress(f"mesh {meshes[i]}", False, len(results), len(meshes))
     return [results[i] for i in range(len(meshes))]
 

@@ -38,6 +38,7 @@ from autopar.capture import Captured, capture, normalize_inputs
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.timeline import play
+from autopar.display import fmt_bytes
 from autopar.passes.stages import seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
@@ -235,6 +236,7 @@ def plan_model(
     else:
         pps = [int(config.pp)]
     seam_count: int | None = None
+    least: tuple[float, str] | None = None  # the smallest memory a failed one-stage candidate reaches
     for pp in pps:
         if pp == 1:
             if config.microbatches in (None, 1):
@@ -246,6 +248,8 @@ def plan_model(
                         continue
                 except InfeasibleError as e:
                     errors.append(f"pp=1: {e}")
+                    if e.smallest is not None:
+                        least = min(least or (e.smallest, "pp=1"), (e.smallest, "pp=1"))
                     if config.pp == "auto" and len(pps) == 1:  # one stage does not fit: pipelines too
                         pps += [d for d in range(2, world + 1) if world % d == 0]
             if batch is None or (config.microbatches in (None, 1) and config.pp == "auto" and scored):
@@ -290,6 +294,9 @@ def plan_model(
                 spmd = plan_captured(cap, sub, stage_config)
             except InfeasibleError as e:
                 errors.append(f"pp={pp} m={m}: {e}")
+                if pp == 1 and e.smallest is not None:  # a stage's figure is not one device's
+                    label = f"{m} micro-batches accumulated"
+                    least = min(least or (e.smallest, label), (e.smallest, label))
                 continue
             if seam_count is None:
                 seam_count = len(seams(cap.gm))
@@ -300,7 +307,13 @@ def plan_model(
                 tried.append({"pp": pp, "microbatches": m, "candidate": s.what, "step_time": s.step_time})
             scored += found
     if not scored:
-        raise InfeasibleError("no pipeline layout fits:\n  " + "\n  ".join(errors))
+        head = "no layout fits the memory budget"
+        if least is not None:
+            head += (
+                f": the smallest reachable is {fmt_bytes(least[0])} per device ({least[1]}); use more "
+                f"devices, a larger memory_budget, a smaller batch, or recomputation"
+            )
+        raise InfeasibleError(head + ":\n  " + "\n  ".join(errors), smallest=least[0] if least else None)
     best = min(scored, key=lambda s: s.step_time)
     best.plan.info["pipeline_candidates"] = tried
     best.plan.info["planning_time"] = time.perf_counter() - t0

@@ -13,8 +13,11 @@ Words (``autopar.cost.timeline`` holds the arithmetic, ``autopar.schedule`` the 
 * **communication** — collectives inside ops and reshards between them run where they are, on
   the critical path (tensor- and sequence-parallel collectives are synchronous with the compute
   that needs them; ZeRO-3 gathers are prefetched a layer ahead by the runtime, which this charges
-  as exposed: an upper bound), split between forward and backward like the compute. Gradient
-  reductions over data-parallel axes overlap the backward in buckets (``cost.timeline``).
+  as exposed: an upper bound), split between forward and backward like the compute; the
+  backward all-reduce of an activation's gradient (Megatron-LM's ``f``) is in the backward too.
+  A weight's gradient reduction overlaps the backward in buckets (``cost.timeline``): once per step
+  over the data-parallel axes, every micro-batch for a ZeRO parameter (gathered for use,
+  reduce-scattered after).
 * **optimizer** — one ``optimizer.step()`` over the parameter shards a rank holds
   (``autopar.cost.optimizer``), after the step's last gradient is reduced.
 """
@@ -117,7 +120,9 @@ def stage_costs(
     act = [0.0] * num_stages
     static = [0.0] * num_stages
     sync = [0.0] * num_stages
+    mb_sync = [0.0] * num_stages
     chunks = [0] * num_stages
+    kind = {n.name: n.kind for n in plan.nodes}
 
     def where(name: str) -> int:
         s = stage_of.get(name)
@@ -137,9 +142,16 @@ def stage_costs(
         w[s] += nw
     for r in plan.reshards:
         s = where(r.consumer)
-        if r.grad_sync_axes:
-            sync[s] += r.time
+        if r.grad_sync_axes and kind.get(r.producer) == "param":
+            # A weight's gradient: reduced beside the backward, once per step (data parallel),
+            # or every micro-batch when it is also gathered for use (ZeRO: reduce-scattered).
+            if r.collectives:
+                mb_sync[s] += r.time
+            else:
+                sync[s] += r.time
             chunks[s] += 1
+        elif r.grad_sync_axes:  # an activation's gradient (Megatron-LM's f): inside the backward
+            b[s] += r.time
         else:
             f[s] += r.time / 3
             b[s] += 2 * r.time / 3
@@ -155,6 +167,7 @@ def stage_costs(
                 activation=act[s],
                 static=static[s],
                 grad_sync=sync[s],
+                microbatch_sync=mb_sync[s],
                 sync_chunks=max(1, min(chunks[s], 8)),
             )
         )

@@ -46,7 +46,15 @@ SCALE = 1e12
 
 
 class InfeasibleError(RuntimeError):
-    """No strategy assignment fits the memory budget."""
+    """No strategy assignment fits the memory budget. ``smallest``: the least memory per device
+    any plan of the failed candidate reaches (bytes), where known."""
+
+    def __init__(self, message: str, smallest: float | None = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+    def __reduce__(self) -> tuple:
+        return (InfeasibleError, (str(self), self.smallest))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,7 +136,8 @@ def solve(graph: StrategyGraph, *, memory_budget: float, config: SolverConfig | 
             f"no plan fits {_fmt_bytes(memory_budget)} per device on mesh {graph.mesh_shape}: the smallest "
             f"reachable is {_fmt_bytes(graph.min_memory())} per device (parameters, gradients and optimizer "
             f"state fully sharded, activations sharded as far as shapes allow). Use more devices, a larger "
-            f"memory_budget, a smaller batch, or a cheaper optimizer."
+            f"memory_budget, a smaller batch, or a cheaper optimizer.",
+            smallest=graph.min_memory(),
         )
     picked = [next(k for k, v in enumerate(vs) if solver.Value(v)) for vs in s_vars]
     memory = sum(d.memory[k] for d, k in zip(graph.decisions, picked))

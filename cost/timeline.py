@@ -6,8 +6,10 @@ Words:
 * **stage costs** — per stage and micro-batch: ``forward``, ``backward_input`` (``B``) and
   ``backward_weight`` (``W``) seconds of compute; ``send`` seconds to move the stage's boundary
   values to the next stage (its gradients take the same time back); ``activation`` bytes kept from
-  ``F`` until ``W``; ``static`` bytes (weights, gradients, optimizer state) and ``grad_sync``
-  seconds of data-parallel gradient reduction for one micro-batch's gradients.
+  ``F`` until ``W``; ``static`` bytes (weights, gradients, optimizer state); ``grad_sync``
+  seconds of the data-parallel reduction of the step's weight gradients (once per step), and
+  ``microbatch_sync`` seconds of the reductions every micro-batch runs (a ZeRO parameter's
+  gradient reduce-scatter: its full gradient is not kept between micro-batches).
 * **play** — an action starts when its rank is free and its inputs have arrived: ``F(s, i)`` after
   ``F(s−1, i)`` plus the transfer (none when both stages are on one rank), ``B(s, i)`` after its
   ``F`` and ``B(s+1, i)`` plus the transfer, ``W(s, i)`` after its ``B``. Sends are asynchronous
@@ -16,12 +18,14 @@ Words:
   ``p`` equal stages 1F1B idles ``(p − 1)·(f + b + w)`` per rank, the bubble fraction
   ``(p − 1)/m`` of Narayanan et al. (arXiv 2104.04473 §2.2.1), and interleaving divides it by
   ``v``.
-* **gradient reduction** — the runtime reduces each micro-batch's weight gradients over the
-  data-parallel axes inside its ``W``, in ``sync_chunks`` buckets issued as the backward produces
-  them (PyTorch DDP's bucketing, Li et al., VLDB 2020), on a communication stream that runs beside
-  the compute: a ``W``'s reduction starts no earlier than the ``W`` and the communication stream is
-  free, and its last bucket no earlier than the ``W`` ends. The rank's step ends when both its
-  compute and its communication stream are done.
+* **gradient reduction** — the runtime sums a stage's weight gradients over its micro-batches
+  and reduces them over the data-parallel axes once, inside the stage's last ``W`` (PyTorch DDP's
+  ``no_sync``, Megatron-LM's gradient accumulation; ``autopar.passes.pipeline.defer_reductions``),
+  and a ZeRO parameter's gradient inside every ``W``; both in ``sync_chunks`` buckets issued as the
+  backward produces them (PyTorch DDP's bucketing, Li et al., VLDB 2020), on a communication
+  stream that runs beside the compute: a ``W``'s reduction starts no earlier than the ``W`` and
+  the communication stream is free, and its last bucket no earlier than the ``W`` ends. The
+  rank's step ends when both its compute and its communication stream are done.
 * **bubble** — a rank's idle time before its last action ends: the step's makespan less its busy
   time.
 """
@@ -62,6 +66,7 @@ class StageCost:
     activation: float = 0.0
     static: float = 0.0
     grad_sync: float = 0.0
+    microbatch_sync: float = 0.0
     sync_chunks: int = 1
 
 
@@ -131,6 +136,7 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Ti
     mem = [stages_static(stages, r, pp) for r in range(pp)]
     peak = list(mem)
     comm = [0.0] * pp  # when each rank's communication stream is free
+    last_w = {(r, a[1]): i for r in range(pp) for i, a in enumerate(actions[r]) if a[0] == "W"}
 
     def arrival(dep: Action, same_rank: bool, transfer: float) -> float | None:
         t = done.get(dep)
@@ -179,11 +185,12 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Ti
                     peak[r] = max(peak[r], mem[r])
                 elif kind == "W":
                     mem[r] -= c.activation
-                    if c.grad_sync > 0:
-                        last = c.grad_sync / max(1, c.sync_chunks)
+                    sync = c.microbatch_sync + (c.grad_sync if last_w[(r, s)] == pos[r] - 1 else 0.0)
+                    if sync > 0:
+                        last = sync / max(1, c.sync_chunks)
                         begin = max(comm[r], start)
-                        comm[r] = max(begin + c.grad_sync, end + last)
-                        tl.comm.append((r, comm[r] - c.grad_sync, comm[r]))
+                        comm[r] = max(begin + sync, end + last)
+                        tl.comm.append((r, comm[r] - sync, comm[r]))
     stuck = [(r, actions[r][pos[r]]) for r in range(pp) if pos[r] < len(actions[r])]
     if stuck:
         raise ValueError(f"the schedule deadlocks: ranks wait forever at {stuck}")

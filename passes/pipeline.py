@@ -16,6 +16,12 @@ Words:
   the previous stages are waiting for) and a weight-gradient program (``W``: the parameters'
   gradients), as zero-bubble schedules run them (Qi et al., ICLR 2024); other schedules run
   ``B`` and ``W`` back to back.
+* **deferred reduction** — with several micro-batches, a weight gradient that is all-reduced over
+  the data-parallel axes (and only returned) is reduced once per step, not once per micro-batch:
+  every ``W`` but the stage's last runs a *local* weight-gradient program that returns the
+  unreduced values, which the runner sums; the last ``W`` adds that sum in before its
+  all-reduces (PyTorch DDP's ``no_sync`` and Megatron-LM's gradient accumulation: the reduction
+  overlaps only the last micro-batch's backward). ``defer_reductions`` builds the two programs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ __all__ = [
     "StageStep",
     "build_stage_step",
     "cut_stages",
+    "defer_reductions",
     "differentiable_values",
     "propagate_fake",
     "split_backward",
@@ -257,21 +264,27 @@ def build_stage_step(
     ctx: object,
     passes: Sequence[object] | None = None,
     differentiable: set[str] | None = None,
+    microbatches: int = 1,
 ) -> StageStep:
-    """Trace stage ``sp``'s whole step and split it (see module docstring).
+    """Trace stage ``sp``'s whole step and split it (see module docstring); the stage's fusible
+    groups are first replaced by fused kernels (``autopar.passes.fusion.fuse_kernels``).
 
     ``primals``: example values of the whole program's placeholders (only shapes are read);
     ``trainable``: indices of those that are trainable parameters; ``info``: the program's
     ``RankInfo`` (primal roles, for the rank-program passes, which run on the stage's step);
     ``differentiable``: the boundary values a gradient flows back through (``differentiable``):
     the stage computes gradients for the received ones among them, and must be handed gradients
-    for exactly the sent ones among them (else the ranks would wait for each other forever)."""
+    for exactly the sent ones among them (else the ranks would wait for each other forever);
+    ``microbatches`` > 1: data-parallel gradient reductions are deferred to the stage's last
+    micro-batch (``defer_reductions``)."""
     from dataclasses import replace
 
     from autopar.passes import run_passes
+    from autopar.passes.fusion import fuse_kernels
     from autopar.passes.joint import RANK, mark_phases_keep, trace_joint
     from autopar.passes.overlap import RANK_PASSES
 
+    sp.gm = run_passes(sp.gm, ctx, [fuse_kernels])  # fused kernels, where they run
     phs = [n for n in sp.gm.graph.nodes if n.op == "placeholder"]
     examples = [primals[i] for i in sp.primals] + [
         phs[len(sp.primals) + k].meta["val"] for k in range(len(sp.received))
@@ -298,11 +311,14 @@ def build_stage_step(
                 f"{names}; the pipeline cannot be cut there (report this with the model)"
             )
     fwd, bwd_i, bwd_w, n_saved_i, saved_w = split_backward(jp, len(sp.primals))
+    local_w, last_w, deferred = defer_reductions(bwd_w) if microbatches > 1 else (None, bwd_w, 0)
     return StageStep(
         stage=sp.stage,
         forward=fwd,
         backward_input=bwd_i,
-        backward_weight=bwd_w,
+        backward_weight=last_w,
+        backward_weight_local=local_w,
+        num_deferred=deferred,
         joint=jp.gm,
         primals=sp.primals,
         received=sp.received,
@@ -320,6 +336,90 @@ def build_stage_step(
             for k in range(len(sp.received))
         ],
     )
+
+
+def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModule, int]:
+    """``(local, last, k)``: the weight-gradient program ``bwd_w`` split for gradient accumulation
+    (module docstring, deferred reduction). The ``k`` deferred reductions are the all-reduce
+    (sum) issues whose waited result reaches only the outputs, through views (data-parallel
+    weight gradients and their buckets, ``passes.overlap.bucket_gradients``).
+
+    * ``local(*inputs) -> (*grads, *unreduced)``: the gradients the reductions produce are
+      ``None``; ``unreduced`` are the ``k`` values the all-reduces would have summed.
+    * ``last(*inputs, *sums) -> grads``: ``bwd_w`` with each reduction's input increased by the
+      matching sum of the earlier micro-batches' unreduced values before it is all-reduced.
+
+    ``(None, bwd_w, 0)`` when nothing is deferred."""
+    from autopar.passes.overlap import _only_returned, is_issue, is_wait
+
+    def deferrable(g: Graph) -> list[Node]:
+        out = output_node_of(g)
+        return [
+            n
+            for n in g.nodes
+            if is_issue(n)
+            and n.target is torch.ops._c10d_functional.all_reduce.default
+            and n.args[1] == "sum"
+            and len(n.users) == 1
+            and is_wait(next(iter(n.users)))
+            and _only_returned(next(iter(n.users)), out)
+        ]
+
+    def output_node_of(g: Graph) -> Node:
+        return next(n for n in reversed(g.nodes) if n.op == "output")
+
+    if not deferrable(bwd_w.graph):
+        return None, bwd_w, 0
+
+    # The last micro-batch: sums in before the all-reduces.
+    last = GraphModule(bwd_w, _copy_graph(bwd_w.graph), class_name="StageBackwardWeightLast")
+    issues = deferrable(last.graph)
+    phs = [n for n in last.graph.nodes if n.op == "placeholder"]
+    sums = []
+    with last.graph.inserting_after(phs[-1]):
+        for k in reversed(range(len(issues))):
+            sums.insert(0, last.graph.placeholder(f"deferred_sum_{k}"))
+    for issue, acc in zip(issues, sums):
+        x = issue.args[0]
+        acc.meta.update({k: v for k, v in x.meta.items() if k == "val"})
+        with last.graph.inserting_before(issue):
+            added = last.graph.call_function(torch.ops.aten.add.Tensor, (x, acc))
+        added.meta.update(issue.meta)
+        issue.update_arg(0, added)
+    last.graph.lint()
+    last.recompile()
+
+    # Every other micro-batch: no reduction, the unreduced values returned.
+    local = GraphModule(bwd_w, _copy_graph(bwd_w.graph), class_name="StageBackwardWeightLocal")
+    g = local.graph
+    issues = deferrable(g)
+    out = output_node_of(g)
+    reduced: set[Node] = set()
+    stack = [next(iter(i.users)) for i in issues]
+    while stack:
+        n = stack.pop()
+        if n in reduced or n is out:
+            continue
+        reduced.add(n)
+        stack.extend(n.users)
+    grads = [None if isinstance(r, Node) and r in reduced else r for r in out.args[0]]
+    unreduced = [i.args[0] for i in issues]
+    out.args = ((*grads, *unreduced),)
+    for n in reversed(list(g.nodes)):  # collectives count as side effects: erase them by hand
+        if (n in reduced or n in issues) and not n.users:
+            g.erase_node(n)
+    g.eliminate_dead_code()
+    g.lint()
+    local.recompile()
+    return local, last, len(unreduced)
+
+
+def _copy_graph(g: Graph) -> Graph:
+    new = Graph()
+    env: dict[Node, Node] = {}
+    out = new.graph_copy(g, env)
+    new.output(out)
+    return new
 
 
 _NO_GRAD = frozenset(("detach", "detach_", "alias_no_grad"))
@@ -393,7 +493,9 @@ def build_pipeline(
                     holders[name].append(coord[sp.stage])
     rg = differentiable_values(program, trainable_anywhere if trainable_anywhere is not None else trainable)
     steps = {
-        sp.stage: build_stage_step(sp, primals, trainable, info, ctx, differentiable=rg)
+        sp.stage: build_stage_step(
+            sp, primals, trainable, info, ctx, differentiable=rg, microbatches=microbatches
+        )
         for sp in stages
         if coord[sp.stage] == pp_axis.coord
     }

@@ -46,6 +46,12 @@ class StageStep:
     ``forward(*primals, *received) -> (*sent, *outputs, *saved)``;
     ``backward_input(*saved[:num_saved_i], *tangents) -> (*received_grads, *passed)``;
     ``backward_weight(*saved[saved_w], *passed) -> param_grads``.
+
+    With several micro-batches and data-parallel weight gradients, ``backward_weight`` runs for
+    the stage's last micro-batch only and takes ``num_deferred`` sums after its inputs (the
+    earlier micro-batches' unreduced gradients, which it adds in before reducing them once);
+    the earlier ones run ``backward_weight_local(*saved[saved_w], *passed) -> (*param_grads,
+    *unreduced)``, whose reduced gradients are ``None`` (``passes.pipeline.defer_reductions``).
     """
 
     stage: int
@@ -68,6 +74,8 @@ class StageStep:
     """Positions in ``primals`` whose gradient ``backward_weight`` returns."""
     received_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     """Shape and dtype of each received value (one micro-batch)."""
+    backward_weight_local: GraphModule | None = None
+    num_deferred: int = 0
 
 
 def _storages(values: tuple) -> dict[int, float]:
@@ -173,6 +181,8 @@ class PipelineRunner:
         }
         t_step = time.perf_counter()
         last = max(self.stage_coord)
+        last_w = {s: mb for k, s, mb in self.actions if k == "W"}  # each stage's last weight gradient
+        deferred: dict[int, list[torch.Tensor]] = {}  # stage -> unreduced sums (deferred reduction)
 
         def recv(
             value: str, src_stage: int, mb: int, direction: int, shape: tuple, dtype: torch.dtype
@@ -257,10 +267,27 @@ class PipelineRunner:
                     refs[ptr][1] -= 1
                     if refs[ptr][1] == 0:
                         live -= refs.pop(ptr)[0]
+                args = [sv[j] for j in step.saved_w] + list(passed.pop((stage, mb)))
                 t0 = time.perf_counter()
-                res = step.backward_weight(*[sv[j] for j in step.saved_w], *passed.pop((stage, mb)))
+                if step.num_deferred and mb != last_w[stage]:
+                    res = step.backward_weight_local(*args)
+                    res, unreduced = res[: len(step.param_grads)], res[len(step.param_grads) :]
+                    acc = deferred.get(stage)
+                    deferred[stage] = (
+                        list(unreduced) if acc is None else [a + u for a, u in zip(acc, unreduced)]
+                    )
+                elif step.num_deferred:
+                    sums = deferred.pop(stage, None)
+                    if sums is None:  # one micro-batch of this stage in the step
+                        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+                        sums = [torch.zeros((), device=dev)] * step.num_deferred
+                    res = step.backward_weight(*args, *sums)
+                else:
+                    res = step.backward_weight(*args)
                 clock["compute"] += time.perf_counter() - t0
                 for j, g in zip(step.param_grads, res):
+                    if g is None:
+                        continue
                     i = step.primals[j]
                     grads[i] = g if i not in grads else grads[i] + g
         t0 = time.perf_counter()

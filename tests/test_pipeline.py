@@ -18,6 +18,7 @@ from typing import Any
 
 import _runtime_helpers as H
 import pytest
+import torch
 
 import autopar
 from autopar.passes import PassContext, run_passes
@@ -125,8 +126,20 @@ def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dic
             if pm.pipeline is not None
             else {},
             "report": report,
+            "reductions": {
+                s: (st.num_deferred, _all_reduces(st.backward_weight_local), _all_reduces(st.backward_weight))
+                for s, st in pm.pipeline.steps.items()
+            }
+            if pm.pipeline is not None
+            else {},
         }
     return out
+
+
+def _all_reduces(gm: Any) -> int:
+    if gm is None:
+        return 0
+    return sum(1 for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
 
 
 def _check(kind: str, plans: dict[str, Any], results: list[dict[str, Any]]) -> None:
@@ -218,6 +231,11 @@ def test_gradient_accumulation_trains_like_one_process():
     for kind, plan in plans.items():
         results = spawn(train_worker, 2, kind, {"accumulate": plan}, timeout=240)
         _check(kind, {"accumulate": plan}, results)
+        # The data-parallel reductions run once per step, in the last micro-batch's backward: the
+        # other micro-batch's weight-gradient program reduces nothing.
+        for r in results:
+            ((deferred, local, last),) = r["accumulate"]["reductions"].values()
+            assert deferred >= 1 and local == 0 and last >= deferred, r["accumulate"]["reductions"]
 
 
 def test_best_megatron_tunes_the_knobs_it_is_not_given():
