@@ -39,7 +39,7 @@ from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.timeline import play
 from autopar.display import fmt_bytes
-from autopar.passes.stages import seams, stage_cuts
+from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
 from autopar.planner import InfeasibleError, plan_captured
@@ -106,8 +106,11 @@ def pipelined_candidates(
     pp: int,
     m: int,
     budget: float,
+    by_layers: bool = False,
 ) -> list[Scored]:
-    """Every schedule for one ``(pp, m)`` around the stage plan ``spmd`` (module docstring)."""
+    """Every schedule for one ``(pp, m)`` around the stage plan ``spmd`` (module docstring).
+    ``by_layers``: cut at equal layer counts as Megatron-LM does (``passes.stages.layer_cuts``)
+    instead of balancing the stages' cost."""
     facts = graph_facts(gm)
     by_name = {n.name: n for n in spmd.nodes}
     vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
@@ -146,7 +149,7 @@ def pipelined_candidates(
                 continue
             S = pp * v
             try:
-                stage_of = stage_cuts(gm, S, node_time)
+                stage_of = layer_cuts(gm, S) if by_layers else stage_cuts(gm, S, node_time)
             except ValueError:
                 continue
             boundary = [0.0] * S

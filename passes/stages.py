@@ -18,6 +18,9 @@ Words:
   (forward + backward, from ``autopar.ir.NodeCost`` or given per node), by dynamic programming
   over the seams (the classic linear partition problem; Megatron-LM cuts at layer counts, which
   is this with equal layers and no embedding or head).
+* **layer cuts** — Megatron-LM's own rule (``layer_cuts``, what ``autopar.layouts.megatron``
+  states): every stage holds the same number of repeated layers, the embedding going with the
+  first and the head with the last, whatever they cost.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from collections.abc import Callable
 
 from torch.fx import GraphModule, Node
 
+from autopar.graph import outer_instance
 from autopar.ir import COST, TENSOR
 
-__all__ = ["cut_bytes", "seams", "stage_cuts"]
+__all__ = ["cut_bytes", "layer_cuts", "seams", "stage_cuts"]
 
 
 def _compute_nodes(gm: GraphModule) -> list[Node]:
@@ -137,6 +141,52 @@ def stage_cuts(
         cuts.append(ends[j])
         j = back[k][j]
     cuts.reverse()
+    stage_of: dict[str, int] = {}
+    s = 0
+    for i, n in enumerate(nodes):
+        while s < len(cuts) and i >= cuts[s]:
+            s += 1
+        stage_of[n.name] = s
+    return stage_of
+
+
+def layer_cuts(gm: GraphModule, num_stages: int) -> dict[str, int]:
+    """Captured node name -> stage, every stage holding ``L / num_stages`` of the model's ``L``
+    repeated layers (module docstring, layer cuts), cut at the seam after each stage's last
+    layer. The repeated layers are the instances of the most repeated module path (``blocks.3``,
+    ``model.layers.3``; an encoder-decoder's encoder and decoder layers count together, in order).
+    Raises ``ValueError`` when the layers do not divide evenly or no seam follows a stage's last
+    layer."""
+    nodes = _compute_nodes(gm)
+    if num_stages == 1:
+        return {n.name: 0 for n in nodes}
+    instance = []
+    for n in nodes:
+        info = n.meta.get(TENSOR)
+        path = outer_instance(info.module) if info is not None else ""
+        instance.append(path if path.rsplit(".", 1)[-1].isdigit() else "")
+    order: list[str] = list(dict.fromkeys(i for i in instance if i))
+    layers = len(order)
+    if layers % num_stages:
+        raise ValueError(
+            f"{layers} repeated layers do not divide into {num_stages} stages of equal layer counts; "
+            f"use a stage count dividing {layers}"
+        )
+    per = layers // num_stages
+    last_of = {}
+    for i, p in enumerate(instance):
+        if p:
+            last_of[p] = i
+    cand = set(seams(gm)) | set(seams(gm, 0.05))
+    cuts = []
+    for k in range(1, num_stages):
+        boundary = last_of[order[k * per - 1]]  # the stage's last layer ends after this node
+        after = [c for c in sorted(cand) if boundary <= c < last_of[order[k * per]]]
+        if not after:
+            raise ValueError(
+                f"no seam between layer {k * per - 1} and layer {k * per} to cut stage {k - 1} at"
+            )
+        cuts.append(after[0] + 1)
     stage_of: dict[str, int] = {}
     s = 0
     for i, n in enumerate(nodes):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.models import GPT, GPTConfig
 from autopar.passes import PassContext, run_passes
 from autopar.passes.annotate import annotate_cost, annotate_tensors
 from autopar.passes.stages import cut_bytes, seams, stage_cuts
@@ -310,3 +311,42 @@ def test_encoder_decoder_cut_between_encoder_and_decoder_trains_like_one_process
             r["losses"],
             reference,
         )
+
+
+def test_unequal_depth_gets_unequal_cuts_that_beat_equal_layer_counts():
+    """A vocabulary of 128k over a hidden size of 512: the LM head costs as much as several layers.
+    Megatron-LM's rule (equal layer counts per stage, ``layer_cuts``) leaves the last stage with
+    the head on top of its layers; the cost-balanced cuts (``stage_cuts``) give it fewer layers,
+    and the same stage plan then simulates faster."""
+    from autopar.capture import capture, normalize_inputs
+    from autopar.config import PlanConfig
+    from autopar.planner import plan_captured
+    from autopar.search import microbatch_inputs, pipelined_candidates, stage_cluster
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=128000, block_size=1024))
+    ids = torch.empty(32, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=1)
+    pp, m = 4, 8
+    args, kwargs = normalize_inputs((ids, ids))
+    cap = capture(model, microbatch_inputs(args, kwargs, m))
+    config = PlanConfig(schedule="1f1b")
+    spmd = plan_captured(cap, stage_cluster(cluster, pp), config.replace(memory_budget=1e12))
+    budget = config.budget(cluster.device.memory)
+    (balanced,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
+    (equal,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget, by_layers=True)
+
+    def layers(plan: Any) -> list[int]:
+        from autopar.graph import outer_instance
+        from autopar.ir import TENSOR
+
+        per = [set() for _ in range(pp)]
+        for n in cap.gm.graph.nodes:
+            s, info = plan.pipeline.stage_of.get(n.name), n.meta.get(TENSOR)
+            if s is not None and info is not None and info.module.startswith("blocks."):
+                per[s].add(outer_instance(info.module))
+        return [len(x) for x in per]
+
+    assert layers(equal.plan) == [2, 2, 2, 2]
+    assert layers(balanced.plan)[-1] < 2  # the head's stage holds fewer layers
+    assert balanced.step_time < 0.95 * equal.step_time, (balanced.step_time, equal.step_time)
