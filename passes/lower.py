@@ -169,10 +169,11 @@ class _Lowerer:
         """``producer``'s local value laid out as ``dst`` (+ gradient sync for split consumers)."""
         src = self.spec_out(producer)
         val = producer.meta["val"]
-        steps = reshard_steps(tuple(val.shape), src, dst, self.mesh)
+        # A collective over an axis of one device moves nothing: such steps and syncs are left out.
+        steps = [st for st in reshard_steps(tuple(val.shape), src, dst, self.mesh) if self.mesh[st.axis] > 1]
         pplan = self.np.get(producer.name)
         stage = pplan.zero_stage if pplan is not None and pplan.kind == "param" else 0
-        sync = set(grad_sync_axes(split, dst, val.is_floating_point()))
+        sync = {a for a in grad_sync_axes(split, dst, val.is_floating_point()) if self.mesh[a] > 1}
         last = {s.axis: s for s in steps}
         # ZeRO-1 keeps full gradients: its gathers are not fused with the gradient all-reduce.
         fused = frozenset(a for a in sync if a in last and last[a].kind == StepKind.ALL_GATHER and stage != 1)
@@ -211,6 +212,7 @@ class _Lowerer:
         """The value a consumer reads for ``producer``: a data-parallel weight synced at the weight
         (``plan_param_syncs``) gets its ``grad_sync`` here, once per pipeline stage that reads it."""
         axes = self.param_syncs.get(producer.name) if producer.op == "placeholder" else None
+        axes = tuple(a for a in axes or () if self.mesh[a] > 1)
         if not axes:
             return self.env[producer]
         key = (producer, self.pstage)
@@ -373,7 +375,14 @@ class _Lowerer:
             (kind,) = {LOCAL_OPS[r] for r in rewrites}  # one local op per node, on any number of axes
             self.env[node] = kind(self, node, p, args, kwargs, ins)
         else:
-            self.env[node] = self.g.call_function(_out_of_place(node), tuple(args), kwargs)
+            target = _out_of_place(node)
+            if target is aten.view.default:
+                # A captured ``view`` holds for the strides seen at capture; here its input may come
+                # from a collective, a local op or a kernel with another layout (SDPA's output is
+                # [b, t, h, d]-strided on one path, contiguous on another): ``reshape`` views when
+                # it can and copies when it must.
+                target = aten.reshape.default
+            self.env[node] = self.g.call_function(target, tuple(args), kwargs)
         if rewrites & {Rewrite.EXPERT_DISPATCH, Rewrite.EXPERT_LOCAL} or (
             not rewrites & _EXPERTS and any(i in self.dispatched for i in ins)
         ):

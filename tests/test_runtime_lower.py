@@ -236,3 +236,26 @@ def test_zero3_parameters_are_gathered_through_the_freeing_store(gpt_megatron):
     gathered = {n.args[0].name for n in _calls(gm, C) if n.target is C.all_gather_param}
     assert gathered == {cap_name for cap_name, fqn in cap.params.items() if fqn in plan.zero_stages()}
     assert gm._gathered_params.used
+
+
+def test_a_lowered_program_propagates_whatever_layout_attention_returns():
+    """``y.transpose(1, 2).contiguous().view(b, t, c)`` after SDPA: the capture recorded no copy
+    (the exported SDPA output was [b, t, h, d]-strided, its transpose contiguous), but the
+    pipeline's fake propagation of the lowered program gets SDPA's math-path layout (contiguous
+    [b, h, t, d]), and a ``view`` of its transpose fails ("Cannot view a tensor with shape …"). The
+    lowering emits ``reshape`` for ``view``: a view where the layout allows, a copy where not."""
+    from autopar.passes.pipeline import propagate_fake
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=128, vocab_size=VOCAB, block_size=32))
+    inputs = (torch.randint(0, VOCAB, (2, 32)), torch.randint(0, VOCAB, (2, 32)))
+    cluster = autopar.Cluster.local(1)
+    plan = autopar.plan(model, inputs, cluster)
+    cap = autopar.capture(model, inputs)
+    gm = lower(cap, plan, _axes(plan, (0,)), device="cpu")
+    assert not any(n.target is aten.view.default for n in gm.graph.nodes)
+    captured = {n.name: n.meta["val"] for n in cap.gm.graph.nodes if n.op == "placeholder"}
+    primals = [captured[n.name] for n in gm.graph.nodes if n.op == "placeholder"]  # one device: whole
+    propagate_fake(gm, primals)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.args[0][0].meta["val"].shape == ()
