@@ -78,8 +78,17 @@ class MemorySetup:
     """Optimizer whose state is counted (``autopar.cost.memory.OPTIMIZER_BYTES_PER_PARAM``)."""
     mixed_precision: bool | None = None
     """fp32 master weights for bf16/fp16 parameters; None: when the parameters are bf16/fp16."""
+    optimizer_state_dtype: str | None = None
+    """dtype of the optimizer's moments (``"bfloat16"``: ZeRO's 12 / 5 / 3.25 / 1.5 bytes per
+    parameter at N = 8 with the fp32 master kept); None: fp32 under mixed precision, else the
+    parameters' dtype (``autopar.cost.memory.state_bytes_per_param``)."""
 
     def __post_init__(self) -> None:
+        if self.optimizer_state_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"MemorySetup: optimizer_state_dtype must be 'float32', 'bfloat16', 'float16' or None, "
+                f"got {self.optimizer_state_dtype!r}"
+            )
         for name in ("dp", "tp", "pp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -101,6 +110,12 @@ class MemorySetup:
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def state_bytes(self) -> int | None:
+        """Bytes per element of an optimizer moment (None: the default rule)."""
+        sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+        return sizes[self.optimizer_state_dtype] if self.optimizer_state_dtype else None
 
     @property
     def num_microbatches(self) -> int:
@@ -157,7 +172,13 @@ class MemoryEstimate:
         """Training-state bytes per parameter held, and the formula (``"4 + 12/8"``)."""
         pb = self.param_bytes
         opt = (
-            training_state_bytes(1, pb, optimizer=self.setup.optimizer, mixed_precision=self.mixed_precision)
+            training_state_bytes(
+                1,
+                pb,
+                optimizer=self.setup.optimizer,
+                mixed_precision=self.mixed_precision,
+                state_bytes=self.setup.state_bytes,
+            )
             - 2 * pb
         )
         z, n = self.setup.zero_stage, self.setup.dp
@@ -238,7 +259,7 @@ def estimate_memory(cap: Captured, cluster: Cluster, setup: MemorySetup) -> Memo
         numel = sum(params[u] for u in mine)
         p_shards, g_shards, o_shards = (n if z >= 3 else 1), (n if z >= 2 else 1), (n if z >= 1 else 1)
         total = training_state_bytes(
-            numel, pb, optimizer=setup.optimizer, mixed_precision=mixed,
+            numel, pb, optimizer=setup.optimizer, mixed_precision=mixed, state_bytes=setup.state_bytes,
             param_shards=p_shards, grad_shards=g_shards, optimizer_shards=o_shards,
         )  # fmt: skip
         parameters, gradients = numel * pb / p_shards, numel * pb / g_shards

@@ -139,6 +139,17 @@ def test_memory_of_llama3_8b_on_8_h100_follows_the_zero_arithmetic(capsys):
     assert rows[1].rstrip().endswith("5.5 = 4 + 12/8")
     assert rows[2].rstrip().endswith("3.75 = 2 + 14/8")
     assert rows[3].rstrip().endswith("2 = 16/8") and "14.96 GiB" in rows[3]
+    # bf16 moments, fp32 master kept (K = 8): the published 12 / 5 / 3.25 / 1.5 bytes per parameter.
+    code, out, err = run(capsys, "memory", "llama3-8b", "--batch", "8", "--seq", "8192", "--recompute", "none",
+                         "--optimizer-state-dtype", "bf16")  # fmt: skip
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith(("  no ZeRO", "  ZeRO-"))][:4]
+    assert [r.split()[-1] if "=" not in r else r.split("  ")[-1].strip() for r in rows] == [
+        "12",
+        "5 = 4 + 8/8",
+        "3.25 = 2 + 10/8",
+        "1.5 = 12/8",
+    ], rows
 
 
 def test_errors_are_one_line_with_a_nonzero_status(capsys, tmp_path):
