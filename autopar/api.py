@@ -133,16 +133,38 @@ def parallelize(
 def _capture_step(
     pm: ParallelModule, plan: Plan, cluster: Cluster, config: PlanConfig, example_inputs: Any
 ) -> None:
-    """Trace this rank's whole training step (forward and backward, every collective a node) and
-    run the rank-program passes over it; where the backward cannot be traced, the forward program
-    runs under autograd (the collectives' backward run as autograd calls them) and one warning
-    names what blocked the capture."""
+    """Replace the fusible groups of this rank's forward program by fused kernels
+    (``autopar.passes.fusion.fuse_kernels``, where they run), then trace the whole training step
+    (forward and backward, every collective a node) and run the rank-program passes over it;
+    where the backward cannot be traced, the forward program runs under autograd (the
+    collectives' backward run as autograd calls them) and one warning names what blocked the
+    capture."""
     import warnings
 
     from autopar.capture import normalize_inputs
-    from autopar.passes import PassContext
+    from autopar.passes import PassContext, run_passes
+    from autopar.passes.fusion import fuse_kernels, kernels_run
     from autopar.passes.joint import PrimalInfo, RankInfo, build_step
+    from autopar.passes.pipeline import propagate_fake
 
+    args, kwargs = normalize_inputs(example_inputs)
+    ctx = PassContext(captured=pm.captured, cluster=cluster, config=config)
+    if "fuse_kernels" not in config.disable and kernels_run(pm.device, config):  # the matcher reads shapes
+        for ax in pm.axes:
+            ax.counting = False  # a run on fake tensors: not a step
+        try:
+            propagate_fake(pm.program, pm.primal_values(args, kwargs, local_inputs=False, check=False))
+        except Exception as exc:  # unknown shapes: fuse_kernels leaves the program as it is, and says so
+            warnings.warn(
+                f"autopar: the rank program's shapes could not be propagated ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); its ops run unfused",
+                stacklevel=3,
+            )
+        finally:
+            pm.program._gathered_params.clear()  # ZeRO-3 gathers the fake run registered
+            for ax in pm.axes:
+                ax.counting = True
+    pm.program = run_passes(pm.program, ctx, [fuse_kernels])
     if not pm.grad_primals():
         return  # nothing to train: the forward program is the whole step
     stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
@@ -153,8 +175,6 @@ def _capture_step(
         recompute=plan.recompute,
         **(_recompute_info(pm.captured, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
     )
-    args, kwargs = normalize_inputs(example_inputs)
-    ctx = PassContext(captured=pm.captured, cluster=cluster, config=config)
     for ax in pm.axes:
         ax.counting = False  # tracing runs the collectives' Python code once: not a step
     try:

@@ -75,6 +75,10 @@ class PlanConfig:
     """Cap on strategies per node (the cheapest kept; replicated always kept)."""
     disable: tuple[str, ...] = ()
     """Names of passes to skip (planning passes and rank-program passes alike)."""
+    interpret_kernels: bool = False
+    """Fuse a CPU rank's program too, its Triton kernels run by Triton's interpreter (slow: for
+    tests; ``TRITON_INTERPRET=1`` must be set before triton is imported). Off: on the CPU the
+    eager ops stay; on a GPU the kernels always run (``autopar.passes.fusion``)."""
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:

@@ -378,6 +378,12 @@ def plan_summary(plan: Plan) -> str:
         )
     if plan.recompute != "none":
         lines.append(f"  recomputation: {plan.recompute} (in every repeated layer)")
+    fused = plan.fusion_counts()
+    if fused:
+        lines.append(
+            "  fused kernels assumed (autopar.runtime.kernels): "
+            + ", ".join(f"{kind} ×{n}" for kind, n in fused.items())
+        )
     budget = info.get("memory_budget")
     mem = f"  memory per device {fmt_bytes(p.memory_per_device)}"
     if budget:

@@ -21,7 +21,17 @@ from dataclasses import dataclass, field
 
 from autopar.placement import Spec
 
-__all__ = ["COST", "STRATEGIES", "TENSOR", "NodeCost", "NodeStrategies", "Rewrite", "Strategy", "TensorInfo"]
+__all__ = [
+    "COST",
+    "STRATEGIES",
+    "TENSOR",
+    "FusionKind",
+    "NodeCost",
+    "NodeStrategies",
+    "Rewrite",
+    "Strategy",
+    "TensorInfo",
+]
 
 TENSOR = "autopar.tensor"
 COST = "autopar.cost"
@@ -53,6 +63,21 @@ class Rewrite(str, enum.Enum):
     devices of their tokens after (all-to-all)."""
     EXPERT_DISPATCH_COMBINE = "expert_dispatch_combine"
     """Dispatch, the grouped matmul over this device's experts, and combine."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FusionKind(str, enum.Enum):
+    """A fused kernel family (``autopar.runtime.kernels``): the kind of a group of nodes one fused
+    kernel replaces (``autopar.passes.fusion``), costed by ``autopar.cost.fusion``."""
+
+    ADD_LAYER_NORM = "add_layer_norm"
+    ADD_RMS_NORM = "add_rms_norm"
+    BIAS_GELU = "bias_gelu"
+    SWIGLU = "swiglu"
+    ROTARY = "rotary"
+    CROSS_ENTROPY = "cross_entropy"
 
     def __str__(self) -> str:
         return self.value

@@ -23,7 +23,7 @@ from typing import Any
 import autopar.display as display
 from autopar.placement import Spec, parse_spec
 
-__all__ = ["NodePlan", "PipelinePlan", "Plan", "Predicted", "ReshardPlan"]
+__all__ = ["FusionPlan", "NodePlan", "PipelinePlan", "Plan", "Predicted", "ReshardPlan"]
 
 FORMAT_VERSION = 2
 """Version 2: ``NodePlan.zero_stage`` replaced the ``zero1``/``zero2`` rewrite tags of version 1."""
@@ -70,6 +70,19 @@ class ReshardPlan:
     time: float
     """Forward + backward seconds."""
     bytes_per_axis: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FusionPlan:
+    """A group of nodes the cost model charged as one fused kernel (``autopar.passes.fusion``):
+    what the plan assumed the runtime's ``fuse_kernels`` pass fuses."""
+
+    kind: str
+    """The kernel family (``autopar.ir.FusionKind``: ``add_rms_norm``, ``rotary`` …)."""
+    members: tuple[str, ...]
+    """The captured nodes it replaces, in program order."""
+    anchor: str
+    """The member whose ``compute_time`` holds the fused kernel's time (the others hold none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +179,9 @@ class Plan:
     recompute: str = "none"
     """Activation recomputation in every repeated layer: ``"none"``, ``"selective"`` (attention
     scores) or ``"full"`` (keep each layer's input; ``autopar.passes.recompute``)."""
+    fusions: list[FusionPlan] = field(default_factory=list)
+    """The fused kernels the predicted costs assume (empty on a CPU cluster or with
+    ``disable=("fuse_kernels",)``; ``fusion_counts()`` per kind)."""
 
     @property
     def world_size(self) -> int:
@@ -195,6 +211,14 @@ class Plan:
             for n in self.nodes
             if n.kind == "param" and n.name in gathered and any(p.startswith("S") for p in n.outputs[0])
         }
+
+    def fusion_counts(self) -> dict[str, int]:
+        """Fused kernels the plan assumed, per kind in ``FusionKind`` order (``{"add_rms_norm": 5,
+        "swiglu": 2, …}``)."""
+        from autopar.ir import FusionKind
+
+        kinds = [f.kind for f in self.fusions]
+        return {str(k): kinds.count(str(k)) for k in FusionKind if str(k) in kinds}
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -233,6 +257,7 @@ class Plan:
             "info": self.info,
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
             "recompute": self.recompute,
+            "fusions": [asdict(f) for f in self.fusions],
         }
 
     @classmethod
@@ -275,6 +300,10 @@ class Plan:
             info=d.get("info", {}),
             pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             recompute=str(d.get("recompute", "none")),
+            fusions=[
+                FusionPlan(kind=f["kind"], members=tuple(f["members"]), anchor=f["anchor"])
+                for f in d.get("fusions", [])
+            ],
         )
 
     def save(self, path: str | Path) -> None:
@@ -382,7 +411,11 @@ def _validate(d: dict[str, Any]) -> None:
     ints("mesh_shape", d["mesh_shape"])
     ndim = len(d["mesh_shape"])
     axes = d["mesh_axes"]
-    if not isinstance(axes, (list, tuple)) or len(axes) != ndim or not all(isinstance(a, str) and a for a in axes):
+    if (
+        not isinstance(axes, (list, tuple))
+        or len(axes) != ndim
+        or not all(isinstance(a, str) and a for a in axes)
+    ):
         fail("mesh_axes", f"{ndim} axis names (one per mesh_shape entry)", axes)
 
     def spec(field: str, v: Any) -> None:
@@ -421,6 +454,28 @@ def _validate(d: dict[str, Any]) -> None:
             fail(f"predicted.{f}", "a finite number >= 0", v)
     if d.get("recompute", "none") not in ("none", "selective", "full"):
         fail("recompute", "'none', 'selective' or 'full'", d.get("recompute"))
+    fusions = d.get("fusions", [])
+    if not isinstance(fusions, list):
+        fail("fusions", "a list", type(fusions).__name__)
+    from autopar.ir import FusionKind
+
+    kinds = [str(k) for k in FusionKind]
+    for i, f in enumerate(fusions):
+        if not isinstance(f, dict) or f.get("kind") not in kinds:
+            fail(
+                f"fusions[{i}].kind",
+                f"one of {', '.join(kinds)}",
+                f.get("kind") if isinstance(f, dict) else f,
+            )
+        members = f.get("members")
+        if (
+            not isinstance(members, (list, tuple))
+            or not members
+            or not all(isinstance(m, str) for m in members)
+        ):
+            fail(f"fusions[{i}].members", "a non-empty list of node names", members)
+        if f.get("anchor") not in members:
+            fail(f"fusions[{i}].anchor", "one of its members", f.get("anchor"))
     pipe = d.get("pipeline")
     if pipe:
         from autopar.schedule import SCHEDULES

@@ -4,10 +4,12 @@ training step they add up to.
 ``annotate_tensors`` writes :class:`autopar.ir.TensorInfo` (shape, dtype, module, layer pattern,
 whether a gradient flows, the node's role). ``annotate_cost`` writes :class:`autopar.ir.NodeCost`:
 the kernels eager PyTorch runs for the op forward and backward (``autopar.cost.compute.op_kernels``)
-timed on the cluster's device with global (unsharded) shapes, and the bytes it keeps for backward.
-``single_device_step`` walks the annotated graph as one eager training step runs it — the host
-issuing ops, the device running their kernels, tensors allocated and freed — and returns the
-step's time and peak memory (``autopar.cost.step``).
+timed on the cluster's device with global (unsharded) shapes, and the bytes it keeps for backward
+(the members of a fusion group found by ``autopar.passes.fusion.annotate_fusions``: its fused
+kernel instead, when the cluster is assumed to run them). ``single_device_step`` walks the
+annotated graph as one eager training step runs it — the host issuing ops, the device running
+their kernels, tensors allocated and freed — and returns the step's time and peak memory
+(``autopar.cost.step``).
 
 Words:
 
@@ -22,7 +24,9 @@ Words:
   ops their input (or output); softmax its output; attention q, k, v, its output and the
   log-sum-exp; layer norm its input and two statistics per row; an embedding its indices; views,
   additions and casts nothing. A storage kept through any of its views is counted once, at its
-  owner, as Korthikanti et al. (arXiv 2205.05198 §4) count activations.
+  owner, as Korthikanti et al. (arXiv 2205.05198 §4) count activations. Where the cost model
+  assumes fused kernels (``autopar.passes.fusion``), a fusion group's members save what the fused
+  op saves (``saved_by_group``: a norm its input and statistics, not its float32 intermediates).
 * **causal attention** — ``is_causal=True``, or a mask built structurally as a triangle
   (``tril``/``triu``, or a comparison of key and query positions, as transformers' mask functions
   build under ``torch.export``): costed as the causal kernel that skips the masked half.
@@ -45,6 +49,7 @@ from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
+from autopar.passes.fusion import FUSION, fused_kernels, fused_saved_bytes, fusion_assumed, saved_by_group
 
 __all__ = [
     "FACTS",
@@ -258,26 +263,39 @@ def value_is_saved(node: Node) -> bool:
     return facts.output_saved if facts is not None else _value_is_saved(node)
 
 
-def _value_is_saved(node: Node) -> bool:
+def _value_is_saved(node: Node, fused: bool = False) -> bool:
+    """``fused``: nodes of a fusion group (``autopar.passes.fusion``) save what the fused op saves
+    (``saved_by_group``) instead of what their eager ops would."""
     info = node.meta.get(TENSOR)
     if info is None or is_alias(node):
         return False
     if node.op == "placeholder" and info.kind in ("param", "buffer"):
         return False
     for a in _aliases(node):
-        if saves_output(a) and _rg(a):
+        group = a.meta.get(FUSION) if fused else None
+        if group is not None:
+            if a.name in saved_by_group(group):
+                return True
+        elif saves_output(a) and _rg(a):
             return True
         for user in a.users:
-            if a in saved_inputs(user):
+            ugroup = user.meta.get(FUSION) if fused else None
+            if ugroup is not None:
+                if ugroup is not group and {a.name, node.name} & saved_by_group(ugroup):
+                    return True
+            elif a in saved_inputs(user):
                 return True
     return False
 
 
-def extra_saved_bytes(node: Node) -> float:
-    """Bytes an op keeps for backward beyond its inputs/outputs (statistics, masks)."""
+def extra_saved_bytes(node: Node, fused: bool = False) -> float:
+    """Bytes an op keeps for backward beyond its inputs/outputs (statistics, masks); ``fused``: a
+    fusion group's statistics, at its anchor (``autopar.passes.fusion.fused_saved_bytes``)."""
     info = node.meta.get(TENSOR)
     if info is None or not info.requires_grad or node.op != "call_function":
         return 0.0
+    if fused and FUSION in node.meta:
+        return fused_saved_bytes(node)
     name = op_name(node)
     family = op_family(node)
     shape = info.shape
@@ -370,8 +388,9 @@ class OpFacts:
     """Convolution only: its groups."""
 
 
-def op_facts(node: Node) -> OpFacts:
-    """The node's ``OpFacts``: as ``annotate_cost`` recorded them, else found now."""
+def op_facts(node: Node, fused: bool = False) -> OpFacts:
+    """The node's ``OpFacts``: as ``annotate_cost`` recorded them, else found now (``fused``: with
+    fusion groups saving what their fused ops save)."""
     facts = node.meta.get(FACTS)
     if facts is not None:
         return facts
@@ -381,7 +400,7 @@ def op_facts(node: Node) -> OpFacts:
     groups = _schema_arg(node, "groups", 1) if node.op == "call_function" else 1
     return OpFacts(
         alias=is_alias(node),
-        output_saved=_value_is_saved(node),
+        output_saved=_value_is_saved(node, fused),
         grad_contributions=grad_contributions(node),
         causal=causal,
         masked=masked,
@@ -419,17 +438,24 @@ def grad_sync_share(node: Node) -> float:
 
 
 def node_kernels(
-    node: Node, args: list[TensorArg] | None = None, outs: list[TensorArg] | None = None
+    node: Node,
+    args: list[TensorArg] | None = None,
+    outs: list[TensorArg] | None = None,
+    *,
+    fused: bool = False,
 ) -> OpKernels:
     """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
     global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
-    of ``ordered_tensor_args`` and ``tensor_outputs``)."""
+    of ``ordered_tensor_args`` and ``tensor_outputs``). ``fused``: a member of a fusion group runs
+    its group's fused kernel (at the group's anchor) or nothing (``autopar.passes.fusion``)."""
     if node.op != "call_function":
         return OpKernels()
     if args is None:
         args = [_arg(i, _rg(i)) for i in ordered_tensor_args(node)]
     if outs is None:
         outs = [TensorArg(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in tensor_outputs(node)]
+    if fused and FUSION in node.meta:
+        return fused_kernels(node, args, outs)
     f = op_facts(node)
     return op_kernels(
         op_name(node),
@@ -445,15 +471,17 @@ def node_kernels(
 
 
 def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Write ``NodeCost`` (single device, global shapes) on every node."""
+    """Write ``NodeCost`` (single device, global shapes) on every node; the members of a fusion
+    group (``annotate_fusions``, when ``fusion_assumed``) are charged its fused kernel."""
     device = ctx.cluster.device
+    fused = fusion_assumed(ctx)
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
             continue
         out_bytes = sum(_nbytes(o) for o in tensor_outputs(node))
         node.meta.pop(FACTS, None)
-        node.meta[FACTS] = op_facts(node)
+        node.meta[FACTS] = op_facts(node, fused)
         if node.op != "call_function":
             bwd = 0.0
             if info.kind == "param" and info.requires_grad:  # a tied weight's gradients are added up
@@ -461,10 +489,10 @@ def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 bwd = extra * (device.kernel_overhead + 3 * out_bytes / device.achieved_bandwidth)
             node.meta[COST] = NodeCost(0.0, 0.0, 0.0, out_bytes, 0.0, 0.0, bwd)
             continue
-        ks = node_kernels(node)
+        ks = node_kernels(node, fused=fused)
         fwd = sum(kernel_time(k, device) for k in ks.fwd)
         bwd = sum(kernel_time(k, device) for k in ks.bwd)
-        saved = (out_bytes if value_is_saved(node) else 0.0) + extra_saved_bytes(node)
+        saved = (out_bytes if value_is_saved(node) else 0.0) + extra_saved_bytes(node, fused)
         node.meta[COST] = NodeCost(ks.fwd_flops, ks.bwd_flops, ks.fwd_bytes, out_bytes, saved, fwd, bwd)
     return gm
 

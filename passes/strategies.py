@@ -4,7 +4,9 @@ For a mesh with axes ``0..A-1`` a node's N-D strategies are the products of its 
 strategies (``autopar.rules``), kept when every tensor it touches divides evenly. Each carries
 
 * ``compute_time`` — forward + backward time of the kernels the local op runs on this device's
-  shards (``autopar.cost.compute``, the same kernels ``annotate_cost`` times with global shapes);
+  shards (``autopar.cost.compute``, the same kernels ``annotate_cost`` times with global shapes;
+  a fusion group's fused kernel at its anchor, nothing at its other members:
+  ``autopar.passes.fusion``);
 * ``comm_time`` — collectives inside the op (vocabulary-parallel cross-entropy);
 * ``memory`` — bytes per device: for a parameter its training state (weight, gradient, optimizer
   state; ``autopar.cost.memory``), for an input its local batch, for an op the activations saved
@@ -17,8 +19,9 @@ Two reductions keep the solver small (``NodeStrategies``):
   strategy is fully determined by its producer's (no reshard between them) *follows* it: the solver
   gives it no variable of its own (Alpa's "follow" trick).
 * **repeated layers** — nodes at the same position of repeated modules (``h.0``, ``h.1``, …) with
-  the same op and shapes get one strategy list computed once; the solver ties them
-  (``autopar.solver``), so solve time barely grows with depth.
+  the same op and shapes (and, where fused kernels are assumed, the same role in a like fusion
+  group: ``autopar.passes.fusion.fusion_role``) get one strategy list computed once; the solver
+  ties them (``autopar.solver``), so solve time barely grows with depth.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from autopar.graph import OpFamily, is_random, op_info, op_name, outer_instance,
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
+from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.placement import Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.routing import MoERegion, moe_regions, region_strategies
@@ -178,7 +182,8 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         TensorArg(local_shape(tuple(o.shape), spec, mesh), str(o.dtype).replace("torch.", ""))
         for o, spec in zip(outs, s.outputs)
     ]
-    ks = node_kernels(node, args, local_outs)
+    fused = fusion_assumed(ctx)
+    ks = node_kernels(node, args, local_outs, fused=fused)
     dev = ctx.cluster.device
     fwd = sum(kernel_time(k, dev) for k in ks.fwd)
     bwd = sum(kernel_time(k, dev) for k in ks.bwd)
@@ -207,7 +212,7 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     mem = 0.0
     if value_is_saved(node):
         mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
-    mem += extra_saved_bytes(node) / divisor
+    mem += extra_saved_bytes(node, fused) / divisor
     if recomputed(node, ctx.config.recompute):  # its forward runs again in backward; nothing saved
         return replace(s, compute_time=2 * fwd + bwd, comm_time=2 * comm, memory=0.0)
     return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem)
@@ -276,6 +281,7 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write ``NodeStrategies`` on every tensor-producing node (see module docstring)."""
     mesh = ctx.mesh.shape
     hints = block_hints(gm.graph)
+    fused = fusion_assumed(ctx)
     # Ordinal of each node inside its outermost repeated-layer instance.
     counters: dict[str, int] = defaultdict(int)
     ordinal: dict[Node, int] = {}
@@ -300,6 +306,8 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _region_member(node, region_of[node], ordinal, cache, ctx)
             continue
         key = tie_key(node, ordinal)
+        if key is not None and fused and FUSION in node.meta:  # tied only to members of like groups
+            key = (*key, fusion_role(node))
         hkey = tuple(sorted(hints.get(node, ())))
         if key is not None and (key, hkey) in cache:
             ns = cache[(key, hkey)]

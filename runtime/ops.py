@@ -92,9 +92,22 @@ def sharded_cross_entropy(
     class_start: int = 0,
     class_axes: Sequence[AxisGroup] = (),
     row_axes: Sequence[AxisGroup] = (),
+    fused: bool = False,
 ) -> torch.Tensor:
-    """``aten.cross_entropy_loss`` on local shards (``reduction``: 1 mean, 2 sum; see module doc)."""
-    if class_axes:
+    """``aten.cross_entropy_loss`` on local shards (``reduction``: 1 mean, 2 sum; see module doc).
+    ``fused``: the fused kernels of ``autopar.runtime.kernels`` compute the loss (set by the
+    fusion pass, ``autopar.passes.fusion``), vocabulary-parallel when the classes are split."""
+    if fused:
+        from autopar.runtime import kernels as K
+
+        if class_axes:
+            per_row = K.vocab_parallel_cross_entropy(
+                logits, target, class_start, tuple(class_axes), ignore_index
+            )
+            total = per_row.sum().to(logits.dtype)
+        else:
+            total = K.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    elif class_axes:
         per_row = _VocabParallelCE.apply(logits, target, class_start, tuple(class_axes), ignore_index)
         total = per_row.sum().to(logits.dtype)
     else:
