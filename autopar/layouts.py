@@ -19,10 +19,23 @@ the op, so both come out right. Weights are used where they lie (never gathered)
 ``sequence_parallel=True`` normalizations and the residual additions after row-parallel layers run
 split along the sequence on the tensor axis (Korthikanti et al., arXiv 2205.05198); without it they
 run replicated there, as in the original Megatron-LM.
+
+Mixture-of-experts layers (``autopar.rules.routing``) get Megatron-LM's expert parallelism: their
+experts split by expert over an ``ep`` axis carved out of the data-parallel ranks (expert tensor
+parallel size 1). The **distributed optimizer** (Megatron-LM's ``--use-distributed-optimizer``)
+splits each weight's optimizer state over its **data-parallel ranks** — the ranks that hold the
+same slice of it and run different tokens: ``dp / ep`` and ``ep`` for dense weights, ``dp / ep``
+and ``tp`` for experts. ``best_megatron`` tunes these knobs with the others (its docstring says
+how the search is pruned).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +45,8 @@ from torch.fx import Node
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
+from autopar.cost.compute import itemsize
+from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs
 from autopar.ir import TENSOR, Strategy
 from autopar.passes import PassContext, run_passes
@@ -41,7 +56,17 @@ from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, plan_captured
 from autopar.rules.routing import grouped_mm_operands, moe_regions
 
-__all__ = ["best_megatron", "expert_weights", "megatron", "megatron_weight_roles"]
+__all__ = [
+    "KNOBS",
+    "best_megatron",
+    "expert_weights",
+    "megatron",
+    "megatron_mesh",
+    "megatron_static_bytes",
+    "megatron_weight_roles",
+]
+
+log = logging.getLogger("autopar.layouts")
 
 
 def _is_weight_matmul(node: Node) -> bool:
@@ -132,6 +157,19 @@ def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:
     return roles
 
 
+def megatron_mesh(dp: int, tp: int, ep: int = 1) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, int]]:
+    """``(mesh, axis names, {name: axis})`` of the Megatron layout with data-parallel size ``dp``,
+    tensor-parallel size ``tp`` and expert-parallel size ``ep`` (module docstring of ``megatron``):
+    ``(dp, tp)`` (``(tp,)`` when ``dp == 1``) or, with ``ep > 1``, ``(dp / ep, ep, tp)`` without
+    its axes of size 1."""
+    if ep > 1:
+        kept = [(name, n) for name, n in (("dp", dp // ep), ("ep", ep), ("tp", tp)) if n > 1]
+    else:
+        kept = [("dp", dp), ("tp", tp)] if dp > 1 else [("tp", tp)]
+    names = tuple(name for name, _ in kept)
+    return tuple(n for _, n in kept), names, {name: a for a, name in enumerate(names)}
+
+
 def megatron(
     model: nn.Module,
     example_inputs: Any,
@@ -145,6 +183,7 @@ def megatron(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     virtual: int = 1,
+    distributed_optimizer: bool = False,
     config: PlanConfig | None = None,
     captured: Captured | None = None,
     **options: Any,
@@ -160,9 +199,23 @@ def megatron(
     where they lie, so its tokens are dispatched to them and combined back by all-to-all;
     attention and the rest are data-parallel along ``ep``, as in Megatron-LM. Experts are not
     split along ``tp`` (expert tensor parallel size 1, Megatron-Core's
-    ``expert_tensor_parallel_size=1``): each ``tp`` rank runs whole experts on the tokens it
-    routes. ``config`` (or its fields as keyword ``options``, e.g. ``memory_budget``) holds the
-    other planning options; the layout sets the mesh and fixes the weights.
+    ``expert_tensor_parallel_size=1``; the regions' modes cannot split an expert's own matmuls,
+    so ``etp = tp`` is not expressible): each ``tp`` rank runs whole experts on the tokens it
+    routes. The plan's axes are named ``dp``, ``ep``, ``tp`` after the layout.
+
+    ``distributed_optimizer``: Megatron-LM's ``--use-distributed-optimizer`` (docs
+    ``api-guide/dist_optimizer``): every parameter's optimizer state is split over its
+    data-parallel ranks — ``dp / ep`` and ``ep`` for the dense weights, ``dp / ep`` and ``tp`` for
+    the experts (their data-parallel group, ``tp · dp / ep`` ranks with expert tensor parallel
+    size 1) — its gradients reduce-scattered and its weights all-gathered after the step. Planned
+    as ZeRO stage 2 on those axes (``autopar.cost.memory``: the same all-gather and
+    reduce-scatter); Megatron keeps a full-size gradient buffer (ZeRO-1's memory), so this counts
+    2 bytes per parameter and data-parallel rank less than Megatron holds (in the layout's favour).
+    Weights are still read whole on those axes (gathered), never split there.
+
+    ``config`` (or its fields as keyword ``options``, e.g. ``memory_budget``) holds the other
+    planning options; the layout sets the mesh and fixes the weights. ``captured``: the model
+    already captured on ``example_inputs`` (with ``pp > 1``: on one micro-batch of them).
 
     With ``pp > 1`` the model is cut into ``pp · virtual`` pipeline stages (at its seams, balanced
     by compute: ``autopar.passes.stages``; Megatron-LM cuts equal layer counts, which is this for
@@ -170,11 +223,15 @@ def megatron(
     micro-batches (default ``pp``) run under ``schedule`` (``autopar.schedule``).
     """
     if pp > 1:
-        return _megatron_pipelined(
+        ((_, _, got),) = _megatron_pipelined(
             model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, pp=pp,
-            microbatches=microbatches or pp, schedule=schedule, virtual=virtual,
-            config=PlanConfig.build(config, **options),
+            microbatches=microbatches or pp, schedules=[(schedule, virtual)],
+            distributed_optimizer=distributed_optimizer, config=PlanConfig.build(config, **options),
+            captured=captured,
         )  # fmt: skip
+        if isinstance(got, str):
+            raise InfeasibleError(got)
+        return got
     world = cluster.world_size
     if dp is None:
         if world % tp:
@@ -197,15 +254,11 @@ def megatron(
     for fqn, n in experts.items():
         if n % ep:
             raise ValueError(f"ep={ep} does not divide the {n} experts of {fqn}")
-    if ep > 1:  # (dp / ep, ep, tp) without its axes of size 1
-        sizes = [n for n in (dp // ep, ep, tp) if n > 1]
-        mesh = tuple(sizes)
-        e_axis = 1 if dp > ep else 0
-        t_axis = e_axis + 1 if tp > 1 else None
-    else:
-        mesh = (dp, tp) if dp > 1 else (tp,)
-        t_axis, e_axis = len(mesh) - 1, None
+    mesh, axis_names, axis = megatron_mesh(dp, tp, ep)
+    t_axis = axis.get("tp")
+    e_axis = axis.get("ep")
     fixed: dict[str, tuple[str, ...]] = {}
+    split_dims: dict[str, set[int]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
             tp_p = f"S({role.split(':')[1]})"
@@ -217,11 +270,30 @@ def megatron(
         if t_axis is not None:
             spec[t_axis] = tp_p
         fixed[fqn] = tuple(spec)
+        split_dims[fqn] = (
+            {int(tp_p[2:-1])} if tp_p != "R" and t_axis is not None and mesh[t_axis] > 1 else set()
+        )
     for fqn in experts:  # split by expert along ep; whole everywhere else (expert TP size 1)
         spec = ["R"] * len(mesh)
         if e_axis is not None:
             spec[e_axis] = "S(0)"
         fixed[fqn] = tuple(spec)
+        split_dims[fqn] = {0}
+    # Data-parallel axes of each parameter: what its optimizer state is split over under the
+    # distributed optimizer, and where it is read whole.
+    data_axes: dict[str, tuple[int, ...]] = {}
+    if distributed_optimizer:
+        for n in cap.gm.graph.nodes:
+            info = n.meta.get(TENSOR)
+            if n.op != "placeholder" or info is None or info.kind != "param" or not info.requires_grad:
+                continue
+            own = (axis.get("dp"), t_axis if info.fqn in experts else e_axis)
+            data_axes[info.fqn] = tuple(a for a in own if a is not None and mesh[a] > 1)
+            spec = list(fixed.get(info.fqn, ("R",) * len(mesh)))
+            fixed[info.fqn] = _distributed_optimizer_spec(
+                info.shape, spec, split_dims.get(info.fqn, set()), data_axes[info.fqn], mesh
+            )
+        config = config.replace(zero_stage=2)
     used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
     # Grouped matmuls read their experts' weights through views (transformers transposes them):
@@ -233,7 +305,8 @@ def megatron(
     }
 
     def megatron_execution(node: Node, s: Strategy) -> bool:
-        """Weights are used where they lie (no gathering); norms as Megatron runs them."""
+        """Weights are used where they lie (no gathering), read whole on their data-parallel axes
+        under the distributed optimizer; norms as Megatron runs them."""
         if node.op != "call_function":
             return True
         if node in expert_mms:
@@ -244,13 +317,16 @@ def megatron(
                     return False
         for j, i in enumerate(tensor_inputs(node)):
             info = i.meta.get(TENSOR)
-            if info is not None and info.kind == "param" and info.fqn in fixed and s.inputs[j] is not None:
-                for a in used_where_they_lie:
-                    want, got = fixed[info.fqn][a], s.inputs[j][a]
-                    if want == "R" and not isinstance(got, (Replicate, Partial)):
-                        return False
-                    if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
-                        return False
+            if info is None or info.kind != "param" or info.fqn not in fixed or s.inputs[j] is None:
+                continue
+            for a in used_where_they_lie:
+                want, got = fixed[info.fqn][a], s.inputs[j][a]
+                if want == "R" and not isinstance(got, (Replicate, Partial)):
+                    return False
+                if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
+                    return False
+            if any(not isinstance(s.inputs[j][a], Replicate) for a in data_axes.get(info.fqn, ())):
+                return False
         is_norm = op_family(node) is OpFamily.NORM or (op_name(node) == "mean" and _is_rms_mean(node))
         if t_axis is None or (not is_norm and node not in residual):
             return True
@@ -259,14 +335,42 @@ def megatron(
             return isinstance(p, Shard) and p.dim == 1
         return isinstance(p, Replicate)
 
-    name = f"megatron(tp={tp}, dp={dp}{f', ep={ep}' if ep > 1 else ''}{', sequence_parallel' if sequence_parallel else ''})"
-    return plan_captured(
+    knobs = [f"tp={tp}", f"dp={dp}"] + [f"ep={ep}"] * (ep > 1)
+    knobs += ["sequence_parallel"] * sequence_parallel + ["distributed optimizer"] * distributed_optimizer
+    plan = plan_captured(
         cap,
         cluster,
         config.with_fixed(fixed).replace(mesh_shape=mesh),
         node_constraint=megatron_execution,
-        layout=name,
+        layout=f"megatron({', '.join(knobs)})",
     )
+    plan.mesh_axes = axis_names
+    return plan
+
+
+def _distributed_optimizer_spec(
+    shape: tuple[int, ...],
+    spec: list[str],
+    split: set[int],
+    data_axes: tuple[int, ...],
+    mesh: tuple[int, ...],
+) -> tuple[str, ...]:
+    """``spec`` (a parameter's tensor/expert-parallel placement) with its storage split along each
+    of ``data_axes`` too, each on the largest dimension not split yet that divides evenly (``R``
+    on an axis where none does: that axis keeps whole copies of the state)."""
+    local = list(shape)
+    for a, p in enumerate(spec):
+        if p != "R":
+            local[int(p[2:-1])] //= mesh[a]
+    taken = set(split)
+    for a in data_axes:
+        dims = [d for d in range(len(local)) if d not in taken and local[d] % mesh[a] == 0]
+        if dims:
+            d = max(dims, key=lambda d: local[d])
+            spec[a] = f"S({d})"
+            local[d] //= mesh[a]
+            taken.add(d)
+    return tuple(spec)
 
 
 def expert_weights(graph: torch.fx.Graph) -> dict[str, int]:
@@ -330,11 +434,13 @@ def _megatron_pipelined(
     ep: int,
     pp: int,
     microbatches: int,
-    schedule: str,
-    virtual: int,
+    schedules: Sequence[tuple[str, int]],
+    distributed_optimizer: bool,
     config: PlanConfig,
-) -> Plan:
-    """``megatron`` with pipeline stages (see its docstring)."""
+    captured: Captured | None,
+) -> list[tuple[str, int, Plan | str]]:
+    """``megatron`` with pipeline stages (see its docstring): one stage plan, then every
+    ``(schedule, virtual)`` of ``schedules`` played around it — the plan, or why it does not fit."""
     from autopar.capture import normalize_inputs
     from autopar.search import microbatch_inputs, pipelined_candidates, stage_cluster
 
@@ -343,30 +449,243 @@ def _megatron_pipelined(
         raise ValueError(
             f"pp={pp} does not cut {cluster.nodes} node(s) × {cluster.gpus_per_node} devices into equal stages"
         )
-    args, kwargs = normalize_inputs(example_inputs)
-    cap = capture(model, microbatch_inputs(args, kwargs, microbatches))
+    if captured is None:
+        args, kwargs = normalize_inputs(example_inputs)
+        captured = capture(model, microbatch_inputs(args, kwargs, microbatches))
     budget = config.budget(cluster.device.memory)
     stage = megatron(
-        model, None, sub, tp, dp, sequence_parallel, ep=ep,
-        config=config.replace(memory_budget=budget * pp, mesh_shape=None, fixed={}), captured=cap,
+        model, None, sub, tp, dp, sequence_parallel, ep=ep, distributed_optimizer=distributed_optimizer,
+        config=config.replace(memory_budget=budget * pp, mesh_shape=None, fixed={}), captured=captured,
     )  # fmt: skip
-    found = pipelined_candidates(
-        stage, cap.gm, cluster, config.replace(schedule=schedule, virtual=virtual), pp, microbatches, budget
-    )
-    if not found:
-        raise InfeasibleError(
-            f"megatron(tp={tp}, pp={pp}, {schedule}, m={microbatches}): the stages do not fit the memory "
-            f"budget, or the model has fewer than {pp * virtual - 1} seams to cut at"
+    out: list[tuple[str, int, Plan | str]] = []
+    for schedule, virtual in schedules:
+        label = f"pp={pp}, m={microbatches}, {schedule}{f', v={virtual}' if virtual > 1 else ''}"
+        found = pipelined_candidates(
+            stage,
+            captured.gm,
+            cluster,
+            config.replace(schedule=schedule, virtual=virtual),
+            pp,
+            microbatches,
+            budget,
         )
-    plan = found[0].plan
-    plan.info["layout"] = stage.info.get("layout", "megatron").replace(
-        "megatron(",
-        f"megatron(pp={pp}, m={microbatches}, {schedule}{f', v={virtual}' if virtual > 1 else ''}, ",
-        1,
-    )
-    plan.cluster = cluster.to_dict()
-    plan.info["cluster_desc"] = cluster.describe()
-    return plan
+        if not found:
+            out.append(
+                (
+                    schedule,
+                    virtual,
+                    f"megatron(tp={tp}, {label}): the stages do not fit the memory budget, or the model has "
+                    f"fewer than {pp * virtual - 1} seams to cut at",
+                )
+            )
+            continue
+        plan = found[0].plan
+        plan.info["layout"] = stage.info.get("layout", "megatron").replace(
+            "megatron(", f"megatron({label}, ", 1
+        )
+        plan.cluster = cluster.to_dict()
+        plan.info["cluster_desc"] = cluster.describe()
+        out.append((schedule, virtual, plan))
+    return out
+
+
+def megatron_static_bytes(
+    params: Sequence[tuple[str, int, int, bool]],
+    roles: dict[str, str],
+    experts: dict[str, int],
+    *,
+    tp: int,
+    dp: int,
+    ep: int,
+    pp: int,
+    distributed_optimizer: bool,
+    state: Callable[[int], StateBytes],
+) -> float:
+    """A lower bound on the training state (weights, gradients, optimizer state) one device of
+    the Megatron layout holds: ``params`` are ``(name, elements, bytes per element, trainable)``,
+    ``state(bytes per element)`` the per-parameter accounting (``autopar.cost.memory``: ZeRO's,
+    Rajbhandari et al. Table 1). Each weight is split ``tp`` ways where Megatron splits it
+    (``roles``), experts ``ep`` ways; under the distributed optimizer its gradient and optimizer
+    state are further split over its data-parallel ranks (``dp`` for dense weights, ``dp · tp / ep``
+    for experts) as ZeRO-2 counts them (``megatron``'s docstring); the pipeline's largest stage
+    holds at least ``1/pp`` of the total. Exact splits may fall short where shapes do not divide,
+    so the true figure is at least this."""
+    total = 0.0
+    for fqn, numel, nbytes, trainable in params:
+        role = roles.get(fqn, "")
+        split = ep if fqn in experts else (tp if role and role != "row_bias" else 1)
+        n = numel / split
+        if not trainable:
+            total += n * nbytes
+            continue
+        s = state(nbytes)
+        if distributed_optimizer:
+            group = dp * tp // ep if fqn in experts else dp
+            total += n * (s.weight + (s.grad + s.optimizer) / group)
+        else:
+            total += n * s.total
+    return total / pp
+
+
+KNOBS = {
+    "tp": "tp",
+    "pp": "pp",
+    "ep": "ep",
+    "microbatch_size": "mbs",
+    "schedule": "schedule",
+    "virtual": "v",
+    "sequence_parallel": "sp",
+    "recompute": "recompute",
+    "distributed_optimizer": "distributed_optimizer",
+}
+"""The knobs ``best_megatron`` tunes (Megatron-LM's names) and their keys in
+``plan.info["megatron_candidates"]``."""
+
+
+@dataclass(eq=False)
+class _Search:
+    """One ``best_megatron`` run: the model, the knobs held, the candidates so far."""
+
+    model: nn.Module
+    example_inputs: Any
+    cluster: Cluster
+    config: PlanConfig
+    fixed: dict[str, Any]
+    args: tuple
+    kwargs: dict
+    captures: dict[int, Captured] = field(default_factory=dict)
+    tried: list[dict[str, Any]] = field(default_factory=list)
+    best: Plan | None = None
+
+    @property
+    def batch(self) -> int:
+        """The global batch (sequences)."""
+        from autopar.search import batch_size
+
+        return batch_size(self.args, self.kwargs) or 1
+
+    def options(self, name: str, values: list[Any]) -> list[Any]:
+        """``values`` to try for knob ``name``, or the one value it is held at."""
+        return [self.fixed[name]] if name in self.fixed else values
+
+    def captured(self, m: int) -> Captured:
+        """The model captured on one of ``m`` micro-batches (shared by every candidate)."""
+        from autopar.search import microbatch_inputs
+
+        if m not in self.captures:
+            inputs = microbatch_inputs(self.args, self.kwargs, m) if m > 1 else (self.args, self.kwargs)
+            self.captures[m] = capture(self.model, inputs)
+        return self.captures[m]
+
+    def skip(self, why: str, **knobs: Any) -> None:
+        """Record candidates not planned: knobs not given are the held value or ``None`` (any)."""
+        row = {key: self.fixed.get(name) for name, key in KNOBS.items()}
+        self.tried.append({**row, **knobs, "feasible": False, "skipped": True, "why": why})
+
+    def plan(self, knobs: dict[str, Any], m: int, schedules: list[tuple[str, int]]) -> float:
+        """Plan one candidate (one stage plan, every schedule around it), record each schedule;
+        the fastest step that fits (``inf`` where none does)."""
+        tp, pp, ep, sp, do = (knobs[k] for k in ("tp", "pp", "ep", "sp", "distributed_optimizer"))
+        world = self.cluster.world_size
+        dp = world // (tp * pp)
+        config = self.config.replace(recompute=knobs["recompute"], pp=1)
+        t0 = time.perf_counter()
+        try:
+            if pp == 1:
+                got: list[tuple[str, int, Plan | str]] = [("1f1b", 1, megatron(
+                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, distributed_optimizer=do,
+                    config=config, captured=self.captured(1),
+                ))]  # fmt: skip
+            else:
+                got = _megatron_pipelined(
+                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, pp=pp, microbatches=m,
+                    schedules=schedules, distributed_optimizer=do, config=config, captured=self.captured(m),
+                )  # fmt: skip
+        except (InfeasibleError, ValueError) as e:
+            got = [(schedule, v, str(e)) for schedule, v in schedules]
+        log.info("best_megatron: %s planned in %.1f s", knobs, time.perf_counter() - t0)
+        fastest = math.inf
+        for schedule, v, p in got:
+            row = {**knobs, "schedule": schedule, "v": v}
+            if isinstance(p, str):
+                self.tried.append({**row, "feasible": False, "why": p.splitlines()[0][:200]})
+                continue
+            self.tried.append({**row, "feasible": True, "step_time": p.predicted.step_time})
+            fastest = min(fastest, p.predicted.step_time)
+            if self.best is None or p.predicted.step_time < self.best.predicted.step_time:
+                self.best = p
+        return fastest
+
+    def recompute_ladder(
+        self, base: dict[str, Any], m: int, schedules: list[tuple[str, int]], optimizers: list[bool]
+    ) -> tuple[float, int]:
+        """Pruning 2: recomputation levels lightest first, stopping at the first that fits, the
+        distributed optimizer only where the layout does not fit without it. The fastest step
+        and the index of the level that fit (``inf, -1`` where none does)."""
+        levels = self.options("recompute", ["none", "selective", "full"])
+        for k, rc in enumerate(levels):
+            step = math.inf
+            for do in optimizers:
+                knobs = {**base, "recompute": rc, "distributed_optimizer": do}
+                if step < math.inf:
+                    self.skip(f"fits without the distributed optimizer at recompute={rc} (rule 2)", **knobs)
+                    continue
+                step = self.plan(knobs, m, schedules)
+            if step < math.inf:
+                for heavier in levels[k + 1 :]:
+                    self.skip(f"recompute={rc} fits with the same knobs (rule 2)", **base, recompute=heavier)
+                return step, k
+        return math.inf, -1
+
+    def tune_stage(self, tp: int, pp: int, ep: int, optimizers: list[bool], moe: bool) -> tuple[float, bool]:
+        """Sequence parallelism (pruning 3), micro-batch size (pruning 4), recomputation and the
+        distributed optimizer for one ``(tp, pp, ep)``: the fastest step (``inf`` where nothing
+        fits), and whether a candidate fits at the lightest recomputation tried."""
+        dp = self.cluster.world_size // (tp * pp)
+        per_rank = self.batch // dp
+        light, fastest = False, math.inf
+        sps = [True] if moe and tp > 1 else ([False, True] if tp > 1 else [False])
+        for sp in self.options("sequence_parallel", sps):
+            # one stage runs the whole per-rank batch at once
+            mbss = (
+                [per_rank]
+                if pp == 1
+                else [b for b in (1, 2, 4, 8) if per_rank % b == 0 and per_rank // b >= pp]
+            )
+            mbss = mbss if pp == 1 else self.options("microbatch_size", mbss)
+            previous = math.inf
+            for i, mbs in enumerate(mbss):
+                base = {"tp": tp, "pp": pp, "ep": ep, "mbs": mbs, "sp": sp}
+                if per_rank % mbs:
+                    self.skip(
+                        f"microbatch_size={mbs} does not divide the {per_rank} sequences per rank", **base
+                    )
+                    continue
+                m = per_rank // mbs
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules = [
+                        (s, self.fixed.get("virtual", 2 if s == "interleaved" else 1))
+                        for s in self.options("schedule", ["1f1b", "interleaved"])
+                        if m >= pp and not (s == "interleaved" and m % pp)
+                    ]
+                if not schedules:
+                    self.skip(f"{m} micro-batches do not fill {pp} stages", **base)
+                    continue
+                step, level = self.recompute_ladder(base, m, schedules, optimizers)
+                light |= level == 0
+                fastest = min(fastest, step)
+                if step == math.inf or step >= previous:
+                    why = (
+                        f"microbatch_size={mbs} fits at no recomputation level (rule 4)"
+                        if step == math.inf
+                        else f"the step got slower from microbatch_size={mbss[i - 1]} to {mbs} (rule 4)"
+                    )
+                    for larger in mbss[i + 1 :]:
+                        self.skip(why, **{**base, "mbs": larger})
+                    break
+                previous = step
+        return fastest, light
 
 
 def best_megatron(
@@ -377,74 +696,138 @@ def best_megatron(
     config: PlanConfig | None = None,
     **fixed: Any,
 ) -> Plan:
-    """The fastest Megatron-LM layout that fits, as an expert tunes Megatron's knobs: tensor
-    parallel size ``tp`` (powers of two up to a node), pipeline size ``pp`` (stages of whole nodes,
-    or inside one), micro-batch size ``microbatch_size`` (1, 2, 4, 8 sequences per data-parallel
-    rank), ``schedule`` (1F1B, interleaved with ``virtual=2``), ``sequence_parallel`` and
-    ``recompute`` (none, selective, full). Any knob passed in ``fixed`` is held (e.g. ``tp=8,
-    pp=4, recompute="full"``). Every candidate is a ``megatron`` layout, planned and scored by the
-    simulator (``plan.predicted.step_time``); ``plan.info["megatron_candidates"]`` lists them."""
+    """The fastest Megatron-LM layout that fits, as an expert tunes Megatron's knobs (``KNOBS``):
+    tensor parallel size ``tp`` (powers of two up to a node), pipeline size ``pp`` (stages of whole
+    nodes, or inside one), expert parallel size ``ep`` (models with mixture-of-experts regions
+    only: powers of two dividing the data-parallel size and the experts — Megatron-LM's
+    ``ep | dp`` — 1 included), micro-batch size ``microbatch_size`` (1, 2, 4, 8 sequences per
+    data-parallel rank), ``schedule`` (1F1B, interleaved with ``virtual=2``),
+    ``sequence_parallel``, ``recompute`` (none, selective, full) and ``distributed_optimizer``.
+    Expert tensor parallel size stays 1 (``megatron`` cannot express ``etp = tp``). Any knob
+    passed in ``fixed`` is held (e.g. ``tp=8, pp=4, ep=8, recompute="full"``). Every candidate is a
+    ``megatron`` layout, planned and scored by the simulator (``plan.predicted.step_time``).
+
+    The space is pruned as Megatron's own guides prune it (Narayanan et al., SC'21, arXiv
+    2104.04473, §3.3 takeaways; Megatron-Core MoE's "guidelines for parallel mappings",
+    ``megatron/core/transformer/moe/README.md``, also arXiv 2603.07685 §9.1):
+
+    1. **static memory** — a ``(tp, pp, ep, distributed_optimizer)`` whose training state alone
+       exceeds the memory budget (``megatron_static_bytes``, a lower bound) is not planned;
+    2. **recomputation** — levels are tried lightest first and, with the same other knobs, none
+       heavier once one fits (recomputing only adds compute); the distributed optimizer only
+       where the layout does not fit without it at that level (it saves memory, not time);
+    3. **sequence parallelism** — a mixture-of-experts model with tensor parallelism runs it, as
+       Megatron-LM requires ("When using MoE and tensor parallelism, sequence parallelism must
+       be used"); dense models try both;
+    4. **micro-batch size** — swept upward while the step gets faster, stopping at the first size
+       that fits at no recomputation level (a larger one keeps more activations);
+    5. **pipeline as short as fits** — for each ``(tp, ep)`` pipeline sizes are tried upward and
+       none larger once one fits at the lightest recomputation (takeaway #2: the model-parallel
+       size only as large as memory needs, the rest data parallelism; MoE guideline 1);
+    6. **expert parallelism from the largest** — for each ``tp``, ``ep`` is tried from the largest
+       down (MoE guideline 4: prefer EP; ``ep`` = the number of experts needs no local
+       permutation) while the step gets faster, and stops at the first that fits nowhere (a
+       smaller one keeps more experts per device).
+
+    Rules 4–6 are the guides' experience, not proofs: they may skip a candidate that would have
+    won. The schedules of one ``(pp, micro-batch size, …)`` share one stage plan, and each
+    micro-batch count is captured once. ``plan.info["megatron_candidates"]`` lists every
+    candidate planned (``feasible``, its ``step_time`` or ``why`` not) and every one skipped
+    (``skipped: True`` and why; a knob it does not depend on is ``None``);
+    ``plan.info["megatron_search_time"]`` the seconds the search took."""
     from autopar.capture import normalize_inputs
-    from autopar.search import batch_size
+    from autopar.planner import detect_mixed_precision
 
-    known = {"tp", "pp", "microbatch_size", "schedule", "virtual", "sequence_parallel", "recompute"}
-    unknown = sorted(set(fixed) - known)
+    unknown = sorted(set(fixed) - set(KNOBS))
     if unknown:
-        raise TypeError(f"best_megatron: unknown knob(s) {unknown}; known: {sorted(known)}")
+        raise TypeError(f"best_megatron: unknown knob(s) {unknown}; known: {sorted(KNOBS)}")
+    t_start = time.perf_counter()
     config = PlanConfig.build(config)
-    world, gpn = cluster.world_size, cluster.gpus_per_node
     args, kwargs = normalize_inputs(example_inputs)
-    batch = batch_size(args, kwargs) or 1
+    s = _Search(model, example_inputs, cluster, config, dict(fixed), args, kwargs)
+    world, gpn, budget = cluster.world_size, cluster.gpus_per_node, config.budget(cluster.device.memory)
+    whole = s.captured(1)
+    run_passes(whole.gm, PassContext(captured=whole, cluster=cluster, config=config), [annotate_tensors])
+    roles, experts = megatron_weight_roles(whole.gm.graph), expert_weights(whole.gm.graph)
+    if fixed.get("ep", 1) > 1 and not experts:
+        raise ValueError(
+            f"ep={fixed['ep']}, but the model has no mixture-of-experts layer autopar recognises"
+        )
+    num_experts = math.gcd(*experts.values()) if experts else 1
+    mixed = config.mixed_precision if config.mixed_precision is not None else detect_mixed_precision(whole)
+    moments = itemsize(config.optimizer_state_dtype) if config.optimizer_state_dtype else None
+    params = [
+        (n.meta[TENSOR].fqn, math.prod(n.meta[TENSOR].shape), n.meta["val"].element_size(), n.meta[TENSOR].requires_grad)
+        for n in whole.gm.graph.nodes
+        if n.op == "placeholder" and TENSOR in n.meta and n.meta[TENSOR].kind == "param"
+    ]  # fmt: skip
 
-    def options(name: str, values: list[Any]) -> list[Any]:
-        return [fixed[name]] if name in fixed else values
+    def state(nbytes: int) -> StateBytes:
+        return state_bytes_per_param(
+            nbytes, optimizer=config.optimizer, master_weights=mixed, state_bytes=moments
+        )
 
-    tps = options("tp", [t for t in (1, 2, 4, 8, 16) if t <= gpn and world % t == 0])
-    tried: list[dict[str, Any]] = []
-    best: Plan | None = None
-    for tp in tps:
-        for pp in options("pp", [p for p in range(1, world // tp + 1) if (world // tp) % p == 0]):
+    def pipelines(tp: int, ep: int) -> float | None:
+        """Pipeline sizes for one ``(tp, ep)``, smallest first (pruning 1 and 5): the fastest step
+        (``inf`` where none fits), ``None`` where ``ep`` divides no data-parallel size."""
+        fastest, applicable = math.inf, False
+        pps = s.options("pp", [p for p in range(1, world // tp + 1) if (world // tp) % p == 0])
+        for i, pp in enumerate(pps):
             dp = world // (tp * pp)
-            if batch % dp:
+            if s.batch % dp or dp % ep:
+                why = (
+                    f"ep={ep} does not divide dp={dp}"
+                    if dp % ep
+                    else f"the batch of {s.batch} does not split over dp={dp}"
+                )
+                s.skip(why, tp=tp, pp=pp, ep=ep)
                 continue
-            per_rank = batch // dp
-            mbss = options("microbatch_size", [b for b in (1, 2, 4, 8) if per_rank % b == 0])
-            if pp == 1:
-                mbss = [per_rank]  # one stage: the whole per-rank batch at once
-            for mbs in mbss:
-                m = per_rank // mbs
-                if pp > 1 and m < pp:
+            applicable = True
+            optimizers = []
+            for do in s.options("distributed_optimizer", [False, True]):
+                static = megatron_static_bytes(
+                    params, roles, experts, tp=tp, dp=dp, ep=ep, pp=pp, distributed_optimizer=do, state=state
+                )
+                if static <= budget:
+                    optimizers.append(do)
                     continue
-                scheds = options("schedule", ["1f1b", "interleaved"] if pp > 1 else ["1f1b"])
-                for sched in scheds:
-                    v = fixed.get("virtual", 2 if sched == "interleaved" else 1)
-                    if sched == "interleaved" and m % pp:
-                        continue
-                    for sp in options("sequence_parallel", [False, True] if tp > 1 else [False]):
-                        for rc in options("recompute", ["none", "selective", "full"]):
-                            knobs = {
-                                "tp": tp,
-                                "pp": pp,
-                                "mbs": mbs,
-                                "schedule": sched,
-                                "v": v,
-                                "sp": sp,
-                                "recompute": rc,
-                            }
-                            try:
-                                p = megatron(
-                                    model, example_inputs, cluster, tp, dp, sp, pp=pp, microbatches=m,
-                                    schedule=sched, virtual=v, config=config.replace(recompute=rc, pp=1),
-                                )  # fmt: skip
-                            except (InfeasibleError, ValueError) as e:
-                                tried.append(
-                                    {**knobs, "feasible": False, "why": str(e).splitlines()[0][:200]}
-                                )
-                                continue
-                            tried.append({**knobs, "feasible": True, "step_time": p.predicted.step_time})
-                            if best is None or p.predicted.step_time < best.predicted.step_time:
-                                best = p
-    if best is None:
-        raise InfeasibleError("no Megatron-LM layout fits:\n  " + "\n  ".join(f"{t}" for t in tried[:20]))
-    best.info["megatron_candidates"] = tried
-    return best
+                s.skip(
+                    f"training state alone {static / 2**30:.1f} GiB per device > budget {budget / 2**30:.1f} GiB (rule 1)",
+                    tp=tp, pp=pp, ep=ep, distributed_optimizer=do,
+                )  # fmt: skip
+            if not optimizers:
+                continue
+            step, light = s.tune_stage(tp, pp, ep, optimizers, bool(experts))
+            fastest = min(fastest, step)
+            if light:
+                for larger in pps[i + 1 :]:
+                    s.skip(f"pp={pp} fits at the lightest recomputation (rule 5)", tp=tp, pp=larger, ep=ep)
+                break
+        return fastest if applicable else None
+
+    eps = [e for e in (64, 32, 16, 8, 4, 2) if e <= min(num_experts, world) and num_experts % e == 0] + [1]
+    eps = s.options("ep", eps if experts else [1])
+    for tp in s.options("tp", [t for t in (1, 2, 4, 8, 16) if t <= gpn and world % t == 0]):
+        previous, previous_ep = math.inf, None
+        for k, ep in enumerate(eps):  # largest first, while the step gets faster (rule 6)
+            step = pipelines(tp, ep)
+            if step is None:
+                continue
+            if step == math.inf or step >= previous:
+                why = (
+                    f"ep={ep} fits nowhere: a smaller ep keeps more experts per device (rule 6)"
+                    if step == math.inf
+                    else f"the step got slower from ep={previous_ep} to {ep} (rule 6)"
+                )
+                for smaller in eps[k + 1 :]:
+                    s.skip(why, tp=tp, ep=smaller)
+                break
+            previous, previous_ep = step, ep
+    if s.best is None:
+        planned = [t for t in s.tried if not t.get("skipped")]
+        raise InfeasibleError(
+            "no Megatron-LM layout fits:\n  " + "\n  ".join(f"{t}" for t in (planned or s.tried)[:20])
+        )
+    s.best.info["megatron_candidates"] = s.tried
+    s.best.info["megatron_search_time"] = time.perf_counter() - t_start
+    return s.best

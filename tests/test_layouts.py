@@ -75,3 +75,171 @@ def test_megatron_errors_carry_the_arithmetic(make_gpt2, batch, a100x8):
         autopar.layouts.megatron(model, inputs, a100x8, tp=3)
     with pytest.raises(ValueError, match="tp\\(4\\) × dp\\(3\\) = 12 ≠ world size 8"):
         autopar.layouts.megatron(model, inputs, a100x8, tp=4, dp=3)
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+
+V = 64
+
+
+def _tiny_mixtral(seed: int = 0):
+    """transformers' Mixtral, 2 layers of 4 experts (top-2), and one batch of 4 × 16 tokens."""
+    import os
+
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+        vocab_size=V, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
+    )  # fmt: skip
+    ids = torch.randint(0, V, (4, 16))
+    return MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.fixture
+def a100x4() -> autopar.Cluster:
+    return autopar.Cluster.preset("A100-80GB", gpus_per_node=4, nodes=1)
+
+
+@pytest.mark.timeout(120)
+def test_best_megatron_tries_expert_parallel_sizes_and_returns_the_fastest(a100x4):
+    model, batch = _tiny_mixtral()
+    best = autopar.layouts.best_megatron(model, batch, a100x4, tp=1, pp=1)
+    tried = best.info["megatron_candidates"]
+    assert {c["tp"] for c in tried} == {1} and {c["pp"] for c in tried} == {1}  # held
+    planned = [c for c in tried if not c.get("skipped")]
+    eps = [c["ep"] for c in planned if c["recompute"] == "none"]
+    assert eps[:2] == [4, 2]  # largest first: powers of two dividing dp = 4 and the 4 experts
+    for ep in {1, 2, 4} - set(eps):  # the sweep stopped: said why
+        assert any(c.get("skipped") and c["ep"] == ep and "rule 6" in c["why"] for c in tried), ep
+    fastest = min(planned, key=lambda c: c["step_time"] if c["feasible"] else float("inf"))
+    assert best.predicted.step_time == pytest.approx(fastest["step_time"], rel=1e-9)
+    assert (f", ep={fastest['ep']}" in best.info["layout"]) == (fastest["ep"] > 1)
+    # pruning 2: every ep fits without recomputation, so heavier levels are listed as skipped, not planned
+    assert {c["recompute"] for c in planned} == {"none"}
+    for ep in eps:
+        skipped = {c["recompute"] for c in tried if c.get("skipped") and c["ep"] == ep}
+        assert {"selective", "full"} <= skipped, (ep, skipped)
+
+
+@pytest.mark.timeout(120)
+def test_best_megatron_holds_a_given_ep(a100x4):
+    model, batch = _tiny_mixtral()
+    best = autopar.layouts.best_megatron(model, batch, a100x4, ep=2, pp=1, recompute="none")
+    tried = best.info["megatron_candidates"]
+    assert {c["ep"] for c in tried} == {2}
+    assert dict(zip(best.mesh_axes, best.mesh_shape))["ep"] == 2 and ", ep=2" in best.info["layout"]
+    planned = [c for c in tried if not c.get("skipped")]
+    assert {c["tp"] for c in planned} == {1, 2}
+    assert any(c.get("skipped") and c["tp"] == 4 and "ep=2 does not divide dp=1" in c["why"] for c in tried)
+    # with tensor parallelism a mixture-of-experts model runs sequence parallelism, as Megatron-LM requires
+    assert all(c["sp"] == (c["tp"] > 1) for c in planned)
+    fastest = min(c["step_time"] for c in planned if c["feasible"])
+    assert best.predicted.step_time == pytest.approx(fastest, rel=1e-9)
+
+
+def test_best_megatron_does_not_search_ep_on_a_dense_model(make_gpt2, batch, a100x4):
+    model, inputs = make_gpt2(), batch(4, 16, 256)
+    best = autopar.layouts.best_megatron(model, inputs, a100x4, tp=1, pp=1, recompute="none")
+    assert {c["ep"] for c in best.info["megatron_candidates"]} == {1}
+    with pytest.raises(ValueError, match="ep=2, but the model has no mixture-of-experts layer"):
+        autopar.layouts.best_megatron(model, inputs, a100x4, ep=2)
+
+
+def test_best_megatron_skips_layouts_whose_training_state_alone_does_not_fit(a100x4):
+    """Nothing is solved when no layout's weights, gradients and optimizer state fit; the error
+    lists the static memory of each."""
+    from autopar.solver import InfeasibleError
+
+    model, batch = _tiny_mixtral()
+    with pytest.raises(InfeasibleError, match=r"training state alone [\d.]+ GiB per device > budget"):
+        autopar.layouts.best_megatron(model, batch, a100x4, config=autopar.PlanConfig(memory_budget=1024))
+
+
+def test_megatron_static_bytes_follows_the_zero_accounting():
+    from autopar.cost.memory import state_bytes_per_param
+
+    def state(nbytes):  # bf16 parameters, AdamW with fp32 master weights: 2 + 2 + 12 bytes
+        return state_bytes_per_param(nbytes, master_weights=True)
+
+    params = [("attn.w", 1000, 2, True), ("moe.experts", 8000, 2, True), ("norm.w", 100, 2, True)]
+    roles, experts = {"attn.w": "col:0"}, {"moe.experts": 8}
+    one = autopar.layouts.megatron_static_bytes(
+        params, roles, experts, tp=2, dp=4, ep=4, pp=1, distributed_optimizer=False, state=state
+    )
+    assert one == (1000 / 2 + 8000 / 4 + 100) * 16
+    sharded = autopar.layouts.megatron_static_bytes(
+        params, roles, experts, tp=2, dp=4, ep=4, pp=2, distributed_optimizer=True, state=state
+    )
+    # gradients and optimizer state over the data-parallel ranks: dp = 4 for dense weights,
+    # dp · tp / ep = 2 for the experts; the largest of 2 stages holds at least half
+    assert sharded == ((1000 / 2 + 100) * (2 + 14 / 4) + 8000 / 4 * (2 + 14 / 2)) / 2
+
+
+@pytest.mark.timeout(120)
+def test_megatron_with_expert_parallelism_composes_with_a_pipeline(a100x4):
+    model, batch = _tiny_mixtral()
+    plan = autopar.layouts.megatron(model, batch, a100x4, tp=1, ep=2, pp=2, microbatches=2)
+    assert plan.pipeline is not None and (plan.pipeline.pp, plan.pipeline.microbatches) == (2, 2)
+    assert plan.mesh_axes == ("ep",) and plan.mesh_shape == (2,)  # each stage: 2 devices, dp = ep = 2
+    assert plan.info["layout"].startswith("megatron(pp=2, m=2, 1f1b, tp=1, dp=2, ep=2")
+    placed = plan.param_placements()
+    experts = [f for f in placed if f.endswith(("gate_up_proj", "down_proj")) and "experts" in f]
+    assert len(experts) == 4 and all(placed[f] == ("S(0)",) for f in experts), placed
+    rewrites = [r for n in plan.nodes for r in n.rewrites if r.startswith("expert")]
+    assert rewrites == ["expert_dispatch", "expert_combine"] * 2
+    assert set(plan.pipeline.stage_of.values()) == {0, 1}
+    assert autopar.simulate(plan).step_time == pytest.approx(plan.predicted.step_time, rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_distributed_optimizer_splits_the_state_over_each_weights_data_parallel_ranks(a100x4):
+    model, batch = _tiny_mixtral()
+    plain = autopar.layouts.megatron(model, batch, a100x4, tp=1, ep=2)
+    plan = autopar.layouts.megatron(model, batch, a100x4, tp=1, ep=2, distributed_optimizer=True)
+    assert plan.mesh_axes == ("dp", "ep") and plan.info["layout"].endswith("ep=2, distributed optimizer)")
+    placed, stages = plan.param_placements(), plan.zero_stages()
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert placed[gate_up][1] == "S(0)" and placed[gate_up][0].startswith("S(")  # experts: ep, then dp
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert all(p.startswith("S(") for p in placed[q])  # dense: over dp and ep, both data-parallel for it
+    assert stages[q] == 2 and stages[gate_up] == 2
+    assert plan.predicted.memory_per_device < plain.predicted.memory_per_device
+
+
+def _distributed_optimizer_worker(rank: int, world: int) -> dict:
+    import warnings
+
+    from _runtime_helpers import make_optimizer, train
+
+    warnings.simplefilter("ignore")
+    cluster = autopar.Cluster.local(world)
+    model, batch = _tiny_mixtral()
+    plan = autopar.layouts.megatron(model, batch, cluster, tp=1, ep=2, distributed_optimizer=True)
+    pm = autopar.parallelize(model, cluster, batch, plan=plan)
+    losses = train(pm, batch, make_optimizer("adamw", pm.parameters()))
+    return {"losses": losses, "state": pm.full_state_dict(), "stages": set(pm.plan.zero_stages().values())}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_distributed_optimizer_layout_trains_like_one_process():
+    """Megatron with expert parallelism and the distributed optimizer on 2 gloo processes: dense
+    weights' state split over the ep axis (data-parallel for them), experts by expert; 3 AdamW
+    steps give the losses and final state of one process."""
+    from _runtime_helpers import compare_training, make_optimizer, train
+
+    from autopar.runtime.launch import spawn
+
+    result = spawn(_distributed_optimizer_worker, 2, timeout=280)[0]
+    model, batch = _tiny_mixtral()
+    ref = train(model, batch, make_optimizer("adamw", model.parameters()))
+    ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert result["stages"] == {2}
+    problems = compare_training(
+        (ref, ref_state), (result["losses"], result["state"]), "adamw", "ep=2 + dist-opt"
+    )
+    assert not problems, "\n".join(problems)
