@@ -60,6 +60,7 @@ __all__ = [
     "KNOBS",
     "best_megatron",
     "expert_weights",
+    "fsdp",
     "megatron",
     "megatron_mesh",
     "megatron_static_bytes",
@@ -109,6 +110,52 @@ def _is_transpose_2d(node: Node) -> bool:
     name = op_name(node)
     return name in ("t", "transpose", "swapaxes", "swapdims", "numpy_T", "mT") or (
         name == "permute" and list(node.args[1]) in ([1, 0], [-1, -2])
+    )
+
+
+def fsdp(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    *,
+    config: PlanConfig | None = None,
+    captured: Captured | None = None,
+    **options: Any,
+) -> Plan:
+    """ZeRO-3 as PyTorch FSDP runs it (Zhao et al., VLDB 2023; Rajbhandari et al., arXiv
+    1910.02054): one data-parallel axis over every device, the batch split along it, every
+    parameter stored sharded along its largest dimension that divides (replicated when none
+    does) and gathered whole for each use — no op reads a parameter shard — then freed and
+    gathered again in backward (ZeRO stage 3), its gradient reduce-scattered.
+
+    ``config`` (or its fields as keyword ``options``) holds the other planning options; the layout
+    sets the mesh, the placements and the ZeRO stage."""
+    world = cluster.world_size
+    cap = captured if captured is not None else capture(model, example_inputs)
+    fixed: dict[str, tuple[str, ...]] = {}
+    for name, p in model.named_parameters():
+        dims = sorted(range(p.dim()), key=lambda d: -p.shape[d])
+        d = next((d for d in dims if p.shape[d] % world == 0), None)
+        if d is not None:
+            fixed[name] = (f"S({d})",)
+    for n in cap.user_input_nodes():  # the batch split (dimension 0), where it divides
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % world == 0:
+            fixed[cap.inputs[n.name]] = ("S(0)",)
+
+    def gathered_for_use(node: Node, s: Strategy) -> bool:
+        return node.op != "call_function" or all(
+            spec is None or i.meta[TENSOR].kind != "param" or all(isinstance(p, Replicate) for p in spec)
+            for i, spec in zip(tensor_inputs(node), s.inputs)
+        )
+
+    config = PlanConfig.build(config, **options)
+    return plan_captured(
+        cap,
+        cluster,
+        config.with_fixed(fixed).replace(mesh_shape=(world,), zero_stage=3),
+        node_constraint=gathered_for_use,
+        layout=f"fsdp(dp={world})",
     )
 
 
@@ -217,12 +264,15 @@ def megatron(
     planning options; the layout sets the mesh and fixes the weights. ``captured``: the model
     already captured on ``example_inputs`` (with ``pp > 1``: on one micro-batch of them).
 
-    With ``pp > 1`` the model is cut into ``pp · virtual`` pipeline stages (at its seams, balanced
-    by compute: ``autopar.passes.stages``; Megatron-LM cuts equal layer counts, which is this for
-    equal layers), each stage laid out as above on ``world / pp`` devices, ``microbatches``
-    micro-batches (default ``pp``) run under ``schedule`` (``autopar.schedule``).
+    With ``pp > 1`` the model is cut into ``pp · virtual`` pipeline stages as Megatron-LM cuts it:
+    equal numbers of repeated layers per stage, the embedding with the first and the head with the
+    last (``autopar.passes.stages.layer_cuts``; autopar's own plans balance the stages' cost
+    instead), each stage laid out as above on ``world / pp`` devices, ``microbatches``
+    micro-batches (default ``pp``) run under ``schedule`` (``autopar.schedule``). With ``pp = 1``
+    and ``microbatches > 1``: gradient accumulation, Megatron-LM's ``--micro-batch-size`` below
+    the per-rank batch (the micro-batches one after another, gradients reduced once).
     """
-    if pp > 1:
+    if pp > 1 or (microbatches or 1) > 1:
         ((_, _, got),) = _megatron_pipelined(
             model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, pp=pp,
             microbatches=microbatches or pp, schedules=[(schedule, virtual)],
@@ -468,6 +518,7 @@ def _megatron_pipelined(
             pp,
             microbatches,
             budget,
+            by_layers=True,
         )
         if not found:
             out.append(
@@ -591,7 +642,7 @@ class _Search:
         config = self.config.replace(recompute=knobs["recompute"], pp=1)
         t0 = time.perf_counter()
         try:
-            if pp == 1:
+            if pp == 1 and m == 1:
                 got: list[tuple[str, int, Plan | str]] = [("1f1b", 1, megatron(
                     self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, distributed_optimizer=do,
                     config=config, captured=self.captured(1),
@@ -646,13 +697,14 @@ class _Search:
         light, fastest = False, math.inf
         sps = [True] if moe and tp > 1 else ([False, True] if tp > 1 else [False])
         for sp in self.options("sequence_parallel", sps):
-            # one stage runs the whole per-rank batch at once
+            # One stage: gradient accumulation over micro-batches of 1, 2, 4, 8 sequences, or the
+            # whole per-rank batch at once.
             mbss = (
-                [per_rank]
+                sorted({b for b in (1, 2, 4, 8) if per_rank % b == 0} | {per_rank})
                 if pp == 1
                 else [b for b in (1, 2, 4, 8) if per_rank % b == 0 and per_rank // b >= pp]
             )
-            mbss = mbss if pp == 1 else self.options("microbatch_size", mbss)
+            mbss = self.options("microbatch_size", mbss)
             previous = math.inf
             for i, mbs in enumerate(mbss):
                 base = {"tp": tp, "pp": pp, "ep": ep, "mbs": mbs, "sp": sp}

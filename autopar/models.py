@@ -28,11 +28,22 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
+    """Dropout probability on the attention probabilities and on each residual branch (the
+    embeddings' sum included), as GPT-2 and Megatron-LM's GPT place it; 0: none."""
     bias: bool = True
+    attention: str = "sdpa"
+    """``"sdpa"``: ``F.scaled_dot_product_attention`` (a fused FlashAttention-style kernel on GPUs);
+    ``"math"``: attention written out as Megatron-LM's GPT of 2021 runs it (Narayanan et al., SC'21)
+    — ``baddbmm`` of ``Q·Kᵀ`` scaled by ``1/√d``, the causal mask, softmax, dropout and a ``bmm`` with
+    ``V``, every ``s × s`` score materialised."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout is a probability in [0, 1), got {self.dropout}")
 
     @classmethod
     def tiny(cls, **kw: int) -> GPTConfig:
@@ -56,6 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.math = cfg.attention == "math"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -63,11 +75,23 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        p = self.dropout if self.training else 0.0
+        if self.math:
+            y = self._math_attention(q, k, v, p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.proj(y)
+
+    @staticmethod
+    def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        b, h, t, d = q.shape
+        qf, kf = q.reshape(b * h, t, d), k.reshape(b * h, t, d)
+        empty = torch.empty(b * h, t, t, dtype=q.dtype, device=q.device)
+        scores = torch.baddbmm(empty, qf, kf.transpose(1, 2), beta=0.0, alpha=d**-0.5).view(b, h, t, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        probs = F.dropout(scores.masked_fill(causal, float("-inf")).softmax(dim=-1), p)
+        return torch.bmm(probs.view(b * h, t, t), v.reshape(b * h, t, d)).view(b, h, t, d)
 
 
 class Block(nn.Module):
@@ -78,10 +102,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.proj(F.gelu(self.fc(self.ln_2(x)))))
 
 
 class GPT(nn.Module):
@@ -96,6 +121,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf, 2017)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
         self.apply(self._init_weights)
 
     @staticmethod
@@ -109,7 +135,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))

@@ -47,37 +47,8 @@ def _plan(layout: str, model: Any, inputs: tuple, world: int) -> Any:
     if layout == "dp":
         fixed = {n: ("R",) for n, _ in model.named_parameters()}
         return autopar.plan(model, inputs, cluster, mesh_shape=(world,), fixed=fixed)
-    # ZeRO-3 as FSDP runs it: every parameter stored sharded on its largest dimension and
-    # gathered whole for each use (no op reads a parameter shard), the batch split.
-    from autopar.capture import capture
-    from autopar.graph import tensor_inputs
-    from autopar.ir import TENSOR
-    from autopar.placement import Replicate
-    from autopar.planner import plan_captured
-
-    fixed = {
-        n: (f"S({max(range(p.dim()), key=lambda d: p.shape[d])})",)
-        for n, p in model.named_parameters()
-        if max(p.shape) % world == 0
-    }
-    fixed.update({"args[0]": ("S(0)",), "args[1]": ("S(0)",)})
-
-    def gathered_for_use(node: Any, s: Any) -> bool:
-        return node.op != "call_function" or all(
-            spec is None or i.meta[TENSOR].kind != "param" or all(isinstance(p, Replicate) for p in spec)
-            for i, spec in zip(tensor_inputs(node), s.inputs)
-        )
-
-    cap = capture(model, inputs)
-    return plan_captured(
-        cap,
-        cluster,
-        mesh_shape=(world,),
-        fixed=fixed,
-        zero_stage=3,
-        node_constraint=gathered_for_use,
-        layout="fsdp",
-    )
+    # ZeRO-3 as FSDP runs it: every parameter stored sharded, gathered whole for each use.
+    return autopar.layouts.fsdp(model, inputs, cluster)
 
 
 def worker(rank: int, world: int, plan_json: str, shape: tuple, steps: int) -> dict[str, Any]:

@@ -10,8 +10,11 @@ FLOP count, against the published figure; and with ``--autopar``, autopar's own 
 
 FLOPs per step (the paper's §5.1, with recomputation): ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``.
 The model is ``autopar.models.GPT`` with the row's shape, vocabulary 51200 and sequence 2048 in
-bf16 on the meta device; the cluster ``Cluster.preset("A100-80GB", gpus_per_node=8,
-nodes=gpus/8)`` (DGX A100: one 200 Gb/s NIC per GPU).
+bf16 on the meta device, written as Megatron-LM's GPT of 2021 ran (``attention="math"``: the
+scores materialised, softmax and dropout on them — FlashAttention came a year later — and dropout
+0.1 on the attention probabilities and the residual branches, as in GPT-3); the cluster
+``Cluster.preset("A100-80GB", gpus_per_node=8, nodes=gpus/8)`` (DGX A100: one 200 Gb/s NIC per
+GPU).
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ def main() -> None:
         layers, hidden, heads = int(r["layers"]), int(r["hidden"]), int(r["heads"])
         gpus, batch, tp, pp = int(r["gpus"]), int(r["batch"]), int(r["tp"]), int(r["pp"])
         with torch.device("meta"):
-            model = GPT(
-                GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=SEQ, vocab_size=VOCAB)
-            )
+            cfg = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=SEQ, vocab_size=VOCAB,
+                            attention="math", dropout=0.1)  # fmt: skip
+            model = GPT(cfg)
         model = model.to(torch.bfloat16)
         ids = torch.empty(batch, SEQ, dtype=torch.long, device="meta")
         cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=gpus // 8)

@@ -69,6 +69,28 @@ def test_megatron_plan_places_weights_as_megatron_does(make_llama, batch, a100x8
     assert placed["model.embed_tokens.weight"] == ("R", "S(0)")
 
 
+def test_fsdp_stores_every_weight_sharded_and_gathers_it_whole_for_use(make_llama, batch, a100x8):
+    """ZeRO-3 as FSDP runs it: one data-parallel axis, every parameter stored split along its
+    largest dimension that divides, no op reads a shard (each is gathered first), the batch split."""
+    from autopar.placement import parse_spec
+
+    model = make_llama(layers=2, heads=8, kv_heads=8)
+    plan = autopar.layouts.fsdp(model, batch(8, 32, 256), a100x8)
+    assert plan.mesh_shape == (8,) and plan.info["layout"] == "fsdp(dp=8)"
+    assert set(plan.zero_stages().values()) == {3}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    for name, spec in plan.param_placements().items():
+        d = max(range(len(shapes[name])), key=lambda i: shapes[name][i])
+        assert spec == (f"S({d})",), (name, spec)
+    assert all(v == ("S(0)",) for v in plan.inputs.values())
+    params = {n.name for n in plan.nodes if n.kind == "param"}
+    for n in plan.nodes:  # every op reads its weights whole (gathered), never a shard
+        for name, spec in zip(n.input_names, n.inputs):
+            if name in params and spec is not None:
+                assert all(p == "R" for p in spec), (n.name, name, spec)
+        assert all(str(p) for p in (parse_spec(s) for s in n.outputs))
+
+
 def test_megatron_errors_carry_the_arithmetic(make_gpt2, batch, a100x8):
     model, inputs = make_gpt2(), batch(2, 16, 256)
     with pytest.raises(ValueError, match="tp=3 does not divide the world size 8"):

@@ -104,3 +104,32 @@ def test_full_table_shows_modules_placements_and_step_time(gpt2_plan):
     short = gpt2_plan.table(max_rows=3, full=True)
     assert "more modules" in short and len(short.splitlines()) < len(text.splitlines())
     assert repr(gpt2_plan).startswith("<autopar.Plan mesh=(8,)")
+
+
+def test_gpt_attention_written_out_computes_what_sdpa_does_and_costs_its_scores():
+    """``GPTConfig(attention="math")`` is Megatron-LM's 2021 attention (scores materialised,
+    softmax, dropout): the same values as SDPA, and on a GPU its s × s scores cost memory traffic
+    that the fused kernel does not move, so the planned step is slower."""
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    fused = GPT(GPTConfig.tiny(n_layer=2))
+    math_ = GPT(GPTConfig.tiny(n_layer=2, attention="math"))
+    math_.load_state_dict(fused.state_dict())
+    x = torch.randint(0, 128, (2, 32))
+    a, b = fused(x, x), math_(x, x)
+    a.backward()
+    b.backward()
+    assert torch.allclose(a, b, atol=1e-6)
+    for (n, p), q in zip(fused.named_parameters(), math_.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), n
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'math'"):
+        GPTConfig(attention="flash")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8)
+    ids = torch.empty(8, 1024, dtype=torch.long, device="meta")
+    steps = {}
+    for kind in ("sdpa", "math"):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=2, n_head=8, n_embd=512, block_size=1024, attention=kind))
+        steps[kind] = autopar.plan(model, (ids, ids), cluster, mesh_shape=(8,)).predicted.step_time
+    assert steps["math"] > 1.1 * steps["sdpa"], steps
