@@ -1,0 +1,145 @@
+"""Prediction against measurement on this machine: plans of one small GPT on 2 and 4 local gloo
+processes, each predicted from the measured local cluster and then run.
+
+    python examples/local_fidelity.py                    # 2 and 4 processes, every layout
+    python examples/local_fidelity.py --world 2 --steps 30
+
+For each world size the machine is measured first (``autopar.runtime.calibrate.measure_local``:
+matmul rate, memory bandwidth, per-op overhead and every gloo collective's α-β, with all ranks
+running at once as they will in training); then five plans are made on that cluster —
+
+* ``dp`` — data parallelism: every weight replicated, the batch split (``mesh (world,)``);
+* ``tp`` — Megatron-LM's tensor parallelism over all processes (``layouts.megatron(tp=world)``);
+* ``zero3`` — ZeRO-3 as FSDP runs it (``layouts.fsdp``): weights stored sharded, gathered for use;
+* ``pp`` — two pipeline stages, 1F1B over four micro-batches (the rest data-parallel);
+* ``auto`` — ``autopar.plan``'s own choice —
+
+and each is run for ``--steps`` training steps (after warm-up) on the same processes, one thread
+each: forward, backward and ``AdamW.step()``; the step a rank sees is as slow as the slowest rank,
+so each step's time is the maximum over ranks, and the figure is the median over steps. Printed per
+plan: the predicted step (``plan.predicted.step_time``, the simulator's), the measured median, their
+ratio, and whether the plans rank in the same order by prediction as by measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+
+LAYOUTS = ("dp", "tp", "zero3", "pp", "auto")
+
+
+def build(layers: int, hidden: int, seq: int, batch: int, seed: int = 0) -> tuple[Any, tuple]:
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=hidden, vocab_size=512, block_size=seq))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 512, (batch, seq), generator=g)
+    return model, (ids, torch.randint(0, 512, (batch, seq), generator=g))
+
+
+def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
+    import autopar
+
+    world = cluster.world_size
+    batch_split = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)}
+    if layout == "dp":
+        fixed = {n: ("R",) for n, _ in model.named_parameters()} | batch_split
+        return autopar.plan(model, inputs, cluster, mesh_shape=(world,), fixed=fixed, pp=1)
+    if layout == "tp":
+        return autopar.layouts.megatron(model, inputs, cluster, tp=world)
+    if layout == "zero3":
+        return autopar.layouts.fsdp(model, inputs, cluster)
+    if layout == "pp":
+        fixed = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)} if world > 2 else {}
+        return autopar.plan(model, inputs, cluster, pp=2, microbatches=4, schedule="1f1b", fixed=fixed)
+    return autopar.plan(model, inputs, cluster)
+
+
+def worker(rank: int, world: int, plans: dict[str, str], cluster: dict, shape: tuple, steps: int) -> dict:
+    import autopar
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    out = {}
+    for name, text in plans.items():
+        plan = autopar.Plan.from_dict(json.loads(text))
+        model, inputs = build(*shape)
+        pm = autopar.parallelize(model, autopar.Cluster.from_dict(cluster), inputs, plan=plan)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        times = []
+        for i in range(steps + 3):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            loss = pm(*inputs)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i >= 3:  # warm-up
+                times.append(time.perf_counter() - t0)
+        out[name] = times
+    return out
+
+
+def run(world: int, layouts: list[str], steps: int, shape: tuple) -> list[tuple[str, float, float, str]]:
+    from autopar.runtime.calibrate import measure_local
+    from autopar.runtime.launch import spawn
+
+    cluster = measure_local(world)
+    model, inputs = build(*shape)
+    plans, what = {}, {}
+    for name in layouts:
+        plan = make_plan(name, model, inputs, cluster)
+        plans[name] = json.dumps(plan.to_dict())
+        axes = " × ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+        pipe = plan.pipeline
+        what[name] = (f"pp={pipe.pp} m={pipe.microbatches} " if pipe else "") + axes
+        what[name] += f" (predicted {plan.predicted.step_time * 1e3:.1f} ms)"
+    res = spawn(worker, world, plans, cluster.to_dict(), shape, steps, timeout=1800)
+    rows = []
+    for name in layouts:
+        per_step = [max(r[name][i] for r in res) for i in range(steps)]
+        pred = json.loads(plans[name])["predicted"]["step_time"]
+        rows.append((name, pred, statistics.median(per_step), what[name]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--layout", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    shape = (args.layers, args.hidden, args.seq, args.batch)
+    print(f"GPT {args.layers} layers × {args.hidden}, batch {args.batch} × {args.seq}, vocabulary 512; "
+          f"median of {args.steps} steps, the slowest rank's")  # fmt: skip
+    for world in args.world:
+        rows = run(world, args.layout, args.steps, shape)
+        print(f"\n{world} processes")
+        print(f"  {'plan':<6} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  layout")
+        for name, pred, meas, what in rows:
+            print(f"  {name:<6} {pred * 1e3:>8.1f}ms {meas * 1e3:>8.1f}ms {pred / meas:>9.2f}  {what}")
+        by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
+        by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
+        worst = max(abs(r[1] / r[2] - 1) for r in rows)
+        print(f"  order by prediction: {' < '.join(by_pred)}")
+        print(
+            f"  order by measurement: {' < '.join(by_meas)}  ({'same' if by_pred == by_meas else 'differs'})"
+        )
+        print(f"  largest error: {worst:.0%}")
+
+
+if __name__ == "__main__":
+    main()
