@@ -269,6 +269,10 @@ class Cluster:
     each GPU the NIC nearest to it); ``None``: one per GPU, as in DGX systems."""
     backend: str = "nccl"
     """torch.distributed backend the runtime uses on this cluster (``"gloo"`` for ``Cluster.local``)."""
+    overlap_comm: bool = True
+    """Communication runs beside compute (GPUs: copy engines and NICs of their own); False where it
+    takes the compute's own cores — CPU processes filling the machine, gloo's threads and the
+    compute sharing them — so the simulator charges a gradient reduction on the compute's time."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form provenance (e.g. how a local profile was measured)."""
 
@@ -380,13 +384,17 @@ class Cluster:
         link_bandwidth: float = 1e9,
         link_latency: float = 60e-6,
         memory: int = 4 * GiB,
+        overlap_comm: bool | None = None,
     ) -> Cluster:
         """``world_size`` processes on this machine, talking through gloo over shared memory/loopback.
 
         The defaults are rough figures for one CPU core; ``autopar.runtime.calibrate.measure_local``
         measures them (matmul throughput, gloo all-reduce α and β) and returns a Cluster built
-        with the measured numbers.
+        with the measured numbers. ``overlap_comm`` (default: when the machine has a spare core for
+        each process's gloo thread, ``2 · world_size <= os.cpu_count()``): see ``Cluster``.
         """
+        if overlap_comm is None:
+            overlap_comm = 2 * world_size <= (os.cpu_count() or 1)
         if world_size < 1:
             raise ValueError(f"Cluster.local needs world_size >= 1, got {world_size}")
         dev = DeviceSpec(
@@ -399,7 +407,13 @@ class Cluster:
         )
         link = Link(name="gloo", bandwidth=link_bandwidth, latency=link_latency)
         return cls(
-            device=dev, gpus_per_node=world_size, nodes=1, intra_node=link, inter_node=link, backend="gloo"
+            device=dev,
+            gpus_per_node=world_size,
+            nodes=1,
+            intra_node=link,
+            inter_node=link,
+            backend="gloo",
+            overlap_comm=overlap_comm,
         )
 
     def with_device(self, **changes: Any) -> Cluster:
@@ -472,6 +486,7 @@ class Cluster:
             "inter_node": _link_dict(self.inter_node),
             "nics_per_node": self.nics_per_node,
             "backend": self.backend,
+            "overlap_comm": self.overlap_comm,
         }
 
     @classmethod
@@ -484,6 +499,7 @@ class Cluster:
             inter_node=_link_from(d["inter_node"]),
             nics_per_node=d.get("nics_per_node"),
             backend=d.get("backend", "nccl"),
+            overlap_comm=d.get("overlap_comm", True),
         )
 
 

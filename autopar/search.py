@@ -173,7 +173,7 @@ def pipelined_candidates(
                 actions = make_schedule(schedule, pp, m, v)
             except ValueError:
                 continue
-            tl = play(actions, costs)
+            tl = play(actions, costs, overlap=cluster.overlap_comm)
             peak = max(tl.peak_memory)
             label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
             if peak > budget:

@@ -211,10 +211,10 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
     if p is None:
         stages = stage_costs(plan)
         actions = make_schedule("1f1b", 1, 1)
-        tl = play(actions, stages)
+        tl = play(actions, stages, overlap=cluster.overlap_comm)
         return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
     stages = [StageCost(**d) for d in p.stage_costs]
-    tl = play(p.actions(), stages)
+    tl = play(p.actions(), stages, overlap=cluster.overlap_comm)
     opt = max(optimizer_time(plan, cluster, range(r, p.num_stages, p.pp)) for r in range(p.pp))
     return StepSimulation(
         tl, opt, p.schedule + (f" (v={p.virtual})" if p.virtual > 1 else ""), p.microbatches
@@ -287,5 +287,5 @@ def simulate_captured(plan: Plan, gm: GraphModule, cluster: Cluster) -> StepSimu
         fwd_share=facts.fwd_share.get,
         trainable_matmul=facts.trainable_matmul,
     )
-    tl = play(make_schedule("1f1b", 1, 1), stages)
+    tl = play(make_schedule("1f1b", 1, 1), stages, overlap=cluster.overlap_comm)
     return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)

@@ -124,9 +124,10 @@ class Timeline:
         return "\n".join(rows)
 
 
-def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Timeline:
+def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overlap: bool = True) -> Timeline:
     """Play ``actions`` (one list per pipeline rank) with ``stages``' costs (module docstring).
-    Raises ``ValueError`` if the schedule deadlocks."""
+    ``overlap=False``: gradient reductions take the compute's own time (a rank blocks for them
+    after its ``W``; ``Cluster.overlap_comm``). Raises ``ValueError`` if the schedule deadlocks."""
     pp = len(actions)
     n = len(stages)
     done: dict[Action, float] = {}
@@ -136,6 +137,7 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Ti
     mem = [stages_static(stages, r, pp) for r in range(pp)]
     peak = list(mem)
     comm = [0.0] * pp  # when each rank's communication stream is free
+    blocked = [0.0] * pp  # reductions a rank waited for without overlap
     last_w = {(r, a[1]): i for r in range(pp) for i, a in enumerate(actions[r]) if a[0] == "W"}
 
     def arrival(dep: Action, same_rank: bool, transfer: float) -> float | None:
@@ -186,7 +188,11 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Ti
                 elif kind == "W":
                     mem[r] -= c.activation
                     sync = c.microbatch_sync + (c.grad_sync if last_w[(r, s)] == pos[r] - 1 else 0.0)
-                    if sync > 0:
+                    if sync > 0 and not overlap:  # on the compute's own cores: the rank waits
+                        free[r] = end + sync
+                        blocked[r] += sync
+                        tl.comm.append((r, end, end + sync))
+                    elif sync > 0:
                         last = sync / max(1, c.sync_chunks)
                         begin = max(comm[r], start)
                         comm[r] = max(begin + sync, end + last)
@@ -196,7 +202,7 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost]) -> Ti
         raise ValueError(f"the schedule deadlocks: ranks wait forever at {stuck}")
     for r in range(pp):
         exposed = max(0.0, comm[r] - free[r])
-        tl.exposed_sync.append(exposed)
+        tl.exposed_sync.append(exposed + blocked[r])
         tl.end.append(free[r] + exposed)
     tl.peak_memory = peak
     return tl

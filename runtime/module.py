@@ -434,7 +434,8 @@ class ParallelModule(nn.Module):
         pipe = self.plan.pipeline
         r = self.pipeline.pp.coord
         actions = pipe.actions()
-        tl = play(actions, [StageCost(**c) for c in pipe.stage_costs])
+        overlap = Cluster.from_dict(self.plan.cluster).overlap_comm
+        tl = play(actions, [StageCost(**c) for c in pipe.stage_costs], overlap=overlap)
         rows = [
             ("step", tl.step_time, m["step"]),
             ("compute", tl.busy[r], m["compute"]),

@@ -86,6 +86,18 @@ def test_gradient_reduction_overlaps_backward_but_not_its_last_bucket():
     assert play(make_schedule("1f1b", 1, 1), long).step_time == pytest.approx(2.0 + 5.0)
 
 
+def test_a_reduction_without_overlap_takes_the_computes_time():
+    """``overlap=False`` (CPU processes filling the cores, ``Cluster.overlap_comm``): the reduction
+    runs after the weight gradient on the rank's own time; with two micro-batches it still runs
+    once, after the last."""
+    one = [StageCost(forward=1.0, backward_input=1.0, backward_weight=1.0, grad_sync=0.8, sync_chunks=4)]
+    tl = play(make_schedule("1f1b", 1, 1), one, overlap=False)
+    assert tl.step_time == pytest.approx(3.8) and tl.exposed_sync == [pytest.approx(0.8)]
+    tl = play(make_schedule("1f1b", 1, 2), one, overlap=False)
+    assert tl.step_time == pytest.approx(6.8)
+    assert play(make_schedule("1f1b", 1, 2), one).step_time == pytest.approx(6.2)  # last bucket only
+
+
 def test_peak_memory_follows_the_schedule():
     stages = [StageCost(forward=1, backward_input=1, backward_weight=1, activation=10.0, static=100.0)] * 4
     gp = play(make_schedule("gpipe", 4, 8), stages)
