@@ -14,7 +14,7 @@ running at once as they will in training); then five plans are made on that clus
 * ``pp`` — two pipeline stages, 1F1B over four micro-batches (the rest data-parallel);
 * ``auto`` — ``autopar.plan``'s own choice —
 
-and each is run for ``--steps`` training steps (after warm-up) on the same processes, one thread
+and each is run for ``--steps`` training steps (after warm-up) on processes of its own, one thread
 each: forward, backward and ``AdamW.step()``; the step a rank sees is as slow as the slowest rank,
 so each step's time is the maximum over ranks, and the figure is the median over steps. Printed per
 plan: the predicted step (``plan.predicted.step_time``, the simulator's), the measured median, their
@@ -105,10 +105,13 @@ def run(world: int, layouts: list[str], steps: int, shape: tuple) -> list[tuple[
         pipe = plan.pipeline
         what[name] = (f"pp={pipe.pp} m={pipe.microbatches} " if pipe else "") + axes
         what[name] += f" (predicted {plan.predicted.step_time * 1e3:.1f} ms)"
-    res = spawn(worker, world, plans, cluster.to_dict(), shape, steps, timeout=1800)
+    res = {  # each plan in processes of its own, as a user runs one
+        name: spawn(worker, world, {name: text}, cluster.to_dict(), shape, steps, timeout=1800)
+        for name, text in plans.items()
+    }
     rows = []
     for name in layouts:
-        per_step = [max(r[name][i] for r in res) for i in range(steps)]
+        per_step = [max(r[name][i] for r in res[name]) for i in range(steps)]
         pred = json.loads(plans[name])["predicted"]["step_time"]
         rows.append((name, pred, statistics.median(per_step), what[name]))
     return rows
