@@ -525,8 +525,8 @@ def _megatron_pipelined(
                 (
                     schedule,
                     virtual,
-                    f"megatron(tp={tp}, {label}): the stages do not fit the memory budget, or the model has "
-                    f"fewer than {pp * virtual - 1} seams to cut at",
+                    f"megatron(tp={tp}, {label}): the stages do not fit the memory budget, or the model's "
+                    f"repeated layers do not divide into {pp * virtual} stages of equal layer counts",
                 )
             )
             continue

@@ -84,7 +84,12 @@ def test_pipelined_plans_carry_stages_schedule_and_survive_json(tmp_path):
     again = autopar.Plan.load(tmp_path / "p.json")
     assert again.pipeline == p
     assert "pipeline" in str(sim) or "rank 1" in str(sim)
-    meg = autopar.layouts.megatron(model, inputs, cluster, tp=2, pp=2, microbatches=4, schedule="interleaved",
+    # Megatron-LM cuts equal layer counts: 4 virtual stages need a multiple of 4 layers.
+    with pytest.raises(autopar.solver.InfeasibleError, match="do not divide into 4 stages"):
+        autopar.layouts.megatron(model, inputs, cluster, tp=2, pp=2, microbatches=4, schedule="interleaved",
+                                 virtual=2)  # fmt: skip
+    deeper = GPT(GPTConfig.tiny(n_layer=4, n_head=4, n_embd=32, vocab_size=H.VOCAB))
+    meg = autopar.layouts.megatron(deeper, inputs, cluster, tp=2, pp=2, microbatches=4, schedule="interleaved",
                                    virtual=2)  # fmt: skip
     assert meg.pipeline is not None and meg.pipeline.num_stages == 4
     assert "pp=2" in meg.info["layout"]
