@@ -52,6 +52,17 @@ def _rg(n: Node) -> bool:
     return info is not None and info.requires_grad
 
 
+def _stages_of(nodes: list[Node], cuts: list[int]) -> dict[str, int]:
+    """Node name -> stage, stage ``k`` starting at position ``cuts[k - 1]``."""
+    stage_of: dict[str, int] = {}
+    s = 0
+    for i, n in enumerate(nodes):
+        while s < len(cuts) and i >= cuts[s]:
+            s += 1
+        stage_of[n.name] = s
+    return stage_of
+
+
 def cut_bytes(gm: GraphModule, grad_only: bool = False) -> list[float]:
     """Cut bytes after each compute node (module docstring); the last entry is the model's outputs.
     ``grad_only``: count only values a gradient flows back through."""
@@ -141,13 +152,7 @@ def stage_cuts(
         cuts.append(ends[j])
         j = back[k][j]
     cuts.reverse()
-    stage_of: dict[str, int] = {}
-    s = 0
-    for i, n in enumerate(nodes):
-        while s < len(cuts) and i >= cuts[s]:
-            s += 1
-        stage_of[n.name] = s
-    return stage_of
+    return _stages_of(nodes, cuts)
 
 
 def layer_cuts(gm: GraphModule, num_stages: int) -> dict[str, int]:
@@ -187,10 +192,4 @@ def layer_cuts(gm: GraphModule, num_stages: int) -> dict[str, int]:
                 f"no seam between layer {k * per - 1} and layer {k * per} to cut stage {k - 1} at"
             )
         cuts.append(after[0] + 1)
-    stage_of: dict[str, int] = {}
-    s = 0
-    for i, n in enumerate(nodes):
-        while s < len(cuts) and i >= cuts[s]:
-            s += 1
-        stage_of[n.name] = s
-    return stage_of
+    return _stages_of(nodes, cuts)
