@@ -94,7 +94,10 @@ def main() -> None:
         if args.autopar:
             model, inputs, cluster = row_setup(r)
             auto = autopar.plan(model, inputs, cluster, recompute="auto")
-            line += f"  {plan.predicted.step_time / auto.predicted.step_time:>6.3f}x ({auto.info.get('layout', '')})"
+            mesh = " × ".join(f"{a}={n}" for a, n in zip(auto.mesh_axes, auto.mesh_shape))
+            pipe = auto.pipeline
+            where = (f"pp={pipe.pp} m={pipe.microbatches} {pipe.schedule} " if pipe else "") + mesh
+            line += f"  {plan.predicted.step_time / auto.predicted.step_time:>6.3f}x (autopar: {where}, {auto.recompute})"
         print(line, flush=True)
 
 
