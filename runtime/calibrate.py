@@ -17,7 +17,8 @@ the local cluster we measure rather than assume:
   per-tensor cost (``optimizer_overhead``);
 * collectives — for each of all-reduce, all-gather, reduce-scatter and all-to-all, and for every
   group size a mesh axis can have (the divisors of ``world_size``, all groups of that size
-  measured concurrently, as a mesh's axes run), the median time at several buffer sizes, fitted
+  measured concurrently, as a mesh's axes run), the time per call of a burst of calls issued back
+  to back (as a training step issues them) at several buffer sizes, fitted
   by least squares to ``α + β·S`` with ``S`` sized as in ``autopar.cost.comm``; the fits go into
   ``Link.measured``.
 
@@ -75,18 +76,6 @@ def _burst(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - t0) / calls
-
-
-def _time(fn, repeats: int) -> float:
-    import torch.distributed as dist
-
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, object]:
