@@ -211,12 +211,11 @@ def _parallelize_pipeline(
     ``microbatches`` along dimension 0)."""
     import torch.distributed as dist
 
-    from autopar.capture import normalize_inputs
+    from autopar.capture import MicrobatchCaptures, microbatch_inputs, normalize_inputs
     from autopar.passes import PassContext
     from autopar.passes.joint import PrimalInfo, RankInfo
     from autopar.passes.lower import lower
     from autopar.passes.pipeline import build_pipeline, propagate_fake
-    from autopar.search import microbatch_inputs
 
     pipe = plan.pipeline
     assert pipe is not None
@@ -225,7 +224,7 @@ def _parallelize_pipeline(
     args, kwargs = normalize_inputs(example_inputs)
     micro = microbatch_inputs(args, kwargs, microbatches)
     world = dist.get_world_size()
-    cap = capture(model, micro)
+    cap = MicrobatchCaptures(model, (args, kwargs))(microbatches)  # as the planner captured it
     if cap.fingerprint != plan.fingerprint:
         raise ValueError(
             "the model captured on one micro-batch of these inputs is not the program the plan was made for "

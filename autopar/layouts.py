@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.fx import Node
 
-from autopar.capture import Captured, capture
+from autopar.capture import Captured, MicrobatchCaptures, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.compute import itemsize
@@ -491,8 +491,7 @@ def _megatron_pipelined(
 ) -> list[tuple[str, int, Plan | str]]:
     """``megatron`` with pipeline stages (see its docstring): one stage plan, then every
     ``(schedule, virtual)`` of ``schedules`` played around it — the plan, or why it does not fit."""
-    from autopar.capture import normalize_inputs
-    from autopar.search import microbatch_inputs, pipelined_candidates, stage_cluster
+    from autopar.search import pipelined_candidates, stage_cluster
 
     sub = stage_cluster(cluster, pp)
     if sub is None:
@@ -500,8 +499,7 @@ def _megatron_pipelined(
             f"pp={pp} does not cut {cluster.nodes} node(s) × {cluster.gpus_per_node} devices into equal stages"
         )
     if captured is None:
-        args, kwargs = normalize_inputs(example_inputs)
-        captured = capture(model, microbatch_inputs(args, kwargs, microbatches))
+        captured = MicrobatchCaptures(model, example_inputs)(microbatches)
     budget = config.budget(cluster.device.memory)
     stage = megatron(
         model, None, sub, tp, dp, sequence_parallel, ep=ep, distributed_optimizer=distributed_optimizer,
@@ -604,7 +602,7 @@ class _Search:
     fixed: dict[str, Any]
     args: tuple
     kwargs: dict
-    captures: dict[int, Captured] = field(default_factory=dict)
+    captures: MicrobatchCaptures | None = None
     tried: list[dict[str, Any]] = field(default_factory=list)
     best: Plan | None = None
 
@@ -621,12 +619,9 @@ class _Search:
 
     def captured(self, m: int) -> Captured:
         """The model captured on one of ``m`` micro-batches (shared by every candidate)."""
-        from autopar.search import microbatch_inputs
-
-        if m not in self.captures:
-            inputs = microbatch_inputs(self.args, self.kwargs, m) if m > 1 else (self.args, self.kwargs)
-            self.captures[m] = capture(self.model, inputs)
-        return self.captures[m]
+        if self.captures is None:
+            self.captures = MicrobatchCaptures(self.model, (self.args, self.kwargs))
+        return self.captures(m)
 
     def skip(self, why: str, **knobs: Any) -> None:
         """Record candidates not planned: knobs not given are the held value or ``None`` (any)."""
