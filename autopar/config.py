@@ -47,6 +47,12 @@ class PlanConfig:
     recompute: str = "none"
     """Activation recomputation in every repeated layer (``Plan.recompute``): ``"none"``,
     ``"selective"`` or ``"full"``; ``"auto"``: the fastest of the three that fits."""
+    activations_in_flight: int = 1
+    """Micro-batches whose saved activations one device holds at once, as the memory constraint
+    counts them (activations and inputs × this, training state × 1). The 3D search plans a
+    pipeline stage on the graph of one micro-batch with the budget ``pp ×`` the device's (a rank
+    holds ``1/pp`` of the model) and this set to ``pp``: under 1F1B the first rank holds ``pp``
+    micro-batches of its ``1/pp`` of the layers."""
     microbatches: int | None = None
     """Micro-batches per step: of a pipelined plan, or with ``pp=1`` gradient accumulation (the
     micro-batches one after another, gradients reduced once); ``None``: searched (multiples of
@@ -117,6 +123,9 @@ class PlanConfig:
             fail(f"pp must be a positive integer, 'auto' or 'search', got {self.pp!r}")
         if self.recompute not in ("none", "selective", "full", "auto"):
             fail(f"recompute must be 'none', 'selective', 'full' or 'auto', got {self.recompute!r}")
+        f = self.activations_in_flight
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            fail(f"activations_in_flight must be a positive number of micro-batches, got {f!r}")
         for what in ("microbatches", "virtual"):
             v = getattr(self, what)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -222,11 +222,11 @@ def plan_captured(
     if node_constraint is not None:
         mesh_passes.insert(1, constrain_strategies(node_constraint))
 
-    def annotate(mesh: tuple[int, ...]) -> PassContext:
+    def annotate(mesh: tuple[int, ...], passes: list[Pass] = mesh_passes) -> PassContext:
         mctx = PassContext(
             captured=cap, cluster=cluster, config=config, mesh=Mesh(mesh, cluster), mixed_precision=mixed
         )
-        run_passes(gm, mctx, mesh_passes)
+        run_passes(gm, mctx, passes)
         return mctx
 
     def attempt(mesh: tuple[int, ...]) -> tuple[float, Any]:
@@ -277,8 +277,8 @@ def plan_captured(
             smallest=min(known) if known else None,
         )
     mesh, sol = best
-    if len(meshes) > 1:
-        annotate(mesh)
+    if len(meshes) > 1:  # the winner's strategies again (the plan reads them; not the solver's input)
+        annotate(mesh, [p for p in mesh_passes if p is not formulate])
     p = _build_plan(gm, cap, Mesh(mesh, cluster), sol)
     p.recompute = config.recompute
     p.fusions = fusion_plan(gm.meta.get(FUSIONS, ()))

@@ -14,7 +14,8 @@ Words (``autopar.schedule`` defines stage, action and the schedules):
   cluster (a stage stays in one node while it fits: pipeline transfers are the ones that cross
   nodes, as Megatron-LM places them). The SPMD planner (``autopar.planner``) plans one micro-batch
   on it; its memory budget is relaxed to ``pp ×`` the device's (a stage holds a ``1/pp`` share of
-  the model), and the simulator's per-rank peak (static state of the rank's stages + activations
+  the model) with activations counted ``pp`` times (``PlanConfig.activations_in_flight``: the
+  micro-batches 1F1B's first rank holds, ``m`` under GPipe), and the simulator's per-rank peak (static state of the rank's stages + activations
   of the micro-batches in flight) must then fit the device's budget, or the candidate is dropped.
 * **score** — the simulated step time: the schedule played with each stage's forward, input- and
   weight-gradient times, transfers to the next stage over the pipeline axis's link, gradient
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture import Captured, capture, normalize_inputs
+from autopar.capture import Captured, MicrobatchCaptures, microbatch_inputs, normalize_inputs
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.timeline import play
@@ -57,22 +58,6 @@ def batch_size(args: tuple, kwargs: dict) -> int | None:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return None
-
-
-def microbatch_inputs(args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-    """The first of ``m`` micro-batches of a global batch (every tensor cut along dimension 0)."""
-
-    def cut(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            if x.shape[0] % m:
-                raise ValueError(
-                    f"a batch of {x.shape[0]} does not cut into {m} equal micro-batches; use a micro-batch count "
-                    f"dividing {x.shape[0]}"
-                )
-            return x[: x.shape[0] // m]
-        return x
-
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
@@ -195,6 +180,8 @@ def pipelined_candidates(
                 peak_memory=tuple(tl.peak_memory),
             )
             p = replace(spmd, pipeline=pipe, info=dict(spmd.info))
+            p.info["memory_budget"] = budget  # one device's, not the stage plan's pp × budget
+            p.info["memory_reserve"] = cluster.device.memory - budget if config.memory_budget is None else 0.0
             opt = max(optimizer_time(p, cluster, range(r, S, pp)) for r in range(pp))
             step = tl.step_time + opt
             p.predicted = replace(spmd.predicted, step_time=step, memory_per_device=peak)
@@ -221,8 +208,10 @@ def plan_model(
     args, kwargs = normalize_inputs(example_inputs)
     t0 = time.perf_counter()
 
+    graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
+
     def whole() -> Captured:
-        return captured if captured is not None else capture(model, (args, kwargs))
+        return graphs(1)
 
     if config.pp == 1 and config.microbatches in (None, 1):
         return plan_captured(whole(), cluster, config)
@@ -240,7 +229,17 @@ def plan_model(
         pps = [int(config.pp)]
     seam_count: int | None = None
     least: tuple[float, str] | None = None  # the smallest memory a failed one-stage candidate reaches
+    # Under "auto" the step time is taken as unimodal in pp and in the accumulation count: the
+    # search stops after two pipeline sizes (one accumulation count) slower than the best so far.
+    exhaustive = config.pp == "search"
+    slower_pps = 0
     for pp in pps:
+        if not exhaustive and slower_pps >= 2:
+            errors.append(f"pp={pp}: not tried (two smaller pipelines were slower than the best plan)")
+            tried.append({"pp": pp, "skipped": "two smaller pipelines were slower than the best plan"})
+            continue
+        best_before = min((c.step_time for c in scored), default=math.inf)
+        n_before = len(scored)
         if pp == 1:
             if config.microbatches in (None, 1):
                 try:
@@ -280,17 +279,22 @@ def plan_model(
                 if len(ms) == 3:
                     break
                 k *= 2
+        prev_m = math.inf  # the best step of the previous micro-batch count
         for m in ms:
+            if not exhaustive and prev_m < math.inf and prev_m > best_before:
+                tried.append({"pp": pp, "microbatches": m, "skipped": "fewer micro-batches were slower"})
+                break
             if batch % m:
                 errors.append(f"pp={pp}: a batch of {batch} does not cut into {m} micro-batches")
                 continue
-            cap = capture(model, microbatch_inputs(args, kwargs, m))
+            cap = graphs(m)
             stage_config = config.replace(
                 pp=1,
                 microbatches=None,
                 schedule=None,
                 virtual=None,
                 memory_budget=budget * pp,
+                activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
                 mesh_shape=None,
             )
             try:
@@ -309,6 +313,11 @@ def plan_model(
             for s in found:
                 tried.append({"pp": pp, "microbatches": m, "candidate": s.what, "step_time": s.step_time})
             scored += found
+            if found:
+                prev_m = min(s.step_time for s in found)
+                best_before = min(best_before, prev_m)
+        if len(scored) > n_before and pp > 1:
+            slower_pps = slower_pps + 1 if min(c.step_time for c in scored[n_before:]) > best_before else 0
     if not scored:
         head = "no layout fits the memory budget"
         if least is not None:

@@ -8,7 +8,9 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
    key, the same strategy list, the same ``fixed`` spec), so depth does not grow the program;
    ``fixed`` forbids every strategy whose output spec differs.
 3. **unary terms** — each decision's time per strategy sums its members' compute and in-op
-   collectives; its memory their saved activations or training state.
+   collectives; its memory their saved activations or training state, the activations (and
+   inputs) counted ``PlanConfig.activations_in_flight`` times: the micro-batches a pipeline stage
+   holds at once.
 4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
    and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
@@ -129,8 +131,9 @@ def _in_place(
 
 
 class _Builder:
-    def __init__(self, gm: GraphModule, mesh: Mesh, fixed: dict[str, Spec]) -> None:
+    def __init__(self, gm: GraphModule, mesh: Mesh, fixed: dict[str, Spec], in_flight: int = 1) -> None:
         self.gm = gm
+        self.in_flight = in_flight
         self.mesh = mesh
         self.nodes = [n for n in gm.graph.nodes if STRATEGIES in n.meta]
         self.roots = _roots(self.nodes)
@@ -190,10 +193,12 @@ class _Builder:
             leader, fmap = self.roots[n]
             d = self.decisions[self.index[leader]]
             strategies = n.meta[STRATEGIES].strategies
+            static = n.op == "placeholder" and n.meta[TENSOR].kind in ("param", "buffer")
+            scale = 1 if static else self.in_flight
             for k in range(d.size):
                 s = strategies[fmap[k]]
                 d.unary[k] += s.compute_time + s.comm_time
-                d.memory[k] += s.memory
+                d.memory[k] += s.memory * scale
 
     # Step 4 ------------------------------------------------------------------------------------
     def _edge_cost_fn(self, i: Node) -> Callable[[tuple, tuple], tuple[float, float]]:
@@ -334,7 +339,7 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Build the ``StrategyGraph`` of ``gm`` on ``ctx.mesh`` (see module docstring)."""
     assert ctx.mesh is not None, "formulate needs a mesh"
     fixed = parse_fixed(ctx.captured, ctx.config, ctx.mesh.ndim)
-    b = _Builder(gm, ctx.mesh, fixed)
+    b = _Builder(gm, ctx.mesh, fixed, ctx.config.activations_in_flight)
     b.build_decisions()
     b.add_unary()
     b.add_edges()
