@@ -69,6 +69,8 @@ class SolverConfig:
     random_seed: int = 0
     presolve: bool = False
     relative_gap: float = 0.0
+    """Stop when the best plan is within this fraction of the proven bound (0: prove optimality).
+    Measured on LLaMA-8B's 2-D meshes, 1 % saved under 10 %: the time goes to finding the optimum."""
     """CP-SAT presolve. Off: on these models (one-hot choices, marginal edge equalities) its
     probing spends more time than it saves (8B LLaMA on a 16×4 mesh: 6.6 s with, 3.5 s without)."""
 
