@@ -43,6 +43,7 @@ __all__ = [
     "Captured",
     "IndexBound",
     "MicrobatchCaptures",
+    "batch_size",
     "capture",
     "check_loss_output",
     "check_position_tables",
@@ -281,6 +282,14 @@ def _captured(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tuple, 
     return cap
 
 
+def batch_size(args: tuple, kwargs: dict) -> int | None:
+    """The global batch: dimension 0 of the user's tensor inputs (``None`` without one)."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return None
+
+
 def microbatch_inputs(args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
     """The first of ``m`` micro-batches of a global batch (every tensor cut along dimension 0)."""
 
@@ -333,8 +342,7 @@ class MicrobatchCaptures:
             def spec(v: Any) -> Any:
                 return {0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None
 
-            shapes = {k: (pytree.tree_map(spec, v) if not isinstance(v, torch.Tensor) else spec(v))
-                      for k, v in bound.arguments.items()}  # fmt: skip
+            shapes = {k: pytree.tree_map(spec, v) for k, v in bound.arguments.items()}
             self._symbolic = _export(self.model, self.args, self.kwargs, dynamic_shapes=shapes)
         return self._symbolic
 
@@ -343,7 +351,10 @@ class MicrobatchCaptures:
         ``symbolic_failure`` set) where the model cannot be exported with a symbolic batch."""
         try:
             ep = self._symbolic_export()
-            gm = specialise_batch(ep.graph_module, _batch_of(args, kwargs))
+            batch = batch_size(args, kwargs)
+            if batch is None:
+                raise ValueError("no tensor input with a batch dimension")
+            gm = specialise_batch(ep.graph_module, batch)
         except Exception as exc:  # a branch on the batch size, a shape the symbol cannot take
             self.symbolic_failure = (
                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -351,13 +362,6 @@ class MicrobatchCaptures:
             log.info("exporting each micro-batch by itself: no symbolic batch (%s)", self.symbolic_failure)
             return None
         return _captured(self.model, ep, gm, args, kwargs)
-
-
-def _batch_of(args: tuple, kwargs: dict) -> int:
-    for x in pytree.tree_leaves((args, kwargs)):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    raise ValueError("no tensor input with a batch dimension")
 
 
 def specialise_batch(symbolic: torch.fx.GraphModule, batch: int) -> torch.fx.GraphModule:

@@ -609,7 +609,7 @@ class _Search:
     @property
     def batch(self) -> int:
         """The global batch (sequences)."""
-        from autopar.search import batch_size
+        from autopar.capture import batch_size
 
         return batch_size(self.args, self.kwargs) or 1
 

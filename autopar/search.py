@@ -15,13 +15,17 @@ Words (``autopar.schedule`` defines stage, action and the schedules):
   nodes, as Megatron-LM places them). The SPMD planner (``autopar.planner``) plans one micro-batch
   on it; its memory budget is relaxed to ``pp ×`` the device's (a stage holds a ``1/pp`` share of
   the model) with activations counted ``pp`` times (``PlanConfig.activations_in_flight``: the
-  micro-batches 1F1B's first rank holds, ``m`` under GPipe), and the simulator's per-rank peak (static state of the rank's stages + activations
-  of the micro-batches in flight) must then fit the device's budget, or the candidate is dropped.
+  micro-batches 1F1B's first rank holds; ``m`` under GPipe), and the simulator's per-rank peak
+  (static state of the rank's stages + activations of the micro-batches in flight) must then fit
+  the device's budget, or the candidate is dropped.
 * **score** — the simulated step time: the schedule played with each stage's forward, input- and
   weight-gradient times, transfers to the next stage over the pipeline axis's link, gradient
   reductions overlapped in buckets, then the optimizer step. The fastest candidate that fits wins.
 
-Planning time: one SPMD plan per ``(pp, m)``; the schedules of one ``(pp, m)`` share it.
+Planning time: one SPMD plan per ``(pp, m)``; the schedules of one ``(pp, m)`` share it. Under
+``pp="auto"`` the step time is taken as unimodal: the search stops after two pipeline sizes slower
+than the best plan so far, and after an accumulation count slower than the one before it
+(``plan.info["pipeline_candidates"]`` lists what was skipped); ``pp="search"`` tries everything.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture import Captured, MicrobatchCaptures, microbatch_inputs, normalize_inputs
+from autopar.capture import Captured, MicrobatchCaptures, batch_size, normalize_inputs
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.timeline import play
@@ -47,17 +51,9 @@ from autopar.planner import InfeasibleError, plan_captured
 from autopar.schedule import make_schedule
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
 
-__all__ = ["batch_size", "microbatch_inputs", "pipelined_candidates", "plan_model", "stage_cluster"]
+__all__ = ["pipelined_candidates", "plan_model", "stage_cluster"]
 
 log = logging.getLogger("autopar.planner")
-
-
-def batch_size(args: tuple, kwargs: dict) -> int | None:
-    """The global batch: dimension 0 of the user's tensor inputs (``None`` without one)."""
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    return None
 
 
 def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
@@ -229,8 +225,7 @@ def plan_model(
         pps = [int(config.pp)]
     seam_count: int | None = None
     least: tuple[float, str] | None = None  # the smallest memory a failed one-stage candidate reaches
-    # Under "auto" the step time is taken as unimodal in pp and in the accumulation count: the
-    # search stops after two pipeline sizes (one accumulation count) slower than the best so far.
+    # Under "auto" the step is taken as unimodal in pp and in the accumulation count (module docstring).
     exhaustive = config.pp == "search"
     slower_pps = 0
     for pp in pps:

@@ -18,13 +18,13 @@ import warnings
 import torch
 
 import autopar
-from autopar.capture import capture, normalize_inputs
+from autopar.capture import capture, microbatch_inputs, normalize_inputs
 from autopar.config import PlanConfig
 from autopar.graph import outer_instance
 from autopar.ir import TENSOR
 from autopar.models import GPT, GPTConfig
 from autopar.planner import plan_captured
-from autopar.search import microbatch_inputs, pipelined_candidates, stage_cluster
+from autopar.search import pipelined_candidates, stage_cluster
 
 
 def main() -> None:

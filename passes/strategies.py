@@ -407,10 +407,8 @@ def with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
 
     For each producer
     strategy the follower takes the cheapest of its strategies that reads that producer's output
-    as it is (no reshard on that edge); when some producer strategy has no such match, or its
-    matches lay out the follower's output differently (then the choice is the consumers' to make:
-    the cheapest here can force a costly reshard later), the node keeps its own variables.
-    Alpa's "follow" heuristic; other inputs keep ordinary edges.
+    as it is (no reshard on that edge); when some producer strategy has no such match the node
+    keeps its own variables. Alpa's "follow" heuristic; other inputs keep ordinary edges.
 
     Only an op with one user whose output is no larger than its input follows: a reshard moved
     past a follower is then paid once on the same bytes. With several users it would be paid on
@@ -439,18 +437,16 @@ def with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
     for ps in pns.strategies:
         src = ps.outputs[0]
         best, best_cost = None, math.inf
-        layouts = set()
         for k, s in enumerate(ns.strategies):
             dst = s.inputs[j]
             if dst is None:
                 continue
             if dst != src:
                 continue
-            layouts.add(s.outputs)
             c = s.compute_time + s.comm_time
             if c < best_cost:
                 best, best_cost = k, c
-        if best is None or len(layouts) > 1:
+        if best is None:
             return ns
         fmap.append(best)
     return NodeStrategies(ns.strategies, follows=producer.name, follow_map=tuple(fmap))

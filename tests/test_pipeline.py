@@ -327,10 +327,10 @@ def test_unequal_depth_gets_unequal_cuts_that_beat_equal_layer_counts():
     Megatron-LM's rule (equal layer counts per stage, ``layer_cuts``) leaves the last stage with
     the head on top of its layers; the cost-balanced cuts (``stage_cuts``) give it fewer layers,
     and the same stage plan then simulates faster."""
-    from autopar.capture import capture, normalize_inputs
+    from autopar.capture import capture, microbatch_inputs, normalize_inputs
     from autopar.config import PlanConfig
     from autopar.planner import plan_captured
-    from autopar.search import microbatch_inputs, pipelined_candidates, stage_cluster
+    from autopar.search import pipelined_candidates, stage_cluster
 
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=128000, block_size=1024))
