@@ -191,6 +191,14 @@ def pipelined_candidates(
     return out
 
 
+def _more_microbatches(batch: int, pp: int, m: int) -> int | None:
+    """The next micro-batch count after ``m`` to try for ``pp`` ranks: the smallest count dividing
+    the batch that is at least ``2·m``, a multiple of ``pp`` where one is (the interleaved schedule
+    needs it); ``None`` past the batch."""
+    counts = [k for k in range(2 * m, batch + 1) if batch % k == 0]
+    return next((k for k in counts if k % pp == 0), counts[0] if counts else None)
+
+
 def plan_model(
     model: nn.Module,
     example_inputs: Any,
@@ -274,6 +282,9 @@ def plan_model(
                 if len(ms) == 3:
                     break
                 k *= 2
+        # A pipeline whose stages do not fit is tried again with smaller micro-batches (Megatron-LM
+        # runs large models at one sequence per data-parallel rank): up to two more counts.
+        escalate = pp > 1 and not exhaustive and not config.microbatches
         prev_m = math.inf  # the best step of the previous micro-batch count
         for m in ms:
             if not exhaustive and prev_m < math.inf and prev_m > best_before:
@@ -292,6 +303,7 @@ def plan_model(
                 activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
                 mesh_shape=None,
             )
+            more = _more_microbatches(batch, pp, m) if escalate and len(ms) < 3 else None
             try:
                 spmd = plan_captured(cap, sub, stage_config)
             except InfeasibleError as e:
@@ -299,12 +311,16 @@ def plan_model(
                 if pp == 1 and e.smallest is not None:  # a stage's figure is not one device's
                     label = f"{m} micro-batches accumulated"
                     least = min(least or (e.smallest, label), (e.smallest, label))
+                if more is not None:
+                    ms.append(more)
                 continue
             if seam_count is None:
                 seam_count = len(seams(cap.gm))
             found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
             if not found:
                 errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
+                if more is not None:
+                    ms.append(more)
             for s in found:
                 tried.append({"pp": pp, "microbatches": m, "candidate": s.what, "step_time": s.step_time})
             scored += found

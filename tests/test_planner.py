@@ -235,3 +235,14 @@ def test_auto_pipeline_search_stops_after_two_slower_pipeline_sizes(make_gpt):
     step = {pp: min(r["step_time"] for r in rows if r["pp"] == pp and "step_time" in r) for pp in planned}
     last_two = planned[-2:]
     assert all(step[pp] > min(step[q] for q in planned if q < pp) for pp in last_two), step
+
+
+def test_a_pipeline_that_does_not_fit_is_tried_with_smaller_micro_batches():
+    """The next count divides the batch, at least doubles, and is a multiple of pp where one is."""
+    from autopar.search import _more_microbatches
+
+    assert _more_microbatches(2160, 16, 16) == 48  # 2160 = 48 · 45; 32 does not divide it
+    assert _more_microbatches(2160, 16, 48) == 144  # Megatron-LM's count for this row (dp=15, mbs=1)
+    assert _more_microbatches(96, 4, 8) == 16
+    assert _more_microbatches(90, 4, 10) == 30  # no multiple of 4 divides 90: any divisor
+    assert _more_microbatches(64, 2, 64) is None
