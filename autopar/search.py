@@ -48,7 +48,7 @@ from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
 from autopar.planner import InfeasibleError, plan_captured
-from autopar.schedule import make_schedule
+from autopar.schedule import make_schedule, max_in_flight, stage_rank
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
 
 __all__ = ["pipelined_candidates", "plan_model", "stage_cluster"]
@@ -113,6 +113,42 @@ def pipelined_candidates(
             return 0.0
         return math.prod(local_shape(tuple(v.shape), parse_spec(p.outputs[0]), mesh)) * v.element_size()
 
+    # Each compute node's (static, activation) bytes, as ``stage_costs`` places them: a parameter
+    # or input with its first reader; what no compute node reads stays with stage 0 (``extra``).
+    compute = {n.name for n in gm.graph.nodes if n.op == "call_function"}
+    mem: dict[str, list[float]] = {}
+    extra = [0.0, 0.0]
+    for p in spmd.nodes:
+        at = p.name if p.name in compute else facts.first_reader.get(p.name)
+        (mem.setdefault(at, [0.0, 0.0]) if at in compute else extra)[0 if p.kind == "param" else 1] += (
+            p.memory
+        )
+
+    def node_memory(n: Any) -> tuple[float, float]:
+        s, a = mem.get(n.name, (0.0, 0.0))
+        return s, a
+
+    def play_cut(stage_of: dict[str, int], S: int, actions: Any) -> tuple[list, Any]:
+        """The stage costs of a cut, and the schedule played with them."""
+        boundary = [0.0] * S
+        for n in gm.graph.nodes:
+            s = stage_of.get(n.name)
+            if s is None:
+                continue
+            if any(stage_of.get(u.name, S - 1) > s for u in n.users if u.op == "call_function"):
+                boundary[s] += local_bytes(n.name)
+        costs = stage_costs(
+            spmd,
+            stage_of,
+            S,
+            first_reader=facts.first_reader,
+            fwd_share=facts.fwd_share.get,
+            trainable_matmul=facts.trainable_matmul,
+            boundary_bytes=boundary,
+            send_time=lambda b: link.latency + b / link.bandwidth,
+        )
+        return costs, play(actions, costs, overlap=cluster.overlap_comm)
+
     n_seams = len(seams(gm))
     if config.schedule:
         schedules = [config.schedule]
@@ -130,31 +166,29 @@ def pipelined_candidates(
                 continue
             S = pp * v
             try:
+                actions = make_schedule(schedule, pp, m, v)
                 stage_of = layer_cuts(gm, S) if by_layers else stage_cuts(gm, S, node_time)
             except ValueError:
                 continue
-            boundary = [0.0] * S
-            for n in gm.graph.nodes:
-                s = stage_of.get(n.name)
-                if s is None:
-                    continue
-                if any(stage_of.get(u.name, S - 1) > s for u in n.users if u.op == "call_function"):
-                    boundary[s] += local_bytes(n.name)
-            costs = stage_costs(
-                spmd,
-                stage_of,
-                S,
-                first_reader=facts.first_reader,
-                fwd_share=facts.fwd_share.get,
-                trainable_matmul=facts.trainable_matmul,
-                boundary_bytes=boundary,
-                send_time=lambda b: link.latency + b / link.bandwidth,
-            )
-            try:
-                actions = make_schedule(schedule, pp, m, v)
-            except ValueError:
-                continue
-            tl = play(actions, costs, overlap=cluster.overlap_comm)
+            costs, tl = play_cut(stage_of, S, actions)
+            if max(tl.peak_memory) > budget and not by_layers:
+                # Balanced by time, a rank holds more than its device: cut again under the memory
+                # limit (a rank's peak is its stages' static bytes plus their activations times the
+                # micro-batches each keeps in flight; with v stages per rank each gets budget / v).
+                flight = [
+                    max_in_flight([a for a in actions[stage_rank(k, pp)] if a[1] == k]) for k in range(S)
+                ]
+
+                def fits(k: int, static: float, act: float, flight: list[int] = flight, v: int = v) -> bool:
+                    if k == 0:
+                        static, act = static + extra[0], act + extra[1]
+                    return static + flight[k] * act <= budget / v
+
+                try:
+                    stage_of = stage_cuts(gm, S, node_time, node_memory=node_memory, fits=fits)
+                    costs, tl = play_cut(stage_of, S, actions)
+                except ValueError:
+                    pass
             peak = max(tl.peak_memory)
             label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
             if peak > budget:
@@ -301,6 +335,7 @@ def plan_model(
                 virtual=None,
                 memory_budget=budget * pp,
                 activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
+                microbatches_per_sync=m,
                 mesh_shape=None,
             )
             more = _more_microbatches(batch, pp, m) if escalate and len(ms) < 3 else None

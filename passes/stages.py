@@ -104,9 +104,17 @@ def stage_cuts(
     num_stages: int,
     node_time: Callable[[Node], float] | None = None,
     slack: float = 0.0,
+    *,
+    node_memory: Callable[[Node], tuple[float, float]] | None = None,
+    fits: Callable[[int, float, float], bool] | None = None,
 ) -> dict[str, int]:
     """Captured node name -> stage ``0 … num_stages − 1`` for every compute node, cut at seams and
-    balanced (module docstring). Raises ``ValueError`` when the graph has fewer seams than cuts."""
+    balanced (module docstring). Raises ``ValueError`` when the graph has fewer seams than cuts.
+
+    ``node_memory`` and ``fits`` (together): only cuts where every stage ``k`` fits are considered,
+    ``fits(k, static, activation)`` given the sums of ``node_memory(n) = (static bytes, activation
+    bytes)`` over the stage's nodes (the memory-constrained linear partition); ``ValueError`` when
+    no cut at the seams fits."""
     nodes = _compute_nodes(gm)
     if num_stages == 1:
         return {n.name: 0 for n in nodes}
@@ -125,8 +133,17 @@ def stage_cuts(
             f"smallest activation crosses (between repeated layers); use pp <= {len(cand) + 1}"
         )
     prefix = [0.0]
+    static, act = [0.0], [0.0]
     for n in nodes:
         prefix.append(prefix[-1] + t(n))
+        sm, am = node_memory(n) if node_memory is not None else (0.0, 0.0)
+        static.append(static[-1] + sm)
+        act.append(act[-1] + am)
+
+    def ok(k: int, a: int, b: int) -> bool:
+        """Stage ``k`` holding nodes[a:b] fits (always, without ``fits``)."""
+        return fits is None or fits(k, static[b] - static[a], act[b] - act[a])
+
     ends = [c + 1 for c in cand]  # a stage ending after node c covers nodes [start, c + 1)
     total = len(nodes)
     # best[k][j]: the smallest largest-stage time cutting nodes[:ends[j]] into k + 1 stages.
@@ -134,18 +151,28 @@ def stage_cuts(
     best = [[inf] * len(ends) for _ in range(num_stages - 1)]
     back = [[-1] * len(ends) for _ in range(num_stages - 1)]
     for j, e in enumerate(ends):
-        best[0][j] = prefix[e]
+        if ok(0, 0, e):
+            best[0][j] = prefix[e]
     for k in range(1, num_stages - 1):
         for j, e in enumerate(ends):
             for i in range(j):
+                if best[k - 1][i] == inf or not ok(k, ends[i], e):
+                    continue
                 v = max(best[k - 1][i], prefix[e] - prefix[ends[i]])
                 if v < best[k][j]:
                     best[k][j], back[k][j] = v, i
     last = num_stages - 2
-    j_best = min(
-        range(len(ends)),
-        key=lambda j: max(best[last][j], prefix[total] - prefix[ends[j]]) if ends[j] < total else inf,
-    )
+
+    def finish(j: int) -> float:
+        if ends[j] >= total or not ok(num_stages - 1, ends[j], total):
+            return inf
+        return max(best[last][j], prefix[total] - prefix[ends[j]])
+
+    j_best = min(range(len(ends)), key=finish)
+    if finish(j_best) == inf:
+        raise ValueError(
+            f"no cut of the model into {num_stages} pipeline stages at its seams fits the memory"
+        )
     cuts = []
     j = j_best
     for k in range(last, -1, -1):

@@ -359,3 +359,54 @@ def test_unequal_depth_gets_unequal_cuts_that_beat_equal_layer_counts():
     assert layers(equal.plan) == [2, 2, 2, 2]
     assert layers(balanced.plan)[-1] < 2  # the head's stage holds fewer layers
     assert balanced.step_time < 0.95 * equal.step_time, (balanced.step_time, equal.step_time)
+
+
+def test_cuts_honour_a_memory_limit_per_stage():
+    """``stage_cuts`` with ``fits``: the fastest cut among those where every stage fits; a limit
+    no cut meets is a ``ValueError``."""
+    gm = _annotated("gpt")
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+
+    def one(n: Any) -> tuple[float, float]:  # one activation byte per node
+        return 0.0, 1.0
+
+    free = stage_cuts(gm, 2)
+    first = sum(1 for n in nodes if free[n.name] == 0)
+    limit = first - 5  # the time-balanced first stage no longer fits
+    capped = stage_cuts(gm, 2, node_memory=one, fits=lambda k, s, a: k != 0 or a <= limit)
+    assert 0 < sum(1 for n in nodes if capped[n.name] == 0) <= limit
+    assert [capped[n.name] for n in nodes] == sorted(capped[n.name] for n in nodes)
+    with pytest.raises(ValueError, match="fits the memory"):
+        stage_cuts(gm, 2, node_memory=one, fits=lambda k, s, a: a <= 3)
+
+
+def test_a_rank_over_its_memory_gets_a_memory_balanced_cut():
+    """Cut for time, 1F1B's first rank (``pp`` micro-batches in flight) holds more than the last;
+    with a budget between the two, the search cuts again under the limit instead of dropping
+    the pipeline: the candidate fits, with the first rank holding fewer layers."""
+    from autopar.capture import capture, microbatch_inputs, normalize_inputs
+    from autopar.config import PlanConfig
+    from autopar.planner import plan_captured
+    from autopar.search import pipelined_candidates, stage_cluster
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=8192, block_size=1024))
+    ids = torch.empty(32, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=1)
+    pp, m = 2, 8
+    args, kwargs = normalize_inputs((ids, ids))
+    cap = capture(model, microbatch_inputs(args, kwargs, m))
+    config = PlanConfig(schedule="1f1b")
+    spmd = plan_captured(cap, stage_cluster(cluster, pp), config.replace(memory_budget=1e12, mesh_shape=(4,)))
+    (free,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, 1e15)
+    peaks = free.plan.pipeline.peak_memory
+    assert peaks[0] > 1.2 * peaks[1], peaks  # 1F1B: the first rank keeps pp micro-batches
+    budget = (peaks[0] + peaks[1]) / 2
+    (capped,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
+    assert max(capped.plan.pipeline.peak_memory) <= budget
+
+    def first_stage(plan: Any) -> int:
+        return sum(1 for s in plan.pipeline.stage_of.values() if s == 0)
+
+    assert first_stage(capped.plan) < first_stage(free.plan)
+    assert capped.step_time >= free.step_time  # the time-balanced cut was the fastest
