@@ -53,6 +53,13 @@ class PlanConfig:
     pipeline stage on the graph of one micro-batch with the budget ``pp ×`` the device's (a rank
     holds ``1/pp`` of the model) and this set to ``pp``: under 1F1B the first rank holds ``pp``
     micro-batches of its ``1/pp`` of the layers."""
+    microbatches_per_sync: int = 1
+    """Micro-batches whose summed gradients one data-parallel reduction serves, as the objective
+    counts it: a parameter's gradient all-reduce (read where it is stored, not gathered: plain
+    data parallelism) happens once per step, so the graph of one of ``m`` micro-batches is charged
+    ``1/m`` of it, as the simulator charges it (``autopar.simulate.stage_costs``). Gathered
+    (ZeRO) parameters reduce-scatter every micro-batch and are charged in full. The 3D search sets
+    it to the candidate's micro-batch count."""
     microbatches: int | None = None
     """Micro-batches per step: of a pipelined plan, or with ``pp=1`` gradient accumulation (the
     micro-batches one after another, gradients reduced once); ``None``: searched (multiples of
@@ -126,6 +133,9 @@ class PlanConfig:
         f = self.activations_in_flight
         if isinstance(f, bool) or not isinstance(f, int) or f < 1:
             fail(f"activations_in_flight must be a positive number of micro-batches, got {f!r}")
+        f = self.microbatches_per_sync
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            fail(f"microbatches_per_sync must be a positive number of micro-batches, got {f!r}")
         for what in ("microbatches", "virtual"):
             v = getattr(self, what)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -16,7 +16,9 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
    unary terms. A value read by several consumers has its gradients summed and synchronized once
    (a tied embedding and LM head), so each of its edges pays its share of that all-reduce
-   (``grad_sync_share``). Scalar outputs (a loss) must end replicated. A value an op writes into (batch
+   (``grad_sync_share``); a parameter's all-reduce where it is not gathered happens once per step,
+   so the graph of one of ``m`` micro-batches pays ``1/m`` of it
+   (``PlanConfig.microbatches_per_sync``). Scalar outputs (a loss) must end replicated. A value an op writes into (batch
    norm's running statistics, ``div_``) must reach it in its layout: a reshard there would copy
    it and the write would be lost, so such edges cost ∞ unless the specs agree.
 
@@ -131,9 +133,12 @@ def _in_place(
 
 
 class _Builder:
-    def __init__(self, gm: GraphModule, mesh: Mesh, fixed: dict[str, Spec], in_flight: int = 1) -> None:
+    def __init__(
+        self, gm: GraphModule, mesh: Mesh, fixed: dict[str, Spec], in_flight: int = 1, per_sync: int = 1
+    ) -> None:
         self.gm = gm
         self.in_flight = in_flight
+        self.per_sync = per_sync
         self.mesh = mesh
         self.nodes = [n for n in gm.graph.nodes if STRATEGIES in n.meta]
         self.roots = _roots(self.nodes)
@@ -208,11 +213,12 @@ class _Builder:
         bucketed = bucketed_grad_sync(i)
         share = grad_sync_share(i)
         mesh, cache = self.mesh, self.edge_cache
+        once_per_step = info.kind == "param" and self.per_sync > 1
 
         def cost(src_key: tuple, dst: tuple) -> tuple[float, float]:
             """(seconds, bytes kept) of carrying ``src_key`` into ``dst``."""
             src, stage = src_key
-            key = (shape, itemsize, src_key, dst, rg, bucketed, share)
+            key = (shape, itemsize, src_key, dst, rg, bucketed, share, once_per_step)
             v = cache.get(key)
             if v is None:
                 spec, split = dst
@@ -231,6 +237,8 @@ class _Builder:
                         zero_stage=stage,
                         sync_share=share,
                     )
+                    if once_per_step and src == spec:  # no gather: only the step's gradient all-reduce
+                        t /= self.per_sync
                     v = (t, share * kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
                 cache[key] = v
             return v
@@ -339,7 +347,7 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Build the ``StrategyGraph`` of ``gm`` on ``ctx.mesh`` (see module docstring)."""
     assert ctx.mesh is not None, "formulate needs a mesh"
     fixed = parse_fixed(ctx.captured, ctx.config, ctx.mesh.ndim)
-    b = _Builder(gm, ctx.mesh, fixed, ctx.config.activations_in_flight)
+    b = _Builder(gm, ctx.mesh, fixed, ctx.config.activations_in_flight, ctx.config.microbatches_per_sync)
     b.build_decisions()
     b.add_unary()
     b.add_edges()

@@ -3,6 +3,7 @@ data parallelism when memory is ample and the batch is large, and an infeasible 
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -217,6 +218,49 @@ def test_activations_count_once_per_micro_batch_in_flight(make_gpt, a100x8):
         assert memory[3][n] == pytest.approx([3 * m for m in memory[1][n]])
     with pytest.raises(ValueError, match="activations_in_flight"):
         PlanConfig(activations_in_flight=0)
+
+
+def test_a_micro_batch_pays_its_share_of_the_step_gradient_all_reduce(make_gpt, a100x8):
+    """``microbatches_per_sync=m``: a data-parallel weight (read as it is stored, no gather) pays
+    ``1/m`` of its gradient all-reduce on the graph of one of ``m`` micro-batches — the reduction
+    runs once per step, as the simulator charges it; every other edge cost is unchanged."""
+    from autopar.config import PlanConfig
+    from autopar.mesh import Mesh
+    from autopar.passes import PassContext, run_passes
+    from autopar.passes.formulate import STRATEGY_GRAPH
+    from autopar.planner import GRAPH_PASSES, MESH_PASSES
+
+    model = make_gpt()
+    ids = torch.randint(0, 128, (8, 32))
+    cap = autopar.capture(model, (ids, ids.clone()))
+    graphs = {}
+    for k in (1, 4):
+        cfg = PlanConfig(mesh_shape=(8,), microbatches_per_sync=k)
+        gm = run_passes(
+            cap.gm, PassContext(captured=cap, cluster=a100x8, config=cfg, mixed_precision=False), GRAPH_PASSES
+        )
+        run_passes(
+            gm, PassContext(captured=cap, cluster=a100x8, config=cfg, mesh=Mesh((8,), a100x8)), MESH_PASSES
+        )
+        graphs[k] = gm.meta[STRATEGY_GRAPH]
+    params = set(cap.params)
+    divided = kept = 0  # a weight's entries: its all-reduce alone (divided), or a gather (kept)
+    for e1, e4 in zip(graphs[1].edges, graphs[4].edges, strict=True):
+        weight = graphs[1].decisions[e1.src].members[0] in params
+        for row1, row4 in zip(e1.cost, e4.cost, strict=True):
+            for c1, c4 in zip(row1, row4, strict=True):
+                if not math.isfinite(c1) or c1 == 0:
+                    continue
+                if not weight:
+                    assert c4 == pytest.approx(c1)
+                elif c4 == pytest.approx(c1 / 4):
+                    divided += 1
+                else:
+                    assert c4 == pytest.approx(c1)
+                    kept += 1
+    assert divided and kept
+    with pytest.raises(ValueError, match="microbatches_per_sync"):
+        PlanConfig(microbatches_per_sync=0)
 
 
 @pytest.mark.timeout(300)
