@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import threading
 import time
@@ -393,7 +394,10 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
             child_end.close()
             running.append((i, proc, parent_end))
             _progress(f"mesh {mesh}", True, len(results), len(meshes))
-        i, proc, conn = running.pop(0)
+        # Whichever solve ends first frees its worker (mesh solves differ tenfold in time).
+        ready = mp_connection.wait([c for _, _, c in running])
+        k = next(j for j, (_, _, c) in enumerate(running) if c in ready)
+        i, proc, conn = running.pop(k)
         try:
             status, t, payload = conn.recv()
         except EOFError:

@@ -24,8 +24,11 @@ Words (``autopar.schedule`` defines stage, action and the schedules):
 
 Planning time: one SPMD plan per ``(pp, m)``; the schedules of one ``(pp, m)`` share it. Under
 ``pp="auto"`` the step time is taken as unimodal: the search stops after two pipeline sizes slower
-than the best plan so far, and after an accumulation count slower than the one before it
-(``plan.info["pipeline_candidates"]`` lists what was skipped); ``pp="search"`` tries everything.
+than the best plan so far, or after one more than ``FAR_SLOWER`` times it (with ``2·pp``
+micro-batches the bubble ``(pp − 1)/(2·pp·v)`` and the per-micro-batch collectives only grow with
+``pp``, so a larger pipeline does not recover such a gap), and after an accumulation count slower
+than the one before it (``plan.info["pipeline_candidates"]`` lists what was skipped);
+``pp="search"`` tries everything.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ from autopar.simulate import graph_facts, optimizer_time, stage_costs
 __all__ = ["pipelined_candidates", "plan_model", "stage_cluster"]
 
 log = logging.getLogger("autopar.planner")
+
+FAR_SLOWER = 1.25
+"""Under ``pp="auto"``, a pipeline size whose best step is more than this times the best plan's
+ends the search over pipeline sizes (module docstring)."""
 
 
 def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
@@ -272,8 +279,9 @@ def plan_model(
     slower_pps = 0
     for pp in pps:
         if not exhaustive and slower_pps >= 2:
-            errors.append(f"pp={pp}: not tried (two smaller pipelines were slower than the best plan)")
-            tried.append({"pp": pp, "skipped": "two smaller pipelines were slower than the best plan"})
+            why = f"two smaller pipelines, or one {FAR_SLOWER}× the best plan's step, were slower than the best plan"
+            errors.append(f"pp={pp}: not tried ({why})")
+            tried.append({"pp": pp, "skipped": why})
             continue
         best_before = min((c.step_time for c in scored), default=math.inf)
         n_before = len(scored)
@@ -363,7 +371,11 @@ def plan_model(
                 prev_m = min(s.step_time for s in found)
                 best_before = min(best_before, prev_m)
         if len(scored) > n_before and pp > 1:
-            slower_pps = slower_pps + 1 if min(c.step_time for c in scored[n_before:]) > best_before else 0
+            fastest = min(c.step_time for c in scored[n_before:])
+            if fastest > FAR_SLOWER * best_before:
+                slower_pps = 2  # far slower: the next size will not recover it (module docstring)
+            else:
+                slower_pps = slower_pps + 1 if fastest > best_before else 0
     if not scored:
         head = "no layout fits the memory budget"
         if least is not None:
