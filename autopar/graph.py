@@ -254,11 +254,21 @@ _RANDOM_OPS = ("rand", "bernoulli", "normal", "multinomial", "uniform", "exponen
 
 
 def is_random(node: Node) -> bool:
-    """``node`` draws random numbers: sampling ops, and dropout with a non-zero probability in
-    training mode (``dropout(x, 0.0, True)`` is the identity)."""
+    """``node`` draws random numbers: sampling ops, dropout with a non-zero probability in training
+    mode (``dropout(x, 0.0, True)`` is the identity), and fused attention with a non-zero
+    ``dropout_p`` (its kernel draws the mask itself). Backward ops (``native_dropout_backward``)
+    draw nothing."""
     if node.op != "call_function":
         return False
     name = op_name(node)
+    if name.endswith("_backward"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
     if "dropout" in name:
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         train = (

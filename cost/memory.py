@@ -27,6 +27,11 @@ mask element):
 * full recomputation:          ``2·sbh`` (only the layer's input is kept; ``2·sbh/t`` when it is
   sequence-parallel)
 
+Under recomputation no dropout mask is kept: a recomputed dropout draws its mask again from the
+generator state its forward recorded (a few KB per op, not counted; ``autopar.runtime.rng``), as
+Megatron-LM's recomputation does — the rule ``passes.strategies.recomputed`` costs and
+``passes.recompute`` runs.
+
 ``activation_bytes_per_layer`` gives these; the graph-level count of what autograd saves
 (``autopar.passes.annotate``) reproduces the first for a standard GPT layer.
 """

@@ -26,20 +26,31 @@ through the joint trace), grouped by repeated-layer instance (``transformer.h.3`
   queries and keys, masking, softmax) are recomputed; the matmul inputs are kept (Korthikanti et
   al. §5).
 
-Random ops (dropout) are never recomputed — their outputs are kept, so a recomputed layer sees the
-same masks — and neither are ops writing into their inputs.
+Random ops (dropout) are recomputed too, drawing the same numbers: the forward draw becomes
+``run_and_save_rng_state(op, …)`` — one call that reads the generator's state and draws, so no pass
+can separate the two — and its copy in backward ``run_with_rng_state(state, op, …)``, which sets
+that state, draws, and puts the generator back where it was, so every later draw of the step is
+the one it would be without recomputation (``autopar.runtime.rng``; AOTAutograd's functionalized
+RNG and Megatron-LM's ``CheckpointFunction`` do the same). Backward keeps the state — a few KB per
+random op — instead of a mask. Ops writing into their inputs are not recomputed, except those
+writing only into a value recomputed with them that nothing else reads (the ``empty_like`` a
+``bernoulli_`` fills, the mask a ``div_`` scales: how dropout is traced on a CPU).
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from collections import defaultdict
 
+import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from autopar.graph import is_random
 from autopar.passes import PassContext
 from autopar.passes.joint import PHASE, RANK, Phase, mutates
+from autopar.runtime.rng import run_and_save_rng_state, run_with_rng_state
 
 __all__ = ["RECOMPUTE_MODES", "recompute_in_backward", "recompute_layers", "source_of"]
 
@@ -52,7 +63,8 @@ def recompute_in_backward(gm: GraphModule, nodes: set[Node], after: Node | None 
     """Copy the nodes of ``nodes`` that backward reads into backward (see module docstring);
     returns the number of nodes copied. ``after``: only backward readers from this node on read
     the copies (earlier ones — tangent-free work autograd placed among the forward — keep the
-    originals)."""
+    originals). A random node among the copies draws in forward through
+    ``run_and_save_rng_state`` and in backward through ``run_with_rng_state`` (``_record_draw``)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     start = order[after] if after is not None else -1
     bwd_readers = {
@@ -66,7 +78,8 @@ def recompute_in_backward(gm: GraphModule, nodes: set[Node], after: Node | None 
         if n in needed:
             continue
         needed.add(n)
-        stack.extend(i for i in n.all_input_nodes if i in nodes)
+        draw = _draw_of(n)
+        stack.extend(i for i in (draw or n).all_input_nodes if i in nodes)
     if not needed:
         return 0
     first_reader = min((u for n in needed for u in bwd_readers[n]), key=lambda u: order[u], default=None)
@@ -74,10 +87,26 @@ def recompute_in_backward(gm: GraphModule, nodes: set[Node], after: Node | None 
         # Only other copies read them (an intermediate of the chain): place before the earliest
         # backward reader of any node of the chain.
         return 0
+    for n in needed:
+        if _draw_of(n) is None and is_random(n):
+            _record_draw(gm, n)
     copies: dict[Node, Node] = {}
-    with gm.graph.inserting_before(first_reader):
+    g = gm.graph
+    with g.inserting_before(first_reader):
         for n in sorted(needed, key=lambda x: order[x]):
-            c = gm.graph.node_copy(n, lambda x: copies.get(x, x))
+            draw = _draw_of(n)
+            if draw is None:
+                c = g.node_copy(n, lambda x: copies.get(x, x))
+            else:  # replay the forward's draw: same numbers, generator left as it was
+                op, *args = map_arg(draw.args, lambda x: copies.get(x, x))
+                replay = g.call_function(
+                    run_with_rng_state,
+                    (_state_of(draw), op, *args),
+                    map_arg(draw.kwargs, lambda x: copies.get(x, x)),
+                )
+                replay.meta.update(draw.meta)
+                replay.meta[PHASE] = Phase.BWD
+                c = g.call_function(operator.getitem, (replay, 1))
             c.meta.update(n.meta)
             c.meta[PHASE] = Phase.BWD
             copies[n] = c
@@ -86,6 +115,42 @@ def recompute_in_backward(gm: GraphModule, nodes: set[Node], after: Node | None 
             for u in readers:
                 u.replace_input_with(n, copies[n])
     return len(copies)
+
+
+def _draw_of(n: Node) -> Node | None:
+    """The ``run_and_save_rng_state`` call whose output ``n`` is (``_record_draw``), else None."""
+    if n.op == "call_function" and n.target is operator.getitem and n.args[1] == 1:
+        src = n.args[0]
+        if isinstance(src, Node) and src.target is run_and_save_rng_state:
+            return src
+    return None
+
+
+def _state_of(draw: Node) -> Node:
+    """The generator state a ``run_and_save_rng_state`` call recorded (its element 0)."""
+    return next(u for u in draw.users if u.target is operator.getitem and u.args[1] == 0)
+
+
+def _record_draw(gm: GraphModule, n: Node) -> None:
+    """Make the forward random node ``n`` record its generator's state just before it draws: a
+    ``run_and_save_rng_state(op, *args)`` call is inserted before ``n``, its element 0 is the state
+    (what backward keeps: a few KB, ``autopar.runtime.rng``), and ``n`` becomes its element 1 —
+    the same value, read by the same users."""
+    g = gm.graph
+    val = n.meta.get("val")
+    device = val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
+    # The state's size: the CPU's Mersenne Twister state, or a CUDA Philox seed and offset.
+    state_val = torch.empty(torch.get_rng_state().numel() if device.type == "cpu" else 16, dtype=torch.uint8)
+    with g.inserting_before(n):
+        draw = g.call_function(run_and_save_rng_state, (n.target, *n.args), dict(n.kwargs))
+        state = g.create_node("call_function", operator.getitem, (draw, 0), name=f"{n.name}_rng_state")
+    draw.meta.update(n.meta)
+    draw.meta["val"] = (state_val, val)
+    state.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    state.meta["val"] = state_val
+    n.target = operator.getitem
+    n.args = (draw, 1)
+    n.kwargs = {}
 
 
 def source_of(n: Node) -> str | None:
@@ -119,6 +184,22 @@ def _sink_early_backward(gm: GraphModule, end: Node | None) -> None:
             order[n] = order[first] - 0.5
 
 
+def _writes_fresh(n: Node, chosen: set[Node]) -> bool:
+    """``n`` writes only into values recomputed with it that nothing else reads (``bernoulli_``
+    filling an ``empty_like``, a ``div_`` scaling the mask it drew): its copy writes into the
+    copies, and no other reader can tell the order of the write."""
+    schema = n.target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+        if v is None:
+            continue
+        if not isinstance(v, Node) or v not in chosen or set(v.users) != {n}:
+            return False
+    return True
+
+
 def recompute_layers(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Apply the plan's recomputation to the whole-step program (module docstring)."""
     info = gm.meta.get(RANK)
@@ -143,9 +224,12 @@ def recompute_layers(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if n.op != "call_function" or n.meta.get(PHASE) != Phase.FWD:
             continue
         src = source_of(n)
-        if src not in info.recompute_sources or mutates(n) or is_random(n):
+        if src not in info.recompute_sources:
             continue
-        by_layer[layer_of.get(src, "")].add(n)
+        layer = layer_of.get(src, "")
+        if mutates(n) and not _writes_fresh(n, by_layer.get(layer, set())):
+            continue
+        by_layer[layer].add(n)
     copied = 0
     for nodes in by_layer.values():  # one layer at a time: its copies go before its own backward
         copied += recompute_in_backward(gm, nodes)

@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
-from autopar.graph import OpFamily, is_random, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
+from autopar.graph import OpFamily, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
@@ -253,12 +253,19 @@ def recomputed(node: Node, mode: str) -> bool:
     """Whether recomputation ``mode`` recomputes ``node`` in backward instead of saving it — the
     rule ``autopar.passes.recompute.recompute_layers`` applies to the per-rank program: inside a
     repeated layer, ``full``: every node but the layer's outputs (values read outside it);
-    ``selective``: the attention-score tensors (``_attention_scores``); never random ops or
-    in-place writes. The runtime pass recomputes the program nodes lowered from exactly these."""
+    ``selective``: the attention-score tensors (``_attention_scores``: the attention dropout among
+    them); never in-place writes. The runtime pass recomputes the program nodes lowered from
+    exactly these.
+
+    Random ops (dropout) are recomputed like the rest: the program records the generator's state
+    before the forward draw and replays it in backward (``autopar.runtime.rng``), so no dropout mask
+    is kept — as Korthikanti et al.'s formulas assume (``autopar.cost.memory``: full recomputation
+    keeps only the layer's input, selective no attention-dropout mask). The state kept instead, a
+    few KB per random op (5 KB on a CPU, 16 bytes on CUDA), is not counted."""
     if mode not in ("full", "selective") or node.op != "call_function":
         return False
     info = node.meta.get(TENSOR)
-    if info is None or "*" not in info.layer or is_random(node):
+    if info is None or "*" not in info.layer:
         return False
     if op_info(node).writes or op_name(node).endswith("_"):
         return False
