@@ -156,6 +156,45 @@ def pipelined_candidates(
         )
         return costs, play(actions, costs, overlap=cluster.overlap_comm)
 
+    def fit_cut(stage_of: dict[str, int], costs: list, tl: Any, S: int, actions: Any) -> tuple:
+        """Balanced by time, a rank holds more than its device: the fastest cut under per-stage
+        memory caps (a stage keeps its static bytes plus its activations times the micro-batches
+        it holds in flight) that share the budget among a rank's stages, so a cut meeting them
+        fits (a rank's peak is at most its stages' sum). One stage per rank: each may use the whole
+        budget (the memory-constrained partition is then exact). ``v`` stages per rank: the
+        shares ``(w, 1 − w)`` for ``w`` = 0.1 … 0.9 with two, else equal shares and shares as the
+        time-balanced cut holds memory. Each cut found is played; the fastest that fits wins, or
+        the time-balanced cut stays (the caller drops it)."""
+        v = S // pp
+        flight = [max_in_flight([a for a in actions[stage_rank(k, pp)] if a[1] == k]) for k in range(S)]
+        if v == 1:
+            shares = [[1.0]]
+        elif v == 2:
+            shares = [[w / 10, 1 - w / 10] for w in range(1, 10)]
+        else:
+            held = [costs[k].static + flight[k] * costs[k].activation for k in range(S)]
+            on_rank = [sum(held[r::pp]) for r in range(pp)]
+            shares = [[1 / v] * v, [held[k] / on_rank[stage_rank(k, pp)] for k in range(S)]]
+        best = (stage_of, costs, tl)
+        for share in shares:
+            caps = [budget * share[k // pp if len(share) == v else k] for k in range(S)]
+
+            def fits(k: int, static: float, act: float, caps: list[float] = caps) -> bool:
+                if k == 0:
+                    static, act = static + extra[0], act + extra[1]
+                return static + flight[k] * act <= caps[k]
+
+            try:
+                cut = stage_cuts(gm, S, node_time, node_memory=node_memory, fits=fits)
+            except ValueError:
+                continue
+            c, t = play_cut(cut, S, actions)
+            if max(t.peak_memory) <= budget and (
+                max(best[2].peak_memory) > budget or t.step_time < best[2].step_time
+            ):
+                best = (cut, c, t)
+        return best
+
     n_seams = len(seams(gm))
     if config.schedule:
         schedules = [config.schedule]
@@ -179,23 +218,7 @@ def pipelined_candidates(
                 continue
             costs, tl = play_cut(stage_of, S, actions)
             if max(tl.peak_memory) > budget and not by_layers:
-                # Balanced by time, a rank holds more than its device: cut again under the memory
-                # limit (a rank's peak is its stages' static bytes plus their activations times the
-                # micro-batches each keeps in flight; with v stages per rank each gets budget / v).
-                flight = [
-                    max_in_flight([a for a in actions[stage_rank(k, pp)] if a[1] == k]) for k in range(S)
-                ]
-
-                def fits(k: int, static: float, act: float, flight: list[int] = flight, v: int = v) -> bool:
-                    if k == 0:
-                        static, act = static + extra[0], act + extra[1]
-                    return static + flight[k] * act <= budget / v
-
-                try:
-                    stage_of = stage_cuts(gm, S, node_time, node_memory=node_memory, fits=fits)
-                    costs, tl = play_cut(stage_of, S, actions)
-                except ValueError:
-                    pass
+                stage_of, costs, tl = fit_cut(stage_of, costs, tl, S, actions)
             peak = max(tl.peak_memory)
             label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
             if peak > budget:

@@ -380,10 +380,12 @@ def test_cuts_honour_a_memory_limit_per_stage():
         stage_cuts(gm, 2, node_memory=one, fits=lambda k, s, a: a <= 3)
 
 
-def test_a_rank_over_its_memory_gets_a_memory_balanced_cut():
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_rank_over_its_memory_gets_a_memory_balanced_cut(schedule):
     """Cut for time, 1F1B's first rank (``pp`` micro-batches in flight) holds more than the last;
     with a budget between the two, the search cuts again under the limit instead of dropping
-    the pipeline: the candidate fits, with the first rank holding fewer layers."""
+    the pipeline: the candidate fits, with the first rank holding fewer nodes (with two stages
+    per rank, interleaved, as well)."""
     from autopar.capture import capture, microbatch_inputs, normalize_inputs
     from autopar.config import PlanConfig
     from autopar.planner import plan_captured
@@ -396,7 +398,7 @@ def test_a_rank_over_its_memory_gets_a_memory_balanced_cut():
     pp, m = 2, 8
     args, kwargs = normalize_inputs((ids, ids))
     cap = capture(model, microbatch_inputs(args, kwargs, m))
-    config = PlanConfig(schedule="1f1b")
+    config = PlanConfig(schedule=schedule)
     spmd = plan_captured(cap, stage_cluster(cluster, pp), config.replace(memory_budget=1e12, mesh_shape=(4,)))
     (free,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, 1e15)
     peaks = free.plan.pipeline.peak_memory
@@ -405,8 +407,8 @@ def test_a_rank_over_its_memory_gets_a_memory_balanced_cut():
     (capped,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
     assert max(capped.plan.pipeline.peak_memory) <= budget
 
-    def first_stage(plan: Any) -> int:
-        return sum(1 for s in plan.pipeline.stage_of.values() if s == 0)
+    def first_stage(plan: Any) -> int:  # nodes on the first rank
+        return sum(1 for s in plan.pipeline.stage_of.values() if s % pp == 0)
 
     assert first_stage(capped.plan) < first_stage(free.plan)
     assert capped.step_time >= free.step_time  # the time-balanced cut was the fastest
