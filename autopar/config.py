@@ -63,8 +63,8 @@ class PlanConfig:
     microbatches: int | None = None
     """Micro-batches per step: of a pipelined plan, or with ``pp=1`` gradient accumulation (the
     micro-batches one after another, gradients reduced once); ``None``: searched (multiples of
-    ``pp``; with one stage, accumulation is tried when the whole batch does not fit, or always
-    under ``pp="search"``)."""
+    ``pp``; with one stage, accumulation is tried when the whole batch does not fit or fits
+    only with the recomputation ``recompute="auto"`` chose, and always under ``pp="search"``)."""
     schedule: str | None = None
     """Pipeline schedule (``autopar.schedule.SCHEDULES``); ``None``: searched."""
     virtual: int | None = None

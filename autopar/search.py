@@ -300,6 +300,7 @@ def plan_model(
     # Under "auto" the step is taken as unimodal in pp and in the accumulation count (module docstring).
     exhaustive = config.pp == "search"
     slower_pps = 0
+    recomputes = False  # the one-stage plan of the whole batch needed recomputation
     for pp in pps:
         if not exhaustive and slower_pps >= 2:
             why = f"two smaller pipelines, or one {FAR_SLOWER}× the best plan's step, were slower than the best plan"
@@ -314,7 +315,10 @@ def plan_model(
                     p = plan_captured(whole(), cluster, config.replace(pp=1))
                     scored.append(Scored(p, p.predicted.step_time, "pp=1"))
                     tried.append({"pp": 1, "step_time": p.predicted.step_time})
-                    if config.pp != "search":
+                    # Accumulating smaller micro-batches may fit without the recomputation the
+                    # whole batch needed (``recompute="auto"``): try it then.
+                    recomputes = config.recompute == "auto" and p.recompute != "none"
+                    if config.pp != "search" and not recomputes:
                         continue
                 except InfeasibleError as e:
                     errors.append(f"pp=1: {e}")
@@ -322,7 +326,9 @@ def plan_model(
                         least = min(least or (e.smallest, "pp=1"), (e.smallest, "pp=1"))
                     if config.pp == "auto" and len(pps) == 1:  # one stage does not fit: pipelines too
                         pps += [d for d in range(2, world + 1) if world % d == 0]
-            if batch is None or (config.microbatches in (None, 1) and config.pp == "auto" and scored):
+            if batch is None or (
+                config.microbatches in (None, 1) and config.pp == "auto" and scored and not recomputes
+            ):
                 continue
         sub = stage_cluster(cluster, pp)
         if sub is None:

@@ -303,3 +303,22 @@ def test_a_pipeline_that_does_not_fit_is_tried_with_smaller_micro_batches():
     assert _more_microbatches(96, 4, 8) == 16
     assert _more_microbatches(90, 4, 10) == 30  # no multiple of 4 divides 90: any divisor
     assert _more_microbatches(64, 2, 64) is None
+
+
+def test_accumulation_is_tried_when_the_whole_batch_needs_recomputation(make_gpt):
+    """``recompute="auto"``: where the whole batch fits only by recomputing, accumulating smaller
+    micro-batches may fit without it (Megatron Table 1's small rows), so the search tries that
+    too and keeps the faster."""
+    model = make_gpt(n_layer=2)
+    ids = torch.randint(0, 128, (64, 32))
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=2, nodes=1)
+    whole = autopar.plan(model, (ids, ids.clone()), cluster, pp=1, mesh_shape=(2,), workers=1)
+    budget = 0.75 * whole.predicted.memory_per_device
+    plan = autopar.plan(
+        model, (ids, ids.clone()), cluster, recompute="auto", memory_budget=budget, mesh_shape=(2,), workers=1
+    )
+    rows = plan.info["pipeline_candidates"]
+    one_stage = next(r for r in rows if r["pp"] == 1 and "microbatches" not in r)
+    accumulated = [r for r in rows if r["pp"] == 1 and r.get("microbatches", 1) > 1 and "step_time" in r]
+    assert accumulated, rows
+    assert plan.predicted.step_time == min(one_stage["step_time"], *(r["step_time"] for r in accumulated))
