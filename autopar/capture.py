@@ -424,8 +424,27 @@ def specialise_batch(symbolic: torch.fx.GraphModule, batch: int) -> torch.fx.Gra
             t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
             fakes.append(t.requires_grad_(v.requires_grad) if v.is_floating_point() else t)
     gm.recompile()
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    with _no_progress_thread():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     return gm
+
+
+@contextlib.contextmanager
+def _no_progress_thread() -> Any:
+    """``torch.fx.Interpreter.run`` makes a (disabled) tqdm bar, and tqdm's first bar starts a
+    monitor thread; a process with a second thread may not fork, so the planner would solve its
+    meshes one after another (``autopar.planner._attempt_all``). Keep tqdm from starting it."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield
+        return
+    interval = tqdm.monitor_interval
+    tqdm.monitor_interval = 0
+    try:
+        yield
+    finally:
+        tqdm.monitor_interval = interval
 
 
 def check_loss_output(graph: torch.fx.Graph) -> None:

@@ -234,3 +234,26 @@ def test_microbatch_graph_of_a_model_branching_on_the_batch_is_exported_by_itsel
     ops = [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
     assert "aten.mul.Tensor" in ops
     assert tuple(cap.user_input_nodes()[0].meta["val"].shape) == (2, 8)
+
+
+def test_specialising_a_micro_batch_graph_starts_no_thread(make_gpt):
+    """A process with a second thread may not fork, and the planner then solves its meshes one after
+    another: specialising a micro-batch graph (``torch.fx.Interpreter`` makes a tqdm bar, whose
+    first instance starts tqdm's monitor thread) must leave the thread count as it was."""
+    import threading
+
+    from tqdm import tqdm
+
+    from autopar.capture import MicrobatchCaptures
+
+    if tqdm.monitor is not None:  # started by an earlier test: stop it, so this one can fail
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    model = make_gpt()
+    ids = torch.randint(0, 128, (8, 16))
+    before = threading.active_count()
+    graphs = MicrobatchCaptures(model, (ids, ids.clone()))
+    graphs(2)
+    assert graphs.symbolic_failure is None
+    assert tqdm.monitor is None
+    assert threading.active_count() == before, [t.name for t in threading.enumerate()]
