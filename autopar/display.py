@@ -407,6 +407,8 @@ def plan_summary(plan: Plan) -> str:
             + ", ".join(
                 f"{tuple(m['mesh'])} {fmt_time(m['objective'])}"
                 if m.get("feasible")
+                else f"{tuple(m['mesh'])} slower (pruned)"
+                if m.get("pruned")
                 else f"{tuple(m['mesh'])} —"
                 for m in tried
             )

@@ -54,7 +54,7 @@ from autopar.planfile import NodePlan, Plan, Predicted, ReshardPlan
 from autopar.reshard import StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
 from autopar.rules.routing import grouped_mm_operands
 from autopar.simulate import graph_facts, simulate_captured
-from autopar.solver import InfeasibleError, SolverConfig, solve
+from autopar.solver import Cutoff, InfeasibleError, NotBetter, SolverConfig, solve
 
 __all__ = [
     "GRAPH_PASSES",
@@ -230,8 +230,9 @@ def plan_captured(
         run_passes(gm, mctx, passes)
         return mctx
 
-    def attempt(mesh: tuple[int, ...]) -> tuple[float, Any]:
-        """Annotate strategies for ``mesh`` and solve; the Solution or the InfeasibleError."""
+    def attempt(mesh: tuple[int, ...], cutoff: Cutoff | None = None) -> tuple[float, Any]:
+        """Annotate strategies for ``mesh`` and solve; the Solution, the InfeasibleError, or
+        NotBetter where it cannot beat ``cutoff`` (a mesh solved before it)."""
         t0 = time.perf_counter()
         annotate(mesh)
         t_strat = time.perf_counter() - t0
@@ -240,9 +241,10 @@ def plan_captured(
                 gm.meta[STRATEGY_GRAPH],
                 memory_budget=budget,
                 config=SolverConfig(time_limit=config.time_limit),
+                cutoff=cutoff,
             )
             return t_strat, sol
-        except InfeasibleError as e:
+        except (InfeasibleError, NotBetter) as e:
             return t_strat, e
 
     outcomes = _attempt_all(meshes, attempt, workers)
@@ -250,6 +252,11 @@ def plan_captured(
     tried = []
     errors = []
     for mesh, (t_strat, sol) in zip(meshes, outcomes):
+        if isinstance(sol, NotBetter):  # another mesh was faster: not a candidate
+            tried.append(
+                {"mesh": list(mesh), "feasible": False, "pruned": str(sol), "strategy_time": t_strat}
+            )
+            continue
         if isinstance(sol, InfeasibleError):
             errors.append(sol)
             tried.append({"mesh": list(mesh), "feasible": False})
@@ -339,8 +346,21 @@ def _user_stacklevel() -> int:
     return 2
 
 
+def _cutoff(meshes: list[tuple[int, ...]], i: int, done: dict[int, tuple[float, Any]]) -> Cutoff | None:
+    """The best finished mesh's objective, for mesh ``i`` to beat (``autopar.solver.Cutoff``):
+    strictly where that mesh comes earlier in ``meshes`` (it wins a tie), else at most equal, so
+    the winner is the one a full solve of every mesh picks."""
+    sols = [(sol.objective, j) for j, (_, sol) in done.items() if not isinstance(sol, Exception)]
+    if not sols:
+        return None
+    objective, j = min(sols)
+    return Cutoff(objective, strict=j < i)
+
+
 def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int) -> list[tuple[float, Any]]:
-    """Run ``attempt`` for every mesh; with several meshes and workers, in forked processes.
+    """Run ``attempt(mesh, cutoff)`` for every mesh; with several meshes and workers, in forked
+    processes. Each mesh started after another finished gets its objective as a cutoff
+    (``_cutoff``): a mesh that cannot win stops when CP-SAT proves it cannot (``NotBetter``).
 
     Each candidate mesh is an independent solve (CP-SAT with one worker), so on a machine with
     ``workers`` cores they run side by side. Children are forked (they inherit the annotated graph;
@@ -356,23 +376,25 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
         or mp.current_process().daemon  # daemonic processes may not have children
         or threading.active_count() > 1  # forking a threaded process (e.g. a live process group) is unsafe
     ):
-        out = []
+        done: dict[int, tuple[float, Any]] = {}
         for i, m in enumerate(meshes):
             _progress(f"mesh {m}", True, i, len(meshes))
-            out.append(attempt(m))
+            done[i] = attempt(m, _cutoff(meshes, i, done))
             _progress(f"mesh {m}", False, i + 1, len(meshes))
-        return out
+        return [done[i] for i in range(len(meshes))]
     ctx = mp.get_context("fork")
     results: dict[int, tuple[float, Any]] = {}
     running: list[tuple[int, Any, Any]] = []
     pending = list(enumerate(meshes))
 
-    def child(conn: Any, mesh: tuple[int, ...]) -> None:
+    def child(conn: Any, mesh: tuple[int, ...], cutoff: Cutoff | None) -> None:
         try:
-            t, sol = attempt(mesh)
+            t, sol = attempt(mesh, cutoff)
             conn.send(
                 ("ok", t, sol)
                 if not isinstance(sol, Exception)
+                else ("not_better", t, sol.cutoff)
+                if isinstance(sol, NotBetter)
                 else ("infeasible", t, (str(sol), getattr(sol, "smallest", None)))
             )
         except Exception as exc:  # sent to the parent, which re-raises it
@@ -389,7 +411,7 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
         while pending and len(running) < workers:
             i, mesh = pending.pop(0)
             parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=child, args=(child_end, mesh), daemon=True)
+            proc = ctx.Process(target=child, args=(child_end, mesh, _cutoff(meshes, i, results)), daemon=True)
             proc.start()
             child_end.close()
             running.append((i, proc, parent_end))
@@ -408,7 +430,11 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
             for _, other, _ in running:
                 other.kill()
             raise payload
-        results[i] = (t, InfeasibleError(*payload) if status == "infeasible" else payload)
+        if status == "infeasible":
+            payload = InfeasibleError(*payload)
+        elif status == "not_better":
+            payload = NotBetter(payload)
+        results[i] = (t, payload)
         _progress(f"mesh {meshes[i]}", False, len(results), len(meshes))
     return [results[i] for i in range(len(meshes))]
 

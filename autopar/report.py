@@ -296,7 +296,7 @@ def html_report(
         sections.append(("measured", "Prediction and measurement", _measured(plan, measured)))
     tried = plan.info.get("meshes_tried") or []
     if tried:
-        trows = [(str(tuple(m["mesh"])), display.fmt_time(m["objective"]) if m.get("feasible") else "does not fit",
+        trows = [(str(tuple(m["mesh"])), display.fmt_time(m["objective"]) if m.get("feasible") else "slower (pruned)" if m.get("pruned") else "does not fit",
                   "optimal" if m.get("optimal") else "", f"{m.get('solve_time', 0):.2f} s") for m in tried]  # fmt: skip
         planning = f"<p>planned in {plan.info.get('planning_time', 0):.1f} s</p>" + _table(
             ("mesh", "predicted step", "", "solve time"), trows

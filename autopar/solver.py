@@ -25,6 +25,9 @@ Constraints
     (d) memory per device:                    Σ_c Σ_k M_{c,k} s_{c,k} ≤ budget
     (e) user constraints (``fixed``):         s_{c,k} = 0 for k whose parameter spec differs
     (f) impossible edges:                     e_{ab,gh} = 0 where C_{ab,gh} = ∞
+    (g) a cutoff (optional):                  objective < another candidate mesh's optimum
+        (≤ where that mesh comes later in the planner's order); a mesh that cannot win ends as
+        soon as the bound proves it, instead of after proving its own optimum
 
 The marginal form (b)-(c) (rather than linearizing s_a·s_b per pair) is what lets CP-SAT prove
 optimality quickly; grouping strategies by the spec they show an edge shrinks it further.
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 from autopar.strategy_graph import Solution, StrategyGraph
 
-__all__ = ["InfeasibleError", "Solution", "SolverConfig", "solve"]
+__all__ = ["Cutoff", "InfeasibleError", "NotBetter", "Solution", "SolverConfig", "solve"]
 
 SCALE = 1e12
 """Objective units per second (picoseconds): one fixed factor for every cost term."""
@@ -57,6 +60,28 @@ class InfeasibleError(RuntimeError):
         return (InfeasibleError, (str(self), self.smallest))
 
 
+@dataclass(frozen=True, slots=True)
+class Cutoff:
+    """Another candidate's objective (seconds) this solve must beat: below it, or where
+    ``strict`` is False (the other candidate comes later in the caller's order, which breaks
+    ties) at most equal to it. Used only to decide between candidates: a solve that cannot beat it
+    ends as soon as CP-SAT proves so (``NotBetter``)."""
+
+    objective: float
+    strict: bool = True
+
+
+class NotBetter(RuntimeError):
+    """No plan of this candidate beats the ``Cutoff`` (or none fits the memory budget)."""
+
+    def __init__(self, cutoff: float) -> None:
+        super().__init__(f"no plan faster than {cutoff * 1e3:.2f} ms (another candidate's)")
+        self.cutoff = cutoff
+
+    def __reduce__(self) -> tuple:
+        return (NotBetter, (self.cutoff,))
+
+
 @dataclass(kw_only=True, slots=True)
 class SolverConfig:
     """CP-SAT settings; the defaults reproduce a plan exactly from run to run."""
@@ -72,8 +97,15 @@ class SolverConfig:
     probing spends more time than it saves (8B LLaMA on a 16×4 mesh: 6.6 s with, 3.5 s without)."""
 
 
-def solve(graph: StrategyGraph, *, memory_budget: float, config: SolverConfig | None = None) -> Solution:
-    """Choose one strategy per decision minimizing predicted step time under ``memory_budget``."""
+def solve(
+    graph: StrategyGraph,
+    *,
+    memory_budget: float,
+    config: SolverConfig | None = None,
+    cutoff: Cutoff | None = None,
+) -> Solution:
+    """Choose one strategy per decision minimizing predicted step time under ``memory_budget``.
+    ``cutoff``: only a plan beating it is wanted (``Cutoff``); ``NotBetter`` when none does."""
     from ortools.sat.python import cp_model
 
     config = config or SolverConfig()
@@ -122,6 +154,9 @@ def solve(graph: StrategyGraph, *, memory_budget: float, config: SolverConfig | 
         for h, ls in enumerate(e.dst_groups):  # (c)
             model.Add(sum(by_h[h]) == sum(sb[k] for k in ls))
     model.Add(sum(mem_terms) <= int(memory_budget))  # (d)
+    if cutoff is not None:  # in the objective's integer units, as the other solve counted them
+        limit = round(cutoff.objective * SCALE)
+        model.Add(sum(objective) <= (limit - 1 if cutoff.strict else limit))
     model.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = config.time_limit
@@ -131,6 +166,8 @@ def solve(graph: StrategyGraph, *, memory_budget: float, config: SolverConfig | 
     solver.parameters.cp_model_presolve = config.presolve
     build_time = time.perf_counter() - t0
     status = solver.Solve(model)
+    if status == cp_model.INFEASIBLE and cutoff is not None:
+        raise NotBetter(cutoff.objective)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleError(
             f"no plan fits {_fmt_bytes(memory_budget)} per device on mesh {graph.mesh_shape}: the smallest "

@@ -79,6 +79,8 @@ def plan_demo() -> None:
     tried = ", ".join(
         f"{tuple(m['mesh'])}: {m['objective'] * 1e3:.1f} ms"
         if m["feasible"]
+        else f"{tuple(m['mesh'])}: slower (pruned)"
+        if m.get("pruned")
         else f"{tuple(m['mesh'])}: infeasible"
         for m in plan.info["meshes_tried"]
     )

@@ -92,7 +92,7 @@ def main() -> None:
                     f"{m['classes']} classes, {m['edge_vars']} edge variables, {'optimal' if m['optimal'] else 'feasible'}"
                 )
             else:
-                print(f"    mesh {m['mesh']}: infeasible")
+                print(f"    mesh {m['mesh']}: {'slower (pruned)' if m.get('pruned') else 'infeasible'}")
     if 32 in results and 8 in results:
         print(
             f"solve time 8 layers {results[8]['solve']:.2f} s vs 32 layers {results[32]['solve']:.2f} s "

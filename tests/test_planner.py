@@ -322,3 +322,56 @@ def test_accumulation_is_tried_when_the_whole_batch_needs_recomputation(make_gpt
     accumulated = [r for r in rows if r["pp"] == 1 and r.get("microbatches", 1) > 1 and "step_time" in r]
     assert accumulated, rows
     assert plan.predicted.step_time == min(one_stage["step_time"], *(r["step_time"] for r in accumulated))
+
+
+def test_a_cutoff_keeps_plans_that_beat_it_and_refuses_the_rest():
+    """``solve(cutoff=…)``: a hand-built two-decision program whose optimum is 3 s (strategy 1 then
+    strategy 0, the edge between them costing 1 s). A cutoff above it gives the same plan; one
+    below, or equal to it when strict, is ``NotBetter``; equal and not strict keeps it (the
+    planner's tie goes to the earlier mesh)."""
+    from autopar.solver import Cutoff, NotBetter, solve
+    from autopar.strategy_graph import Decision, Edge, StrategyGraph
+
+    a = Decision("a", ("a",), unary=[3.0, 1.0], memory=[0.0, 0.0], allowed=[True, True])
+    b = Decision("b", ("b",), unary=[1.0, 4.0], memory=[0.0, 0.0], allowed=[True, True])
+    e = Edge(0, 1, ((0,), (1,)), ((0,), (1,)), cost=[[0.0, 0.5], [1.0, 0.0]], memory=[[0.0, 0.0], [0.0, 0.0]])
+    g = StrategyGraph([a, b], [e], {"a": (0, (0, 1)), "b": (1, (0, 1))}, (2,))
+    best = solve(g, memory_budget=1.0)
+    assert best.objective == pytest.approx(3.0) and best.choice == {"a": 1, "b": 0}
+    assert solve(g, memory_budget=1.0, cutoff=Cutoff(3.5)).choice == best.choice
+    assert solve(g, memory_budget=1.0, cutoff=Cutoff(3.0, strict=False)).objective == pytest.approx(3.0)
+    for cut in (Cutoff(3.0), Cutoff(2.9, strict=False)):
+        with pytest.raises(NotBetter):
+            solve(g, memory_budget=1.0, cutoff=cut)
+
+
+@pytest.mark.timeout(300)
+def test_meshes_that_cannot_win_are_pruned_and_the_winner_is_unchanged(make_llama, batch):
+    """The planner gives each mesh solved after another the best objective so far as a cutoff. The
+    plan is the one solving every mesh in full gives: the same winner and objective, and each mesh
+    pruned is no faster on its own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.planner import plan_captured
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=512, vocab_size=1024, max_position_embeddings=512, use_cache=False)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.empty(32, 512, dtype=torch.long, device="meta")
+    cap = autopar.capture(model, {"input_ids": ids, "labels": ids.clone()})
+    cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=2)
+    plan = plan_captured(cap, cluster, workers=1)
+    tried = plan.info["meshes_tried"]
+    alone = {
+        tuple(m["mesh"]): plan_captured(cap, cluster, mesh_shape=tuple(m["mesh"]), workers=1).info["solver"][
+            "objective"
+        ]
+        for m in tried
+    }
+    assert any(m.get("pruned") for m in tried), tried
+    assert plan.info["solver"]["objective"] == pytest.approx(min(alone.values()), rel=1e-12)
+    assert plan.mesh_shape == min(alone, key=lambda k: (alone[k], [tuple(m["mesh"]) for m in tried].index(k)))
+    for m in tried:
+        if m.get("pruned"):
+            assert alone[tuple(m["mesh"])] >= plan.info["solver"]["objective"]
