@@ -47,7 +47,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from autopar.graph import is_random
+from autopar.graph import is_random, written_inputs
 from autopar.passes import PassContext
 from autopar.passes.joint import PHASE, RANK, Phase, mutates
 from autopar.runtime.rng import run_and_save_rng_state, run_with_rng_state
@@ -188,16 +188,8 @@ def _writes_fresh(n: Node, chosen: set[Node]) -> bool:
     """``n`` writes only into values recomputed with it that nothing else reads (``bernoulli_``
     filling an ``empty_like``, a ``div_`` scaling the mask it drew): its copy writes into the
     copies, and no other reader can tell the order of the write."""
-    schema = n.target._schema
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-        if v is None:
-            continue
-        if not isinstance(v, Node) or v not in chosen or set(v.users) != {n}:
-            return False
-    return True
+    written = written_inputs(n)
+    return bool(written) and all(v in chosen and set(v.users) == {n} for v in written)
 
 
 def recompute_layers(gm: GraphModule, ctx: PassContext) -> GraphModule:

@@ -322,25 +322,35 @@ def test_encoder_decoder_cut_between_encoder_and_decoder_trains_like_one_process
         )
 
 
+def _meta_gpt_stage(vocab: int, pp: int, m: int, config: Any, **stage: Any) -> tuple[Any, Any, Any]:
+    """An 8-layer GPT (hidden 512, batch 32 × 1024) on the meta device captured on one of ``m``
+    micro-batches, its stage plan for ``pp`` ranks of one 8-A100 node (budget relaxed, ``stage``
+    overriding more of ``config``): (captured, stage plan, cluster)."""
+    from autopar.capture import capture, microbatch_inputs, normalize_inputs
+    from autopar.planner import plan_captured
+    from autopar.search import stage_cluster
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=vocab, block_size=1024))
+    ids = torch.empty(32, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=1)
+    args, kwargs = normalize_inputs((ids, ids))
+    cap = capture(model, microbatch_inputs(args, kwargs, m))
+    spmd = plan_captured(cap, stage_cluster(cluster, pp), config.replace(memory_budget=1e12, **stage))
+    return cap, spmd, cluster
+
+
 def test_unequal_depth_gets_unequal_cuts_that_beat_equal_layer_counts():
     """A vocabulary of 128k over a hidden size of 512: the LM head costs as much as several layers.
     Megatron-LM's rule (equal layer counts per stage, ``layer_cuts``) leaves the last stage with
     the head on top of its layers; the cost-balanced cuts (``stage_cuts``) give it fewer layers,
     and the same stage plan then simulates faster."""
-    from autopar.capture import capture, microbatch_inputs, normalize_inputs
     from autopar.config import PlanConfig
-    from autopar.planner import plan_captured
-    from autopar.search import pipelined_candidates, stage_cluster
+    from autopar.search import pipelined_candidates
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=128000, block_size=1024))
-    ids = torch.empty(32, 1024, dtype=torch.long, device="meta")
-    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=1)
     pp, m = 4, 8
-    args, kwargs = normalize_inputs((ids, ids))
-    cap = capture(model, microbatch_inputs(args, kwargs, m))
     config = PlanConfig(schedule="1f1b")
-    spmd = plan_captured(cap, stage_cluster(cluster, pp), config.replace(memory_budget=1e12))
+    cap, spmd, cluster = _meta_gpt_stage(128000, pp, m, config)
     budget = config.budget(cluster.device.memory)
     (balanced,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
     (equal,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget, by_layers=True)
@@ -386,20 +396,12 @@ def test_a_rank_over_its_memory_gets_a_memory_balanced_cut(schedule):
     with a budget between the two, the search cuts again under the limit instead of dropping
     the pipeline: the candidate fits, with the first rank holding fewer nodes (with two stages
     per rank, interleaved, as well)."""
-    from autopar.capture import capture, microbatch_inputs, normalize_inputs
     from autopar.config import PlanConfig
-    from autopar.planner import plan_captured
-    from autopar.search import pipelined_candidates, stage_cluster
+    from autopar.search import pipelined_candidates
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=8192, block_size=1024))
-    ids = torch.empty(32, 1024, dtype=torch.long, device="meta")
-    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=1)
     pp, m = 2, 8
-    args, kwargs = normalize_inputs((ids, ids))
-    cap = capture(model, microbatch_inputs(args, kwargs, m))
     config = PlanConfig(schedule=schedule)
-    spmd = plan_captured(cap, stage_cluster(cluster, pp), config.replace(memory_budget=1e12, mesh_shape=(4,)))
+    cap, spmd, cluster = _meta_gpt_stage(8192, pp, m, config, mesh_shape=(4,))
     (free,) = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, 1e15)
     peaks = free.plan.pipeline.peak_memory
     assert peaks[0] > 1.2 * peaks[1], peaks  # 1F1B: the first rank keeps pp micro-batches

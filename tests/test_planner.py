@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -184,28 +185,36 @@ def test_more_strategies_never_give_a_slower_optimum(make_llama, batch):
     assert objective[64] <= objective[16] * (1 + 1e-9), objective
 
 
+def _tiny_gpt_capture(make_gpt: Any) -> Any:
+    """The tiny GPT captured on a batch of 8 × 32."""
+    ids = torch.randint(0, 128, (8, 32))
+    return autopar.capture(make_gpt(), (ids, ids.clone()))
+
+
+def _formulated(cap: Any, cluster: autopar.Cluster, cfg: Any) -> Any:
+    """``cap``'s graph through the planner's graph and mesh passes on ``cfg.mesh_shape``: the
+    solver's input in ``gm.meta[STRATEGY_GRAPH]``."""
+    from autopar.mesh import Mesh
+    from autopar.passes import PassContext, run_passes
+    from autopar.planner import GRAPH_PASSES, MESH_PASSES
+
+    ctx = PassContext(captured=cap, cluster=cluster, config=cfg, mixed_precision=False)
+    gm = run_passes(cap.gm, ctx, GRAPH_PASSES)
+    mesh = Mesh(cfg.mesh_shape, cluster)
+    return run_passes(gm, PassContext(captured=cap, cluster=cluster, config=cfg, mesh=mesh), MESH_PASSES)
+
+
 def test_activations_count_once_per_micro_batch_in_flight(make_gpt, a100x8):
     """``activations_in_flight=k`` multiplies the solver's activation and input memory by k and
     leaves the training state alone (a pipeline rank holds k micro-batches, one copy of weights)."""
     from autopar.config import PlanConfig
     from autopar.ir import TENSOR
-    from autopar.mesh import Mesh
-    from autopar.passes import PassContext, run_passes
     from autopar.passes.formulate import STRATEGY_GRAPH
-    from autopar.planner import GRAPH_PASSES, MESH_PASSES
 
-    model = make_gpt()
-    ids = torch.randint(0, 128, (8, 32))
-    cap = autopar.capture(model, (ids, ids.clone()))
+    cap = _tiny_gpt_capture(make_gpt)
     memory = {}
     for k in (1, 3):
-        cfg = PlanConfig(mesh_shape=(8,), activations_in_flight=k)
-        gm = run_passes(
-            cap.gm, PassContext(captured=cap, cluster=a100x8, config=cfg, mixed_precision=False), GRAPH_PASSES
-        )
-        run_passes(
-            gm, PassContext(captured=cap, cluster=a100x8, config=cfg, mesh=Mesh((8,), a100x8)), MESH_PASSES
-        )
+        gm = _formulated(cap, a100x8, PlanConfig(mesh_shape=(8,), activations_in_flight=k))
         memory[k] = {d.name: list(d.memory) for d in gm.meta[STRATEGY_GRAPH].decisions}
         kinds = {n.name: (n.op, n.meta[TENSOR].kind if n.meta.get(TENSOR) else None) for n in gm.graph.nodes}
     static = [
@@ -226,24 +235,13 @@ def test_a_micro_batch_pays_its_share_of_the_step_gradient_all_reduce(make_gpt, 
     ``1/m`` of its gradient all-reduce on the graph of one of ``m`` micro-batches — the reduction
     runs once per step, as the simulator charges it; every other edge cost is unchanged."""
     from autopar.config import PlanConfig
-    from autopar.mesh import Mesh
-    from autopar.passes import PassContext, run_passes
     from autopar.passes.formulate import STRATEGY_GRAPH
-    from autopar.planner import GRAPH_PASSES, MESH_PASSES
 
-    model = make_gpt()
-    ids = torch.randint(0, 128, (8, 32))
-    cap = autopar.capture(model, (ids, ids.clone()))
-    graphs = {}
-    for k in (1, 4):
-        cfg = PlanConfig(mesh_shape=(8,), microbatches_per_sync=k)
-        gm = run_passes(
-            cap.gm, PassContext(captured=cap, cluster=a100x8, config=cfg, mixed_precision=False), GRAPH_PASSES
-        )
-        run_passes(
-            gm, PassContext(captured=cap, cluster=a100x8, config=cfg, mesh=Mesh((8,), a100x8)), MESH_PASSES
-        )
-        graphs[k] = gm.meta[STRATEGY_GRAPH]
+    cap = _tiny_gpt_capture(make_gpt)
+    graphs = {
+        k: _formulated(cap, a100x8, PlanConfig(mesh_shape=(8,), microbatches_per_sync=k)).meta[STRATEGY_GRAPH]
+        for k in (1, 4)
+    }
     params = set(cap.params)
     divided = kept = 0  # a weight's entries: its all-reduce alone (divided), or a gather (kept)
     for e1, e4 in zip(graphs[1].edges, graphs[4].edges, strict=True):
