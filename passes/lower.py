@@ -434,8 +434,13 @@ class _Lowerer:
 
     def lower_loss(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         x = node.args[0]
-        class_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_CLASSES]
-        row_axes = [self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_ROWS]
+        # A size-1 axis splits nothing: its rows or classes need no reduction.
+        class_axes = [
+            self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_CLASSES and self.mesh[a] > 1
+        ]
+        row_axes = [
+            self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_ROWS and self.mesh[a] > 1
+        ]
         reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
         ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
         class_start = 0
