@@ -97,6 +97,9 @@ class Predicted:
     comm_bytes_per_axis: tuple[float, ...]
     optimal: bool
     """CP-SAT proved the plan optimal for the cost model."""
+    gap: float = 0.0
+    """Otherwise, the fraction of the optimum the solver's objective may be above it
+    (``autopar.solver.SolverConfig.relative_gap``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
