@@ -10,7 +10,8 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
 3. **unary terms** — each decision's time per strategy sums its members' compute and in-op
    collectives; its memory their saved activations or training state, the activations (and
    inputs) counted ``PlanConfig.activations_in_flight`` times: the micro-batches a pipeline stage
-   holds at once.
+   holds at once. Where every decision at its least memory already exceeds the budget, no plan
+   fits and step 4 is skipped (``StrategyGraph.complete``).
 4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
    and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
@@ -103,12 +104,6 @@ def _roots(nodes: list[Node]) -> dict[Node, tuple[Node, tuple[int, ...]]]:
     return roots
 
 
-def _src_key(info, s: Strategy) -> tuple:
-    """What an edge's cost depends on at the producer: its output spec, and for a trainable
-    parameter the ZeRO stage it runs with where it is gathered (0 for other values)."""
-    return (s.outputs[0], s.zero_stage if info.kind == "param" and info.requires_grad else 0)
-
-
 def _dst_key(s: Strategy, j: int) -> tuple:
     """What an edge's cost depends on at the consumer: the input spec, and for the axes where that
     spec is Replicate, whether the consumer splits work there (gradient sync)."""
@@ -119,17 +114,8 @@ def _dst_key(s: Strategy, j: int) -> tuple:
     return (spec, tuple(a in axes for a in range(len(spec))))
 
 
-def _in_place(
-    cost: Callable[[tuple, tuple], tuple[float, float]],
-) -> Callable[[tuple, tuple], tuple[float, float]]:
-    """The edge into an op that writes its input in place: no reshard (a copy) may sit on it."""
-
-    def in_place(src_key: tuple, dst: tuple) -> tuple[float, float]:
-        if dst[0] is not None and src_key[0] != dst[0]:
-            return (math.inf, 0.0)
-        return cost(src_key, dst)
-
-    return in_place
+EdgeCost = Callable[[int, int], tuple[float, float]]
+"""(seconds, bytes kept) of carrying the producer group key with this id into the consumer's."""
 
 
 class _Builder:
@@ -147,6 +133,40 @@ class _Builder:
         self.edges: dict[tuple, Edge] = {}
         self.edge_cache: dict[tuple, tuple[float, float]] = {}
         self.fixed = fixed
+        # Group keys are interned as small integers: an edge's cost
+        # matrix is then filled and cached by integer pairs, not by hashing specs pair by pair.
+        self.keys: list[tuple] = []
+        self.key_ids: dict[tuple, int] = {}
+        self.group_cache: dict[tuple, tuple[int, ...]] = {}
+
+    def _intern(self, key: tuple) -> int:
+        i = self.key_ids.get(key)
+        if i is None:
+            i = self.key_ids[key] = len(self.keys)
+            self.keys.append(key)
+        return i
+
+    def _src_groups(
+        self, gathered: bool, strats: tuple[Strategy, ...], fmap: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """What an edge's cost depends on at the producer, interned, for each strategy of its
+        decision (``fmap``: decision strategy -> node strategy): the output spec, and for a
+        trainable parameter (``gathered``) the ZeRO stage it runs with where it is gathered.
+        Nodes of repeated layers share strategy tuples, so each list is computed once."""
+        key = ("src", id(strats), fmap, gathered)
+        g = self.group_cache.get(key)
+        if g is None:
+            stage = [s.zero_stage if gathered else 0 for s in strats]
+            g = self.group_cache[key] = tuple(self._intern((strats[k].outputs[0], stage[k])) for k in fmap)
+        return g
+
+    def _dst_groups(self, strats: tuple[Strategy, ...], fmap: tuple[int, ...], j: int) -> tuple[int, ...]:
+        """The interned ``_dst_key`` of input ``j`` for each strategy of the consumer's decision."""
+        key = ("dst", id(strats), fmap, j)
+        g = self.group_cache.get(key)
+        if g is None:
+            g = self.group_cache[key] = tuple(self._intern(_dst_key(strats[k], j)) for k in fmap)
+        return g
 
     # Step 2 ------------------------------------------------------------------------------------
     def build_decisions(self) -> None:
@@ -174,6 +194,7 @@ class _Builder:
                         labels=tuple(
                             ",".join(format_spec(s.outputs[0])) if s.outputs else "" for s in ns.strategies
                         ),
+                        weight=info.kind == "param",
                     )
                 )
                 if want is not None:
@@ -198,27 +219,32 @@ class _Builder:
             leader, fmap = self.roots[n]
             d = self.decisions[self.index[leader]]
             strategies = n.meta[STRATEGIES].strategies
-            static = n.op == "placeholder" and n.meta[TENSOR].kind in ("param", "buffer")
-            scale = 1 if static else self.in_flight
+            scale = _memory_scale(n, self.in_flight)
             for k in range(d.size):
                 s = strategies[fmap[k]]
                 d.unary[k] += s.compute_time + s.comm_time
                 d.memory[k] += s.memory * scale
 
     # Step 4 ------------------------------------------------------------------------------------
-    def _edge_cost_fn(self, i: Node) -> Callable[[tuple, tuple], tuple[float, float]]:
+    def _edge_cost_fn(self, i: Node, written: bool) -> EdgeCost:
+        """The cost of an edge out of ``i`` by interned group keys; ``written``: the consumer
+        writes ``i`` in place, so no reshard (a copy) may sit on the edge."""
         info = i.meta[TENSOR]
         val = i.meta["val"]
         shape, itemsize, rg = tuple(val.shape), val.element_size(), info.requires_grad
         bucketed = bucketed_grad_sync(i)
         share = grad_sync_share(i)
-        mesh, cache = self.mesh, self.edge_cache
+        mesh, cache, keys = self.mesh, self.edge_cache, self.keys
         once_per_step = info.kind == "param" and self.per_sync > 1
+        signature = self._intern(("value", shape, itemsize, rg, bucketed, share, once_per_step))
 
-        def cost(src_key: tuple, dst: tuple) -> tuple[float, float]:
-            """(seconds, bytes kept) of carrying ``src_key`` into ``dst``."""
+        def cost(g: int, h: int) -> tuple[float, float]:
+            """(seconds, bytes kept) of carrying group key ``g`` into ``h`` (interned)."""
+            src_key, dst = keys[g], keys[h]
+            if written and dst[0] is not None and src_key[0] != dst[0]:
+                return (math.inf, 0.0)
             src, stage = src_key
-            key = (shape, itemsize, src_key, dst, rg, bucketed, share, once_per_step)
+            key = (signature, g, h)
             v = cache.get(key)
             if v is None:
                 spec, split = dst
@@ -260,10 +286,8 @@ class _Builder:
                 i_strats = i.meta[STRATEGIES].strategies
                 info = i.meta[TENSOR]
                 val = i.meta["val"]
-                src_groups = tuple(
-                    _src_key(info, i_strats[i_map[k]]) for k in range(self.decisions[i_i].size)
-                )
-                dst_groups = tuple(_dst_key(c_strats[c_map[k]], j) for k in range(self.decisions[c_i].size))
+                src_groups = self._src_groups(info.kind == "param" and info.requires_grad, i_strats, i_map)
+                dst_groups = self._dst_groups(c_strats, c_map, j)
                 key = (
                     i_i,
                     c_i,
@@ -278,10 +302,7 @@ class _Builder:
                 )
                 entry = pending.get(key)
                 if entry is None:
-                    cost = self._edge_cost_fn(i)
-                    if i in written:
-                        cost = _in_place(cost)
-                    pending[key] = [i_i, c_i, src_groups, dst_groups, cost, 1]
+                    pending[key] = [i_i, c_i, src_groups, dst_groups, self._edge_cost_fn(i, i in written), 1]
                 else:
                     entry[-1] += 1
         for i_i, c_i, src_groups, dst_groups, cost, count in pending.values():
@@ -294,7 +315,15 @@ class _Builder:
                 continue
             self._add_edge(i_i, c_i, src_groups, dst_groups, cost, count)
 
-    def _add_edge(self, a: int, b: int, src_groups: tuple, dst_groups: tuple, cost, count: int) -> None:
+    def _add_edge(
+        self,
+        a: int,
+        b: int,
+        src_groups: tuple[int, ...],
+        dst_groups: tuple[int, ...],
+        cost: EdgeCost,
+        count: int,
+    ) -> None:
         g_keys = list(dict.fromkeys(src_groups))
         h_keys = list(dict.fromkeys(dst_groups))
         key = (a, b, src_groups, dst_groups)
@@ -343,6 +372,13 @@ class _Builder:
         )
 
 
+def _memory_scale(n: Node, in_flight: int) -> int:
+    """How many times ``n``'s memory is held: once for a parameter's or buffer's, once per
+    micro-batch in flight for activations and inputs (step 3)."""
+    static = n.op == "placeholder" and n.meta[TENSOR].kind in ("param", "buffer")
+    return 1 if static else in_flight
+
+
 def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Build the ``StrategyGraph`` of ``gm`` on ``ctx.mesh`` (see module docstring)."""
     assert ctx.mesh is not None, "formulate needs a mesh"
@@ -350,7 +386,13 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     b = _Builder(gm, ctx.mesh, fixed, ctx.config.activations_in_flight, ctx.config.microbatches_per_sync)
     b.build_decisions()
     b.add_unary()
-    b.add_edges()
-    b.add_output_edges()
-    gm.meta[STRATEGY_GRAPH] = b.graph()
+    graph = b.graph()
+    budget = ctx.config.budget(ctx.cluster.device.memory)
+    if graph.min_memory() > budget:  # infeasible whatever the edges: leave them out (most of the work)
+        graph.complete = False
+    else:
+        b.add_edges()
+        b.add_output_edges()
+        graph = b.graph()
+    gm.meta[STRATEGY_GRAPH] = graph
     return gm
