@@ -179,15 +179,22 @@ def plan_captured(
     *,
     node_constraint: NodeConstraint | None = None,
     layout: str = "",
+    path_cutoff: float | None = None,
+    background: Callable[[], None] | None = None,
     **options: Any,
 ) -> Plan:
     """Plan an already captured program (``autopar.plan`` captures, then calls this).
 
     ``config`` (or its fields as keyword ``options``) holds every planning option.
     ``node_constraint``: a layout's restriction on strategies (``autopar.layouts``).
+    ``path_cutoff``: seconds the plan's compute path must stay within (``autopar.solver``'s
+    constraint (h); the 3D search's bound from a better candidate): ``NotBetter`` when no mesh
+    has such a plan. ``background``: work for this process while the meshes are solved in others
+    (a prefetch for what the caller does next: ``_attempt_all``).
     """
     config = PlanConfig.build(config, **options)
     if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
+        pruned: NotBetter | None = None  # a mode's plans that fit (if any) miss the path cutoff
         for mode in ("none", "selective", "full"):
             try:
                 return plan_captured(
@@ -196,10 +203,16 @@ def plan_captured(
                     config.replace(recompute=mode),
                     node_constraint=node_constraint,
                     layout=layout,
+                    path_cutoff=path_cutoff,
+                    background=background if mode == "none" else None,
                 )
+            except NotBetter as e:  # none may fit at all: a lighter footprint may still beat the cutoff
+                pruned = e
             except InfeasibleError:
-                if mode == "full":
+                if mode == "full" and pruned is None:
                     raise
+        assert pruned is not None
+        raise pruned
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
     budget = config.budget(cluster.device.memory)
@@ -230,9 +243,12 @@ def plan_captured(
         run_passes(gm, mctx, passes)
         return mctx
 
-    def attempt(mesh: tuple[int, ...], cutoff: Cutoff | None = None) -> tuple[float, Any]:
+    def attempt(
+        mesh: tuple[int, ...], cutoff: Cutoff | None = None, live: Callable[[], Cutoff | None] | None = None
+    ) -> tuple[float, Any]:
         """Annotate strategies for ``mesh`` and solve; the Solution, the InfeasibleError, or
-        NotBetter where it cannot beat ``cutoff`` (a mesh solved before it)."""
+        NotBetter where it cannot beat ``cutoff`` (a mesh solved before it) or ``live`` (one
+        solved beside it)."""
         t0 = time.perf_counter()
         annotate(mesh)
         t_strat = time.perf_counter() - t0
@@ -242,12 +258,14 @@ def plan_captured(
                 memory_budget=budget,
                 config=SolverConfig(time_limit=config.time_limit),
                 cutoff=cutoff,
+                path_cutoff=path_cutoff,
+                live_cutoff=live,
             )
             return t_strat, sol
         except (InfeasibleError, NotBetter) as e:
             return t_strat, e
 
-    outcomes = _attempt_all(meshes, attempt, workers)
+    outcomes = _attempt_all(meshes, attempt, workers, background)
     best = None
     tried = []
     errors = []
@@ -267,6 +285,7 @@ def plan_captured(
                 "feasible": True,
                 "objective": sol.objective,
                 "optimal": sol.optimal,
+                "gap": sol.gap,
                 "strategy_time": t_strat,
                 "solve_time": sol.solve_time,
                 "classes": sol.num_classes,
@@ -275,6 +294,8 @@ def plan_captured(
         )
         if best is None or sol.objective < best[1].objective * (1 - 1e-9):
             best = (mesh, sol)
+    if best is None and len(errors) < len(meshes):  # some mesh fits, none within the path cutoff
+        raise NotBetter(math.inf, path_cutoff)
     if best is None:
         if len(errors) == 1:
             raise errors[0]
@@ -346,21 +367,32 @@ def _user_stacklevel() -> int:
     return 2
 
 
-def _cutoff(meshes: list[tuple[int, ...]], i: int, done: dict[int, tuple[float, Any]]) -> Cutoff | None:
-    """The best finished mesh's objective, for mesh ``i`` to beat (``autopar.solver.Cutoff``):
-    strictly where that mesh comes earlier in ``meshes`` (it wins a tie), else at most equal, so
-    the winner is the one a full solve of every mesh picks."""
-    sols = [(sol.objective, j) for j, (_, sol) in done.items() if not isinstance(sol, Exception)]
-    if not sols:
+def _cutoff(i: int, objectives: dict[int, float]) -> Cutoff | None:
+    """The best finished mesh's objective (``objectives``: mesh index -> objective), for mesh ``i``
+    to beat (``autopar.solver.Cutoff``): strictly where that mesh comes earlier in the planner's
+    order (it wins a tie), else at most equal, so the winner is the one a full solve of every mesh
+    picks."""
+    if not objectives:
         return None
-    objective, j = min(sols)
+    objective, j = min((o, j) for j, o in objectives.items())
     return Cutoff(objective, strict=j < i)
 
 
-def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int) -> list[tuple[float, Any]]:
-    """Run ``attempt(mesh, cutoff)`` for every mesh; with several meshes and workers, in forked
-    processes. Each mesh started after another finished gets its objective as a cutoff
+def _objectives(done: dict[int, tuple[float, Any]]) -> dict[int, float]:
+    return {j: sol.objective for j, (_, sol) in done.items() if not isinstance(sol, Exception)}
+
+
+def _attempt_all(
+    meshes: list[tuple[int, ...]],
+    attempt: Callable,
+    workers: int,
+    background: Callable[[], None] | None = None,
+) -> list[tuple[float, Any]]:
+    """Run ``attempt(mesh, cutoff, live)`` for every mesh; with several meshes and workers, in
+    forked processes. Each mesh started after another finished gets its objective as a cutoff
     (``_cutoff``): a mesh that cannot win stops when CP-SAT proves it cannot (``NotBetter``).
+    A mesh solved beside others also reads their objectives as they finish (``live``, through
+    shared memory), so it stops as soon as its bound passes one of them.
 
     Each candidate mesh is an independent solve (CP-SAT with one worker), so on a machine with
     ``workers`` cores they run side by side. Children are forked (they inherit the annotated graph;
@@ -368,6 +400,11 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
     process that may fork (not daemonic, no other threads); otherwise, or with ``workers=1``, the
     meshes are solved one after another. The parent then re-annotates
     the winning mesh's strategies, which are deterministic.
+
+    ``background``: work the parent does while the children solve (a prefetch: skipped when the
+    meshes are solved in this process, where it would only delay them). Every mesh is then started
+    at once, so no worker waits for the parent to fork it, and the children publish their
+    objectives themselves, so the live cutoffs work while the parent is busy.
     """
     if (
         workers <= 1
@@ -379,21 +416,27 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
         done: dict[int, tuple[float, Any]] = {}
         for i, m in enumerate(meshes):
             _progress(f"mesh {m}", True, i, len(meshes))
-            done[i] = attempt(m, _cutoff(meshes, i, done))
+            done[i] = attempt(m, _cutoff(i, _objectives(done)))
             _progress(f"mesh {m}", False, i + 1, len(meshes))
         return [done[i] for i in range(len(meshes))]
     ctx = mp.get_context("fork")
     results: dict[int, tuple[float, Any]] = {}
     running: list[tuple[int, Any, Any]] = []
     pending = list(enumerate(meshes))
+    finished = ctx.Array("d", [math.nan] * len(meshes), lock=False)  # objectives, read by the children
 
-    def child(conn: Any, mesh: tuple[int, ...], cutoff: Cutoff | None) -> None:
+    def child(conn: Any, i: int, mesh: tuple[int, ...], cutoff: Cutoff | None) -> None:
+        def live() -> Cutoff | None:
+            return _cutoff(i, {j: o for j, o in enumerate(finished) if not math.isnan(o)})
+
         try:
-            t, sol = attempt(mesh, cutoff)
+            t, sol = attempt(mesh, cutoff, live)
+            if not isinstance(sol, Exception):
+                finished[i] = sol.objective
             conn.send(
                 ("ok", t, sol)
                 if not isinstance(sol, Exception)
-                else ("not_better", t, sol.cutoff)
+                else ("not_better", t, (sol.cutoff, sol.path_cutoff))
                 if isinstance(sol, NotBetter)
                 else ("infeasible", t, (str(sol), getattr(sol, "smallest", None)))
             )
@@ -407,15 +450,21 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
         finally:
             conn.close()
 
+    concurrent = len(meshes) if background is not None else workers
     while pending or running:
-        while pending and len(running) < workers:
+        while pending and len(running) < concurrent:
             i, mesh = pending.pop(0)
             parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=child, args=(child_end, mesh, _cutoff(meshes, i, results)), daemon=True)
+            proc = ctx.Process(
+                target=child, args=(child_end, i, mesh, _cutoff(i, _objectives(results))), daemon=True
+            )
             proc.start()
             child_end.close()
             running.append((i, proc, parent_end))
             _progress(f"mesh {mesh}", True, len(results), len(meshes))
+        if background is not None:
+            background()
+            background = None
         # Whichever solve ends first frees its worker (mesh solves differ tenfold in time).
         ready = mp_connection.wait([c for _, _, c in running])
         k = next(j for j, (_, _, c) in enumerate(running) if c in ready)
@@ -433,7 +482,9 @@ def _attempt_all(meshes: list[tuple[int, ...]], attempt: Callable, workers: int)
         if status == "infeasible":
             payload = InfeasibleError(*payload)
         elif status == "not_better":
-            payload = NotBetter(payload)
+            payload = NotBetter(*payload)
+        else:
+            finished[i] = payload.objective
         results[i] = (t, payload)
         _progress(f"mesh {meshes[i]}", False, len(results), len(meshes))
     return [results[i] for i in range(len(meshes))]
@@ -596,6 +647,7 @@ def _build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) -
             memory_per_device=sol.memory,
             comm_bytes_per_axis=tuple(comm_bytes),
             optimal=sol.optimal,
+            gap=sol.gap,
         ),
         cluster=mesh.cluster.to_dict(),
         fingerprint=cap.fingerprint,

@@ -23,12 +23,27 @@ Words (``autopar.schedule`` defines stage, action and the schedules):
   reductions overlapped in buckets, then the optimizer step. The fastest candidate that fits wins.
 
 Planning time: one SPMD plan per ``(pp, m)``; the schedules of one ``(pp, m)`` share it. Under
-``pp="auto"`` the step time is taken as unimodal: the search stops after two pipeline sizes slower
-than the best plan so far, or after one more than ``FAR_SLOWER`` times it (with ``2·pp``
-micro-batches the bubble ``(pp − 1)/(2·pp·v)`` and the per-micro-batch collectives only grow with
-``pp``, so a larger pipeline does not recover such a gap), and after an accumulation count slower
-than the one before it (``plan.info["pipeline_candidates"]`` lists what was skipped);
-``pp="search"`` tries everything.
+``pp="auto"`` the step time is taken as unimodal in ``pp`` and in the accumulation count
+(``plan.info["pipeline_candidates"]`` lists what was skipped, and why); ``pp="search"`` tries
+everything.
+
+* Where the whole batch fits one stage, sizes are tried in increasing order; the search stops
+  after two slower than the best plan so far, or one more than ``FAR_SLOWER`` times it (with
+  ``2·pp`` micro-batches the bubble ``(pp − 1)/(2·pp·v)`` and the per-micro-batch collectives only
+  grow with ``pp``, so a larger pipeline does not recover such a gap).
+* Where it does not (memory, not speed, is what pipelines are for then, and the fastest size
+  may be the deepest), the sizes are bisected: two neighbouring sizes compared say on which side
+  of them the fastest lies, so ``log₂`` of the sizes are planned instead of all of them
+  (LLaMA-3-8B in fp32 on 8 nodes: pp = 2, 4, 8 of 1, 2, 4, 8).
+* An accumulation count slower than the one before it ends the counts of that size.
+* **Pruning.** A rank is busy at least ``m/pp`` of a micro-batch's *compute path* (what every
+  micro-batch puts on the compute stream: ``StrategyGraph.path_terms``), so a stage plan whose
+  path exceeds ``FAR_SLOWER · best · pp / m`` is far slower than the best plan so far. The stage
+  plan is solved under that bound (the solver's constraint (h)); CP-SAT proves at its root LP
+  that no such plan exists, in about the time of one LP, instead of solving the candidate.
+* The parent process exports the model with a symbolic batch while the one-stage plan's meshes
+  are solved in other processes (``plan_captured(background=…)``), so the first pipelined
+  candidate only specialises it.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +69,7 @@ from autopar.planfile import PipelinePlan, Plan
 from autopar.planner import InfeasibleError, plan_captured
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
+from autopar.solver import NotBetter
 
 __all__ = ["pipelined_candidates", "plan_model", "stage_cluster"]
 
@@ -263,6 +280,245 @@ def _more_microbatches(batch: int, pp: int, m: int) -> int | None:
     return next((k for k in counts if k % pp == 0), counts[0] if counts else None)
 
 
+@dataclass
+class _Size:
+    """What planning one pipeline size gave: its fastest step (``inf`` where nothing fits),
+    ``pruned`` where the path bound proved it far slower than the best plan (module docstring)."""
+
+    step: float = math.inf
+    pruned: bool = False
+
+    @property
+    def scored(self) -> bool:
+        return self.step < math.inf
+
+
+class _Search:
+    """One ``plan_model`` call's search over pipeline sizes and micro-batch counts: the graphs,
+    every candidate scored so far, and what was skipped or failed and why."""
+
+    def __init__(
+        self, graphs: MicrobatchCaptures, cluster: Cluster, config: PlanConfig, batch: int | None
+    ) -> None:
+        self.graphs = graphs
+        self.cluster = cluster
+        self.config = config
+        self.batch = batch
+        self.budget = config.budget(cluster.device.memory)
+        self.exhaustive = config.pp == "search"
+        self.scored: list[Scored] = []
+        self.errors: list[str] = []
+        self.tried: list[dict[str, Any]] = []
+        self.least: tuple[float, str] | None = (
+            None  # the smallest memory a failed one-stage candidate reaches
+        )
+        self.seam_count: int | None = None
+
+    def best(self) -> float:
+        return min((c.step_time for c in self.scored), default=math.inf)
+
+    def note_least(self, smallest: float | None, label: str) -> None:
+        if smallest is not None:
+            self.least = min(self.least or (smallest, label), (smallest, label))
+
+    def prefetch(self, pp: int | None) -> Callable[[], None] | None:
+        """Work for this process while the whole batch's meshes are solved in others
+        (``plan_captured(background=…)``): the graph of ``pp`` ranks' first micro-batch count,
+        exporting the model with a symbolic batch, which every micro-batch graph is specialised
+        from. Later candidates' graphs are not made ahead: both cores are busy solving then (made
+        ahead, LLaMA-3-8B fp32 planned no faster and used 12 % more processor time)."""
+        if pp is None or self.batch is None or not self.possible(pp, quiet=True):
+            return None
+        ms = [m for m in self.counts(pp) if self.batch % m == 0]
+        return (lambda: self.graphs(ms[0])) if ms else None
+
+    def whole(self, then: int | None) -> Plan | None:
+        """The one-stage plan of the whole batch, or ``None`` where it does not fit; ``then``: the
+        pipeline size likely planned next (``prefetch``)."""
+        config = self.config
+        try:
+            p = plan_captured(
+                self.graphs(1), self.cluster, config.replace(pp=1), background=self.prefetch(then)
+            )
+        except InfeasibleError as e:
+            self.errors.append(f"pp=1: {e}")
+            self.note_least(e.smallest, "pp=1")
+            return None
+        self.scored.append(Scored(p, p.predicted.step_time, "pp=1"))
+        self.tried.append({"pp": 1, "step_time": p.predicted.step_time})
+        return p
+
+    def possible(self, pp: int, quiet: bool = False) -> bool:
+        """Whether ``pp`` ranks can be planned at all (equal stages, enough seams, a batch to
+        cut); where not, the error says why (unless ``quiet``)."""
+        cluster, world = self.cluster, self.cluster.world_size
+        why = None
+        if stage_cluster(cluster, pp) is None:
+            why = f"{world} devices on {cluster.nodes} node(s) do not cut into {pp} equal stages"
+        elif self.seam_count is not None and pp - 1 > self.seam_count:
+            why = f"the model has {self.seam_count} seams"
+        elif self.batch is None:
+            why = "no batch dimension to cut into micro-batches"
+        if why is not None and not quiet:
+            self.errors.append(f"pp={pp}: {why}")
+        return why is None
+
+    def counts(self, pp: int) -> list[int]:
+        """The micro-batch counts to try first for ``pp`` ranks (module docstring: candidate)."""
+        config, batch = self.config, self.batch
+        assert batch is not None
+        ms = [config.microbatches] if config.microbatches else []
+        if not ms and config.pp != "search" and pp > 1:
+            ms = [k for k in (2 * pp, pp) if batch % k == 0][:1]
+        if not ms:  # pp = 1: gradient accumulation over 2, 4, 8 micro-batches
+            k = pp if pp > 1 else 2
+            while k <= batch:
+                if batch % k == 0:
+                    ms.append(k)
+                if len(ms) == 3:
+                    break
+                k *= 2
+        return ms
+
+    def size(self, pp: int) -> _Size:
+        """Plan ``pp`` pipeline ranks (``pp = 1``: gradient accumulation) over its micro-batch
+        counts; every candidate found joins ``scored``."""
+        config, batch, cluster = self.config, self.batch, self.cluster
+        if not self.possible(pp):
+            return _Size()
+        sub = stage_cluster(cluster, pp)
+        assert sub is not None and batch is not None
+        ms = self.counts(pp)
+        # A pipeline whose stages do not fit is tried again with smaller micro-batches (Megatron-LM
+        # runs large models at one sequence per data-parallel rank): up to two more counts.
+        escalate = pp > 1 and not self.exhaustive and not config.microbatches
+        out = _Size()
+        prev_m: float | None = None  # the best step of the previous micro-batch count (inf: pruned)
+        for m in ms:
+            best_before = self.best()
+            if not self.exhaustive and prev_m is not None and prev_m > best_before:
+                self.tried.append({"pp": pp, "microbatches": m, "skipped": "fewer micro-batches were slower"})
+                break
+            if batch % m:
+                self.errors.append(f"pp={pp}: a batch of {batch} does not cut into {m} micro-batches")
+                continue
+            cap = self.graphs(m)
+            stage_config = config.replace(
+                pp=1,
+                microbatches=None,
+                schedule=None,
+                virtual=None,
+                memory_budget=self.budget * pp,
+                activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
+                microbatches_per_sync=m,
+                mesh_shape=None,
+            )
+            more = _more_microbatches(batch, pp, m) if escalate and len(ms) < 3 else None
+            # A rank is busy at least m/pp of a micro-batch's compute path (``StrategyGraph.path_terms``):
+            # a candidate whose path exceeds FAR_SLOWER·best·pp/m is far slower than the best plan,
+            # and CP-SAT proves there is no shorter one at its root LP (module docstring).
+            far = (
+                FAR_SLOWER * best_before * pp / m if not self.exhaustive and best_before < math.inf else None
+            )
+            try:
+                spmd = plan_captured(cap, sub, stage_config, path_cutoff=far)
+            except NotBetter:
+                why = f"no plan within {FAR_SLOWER}× the best plan's step (its compute path alone is longer)"
+                self.errors.append(f"pp={pp} m={m}: {why}")
+                self.tried.append({"pp": pp, "microbatches": m, "pruned": why})
+                out.pruned = not out.scored
+                prev_m = math.inf  # more micro-batches are not tried either
+                continue
+            except InfeasibleError as e:
+                self.errors.append(f"pp={pp} m={m}: {e}")
+                if pp == 1:  # a stage's figure is not one device's
+                    self.note_least(e.smallest, f"{m} micro-batches accumulated")
+                if more is not None:
+                    ms.append(more)
+                continue
+            if self.seam_count is None:
+                self.seam_count = len(seams(cap.gm))
+            found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, self.budget)
+            if not found:
+                self.errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
+                if more is not None:
+                    ms.append(more)
+            for c in found:
+                self.tried.append(
+                    {"pp": pp, "microbatches": m, "candidate": c.what, "step_time": c.step_time}
+                )
+            self.scored += found
+            if found:
+                prev_m = min(c.step_time for c in found)
+                out = _Size(min(out.step, prev_m))
+        return out
+
+    def skip(self, pp: int, why: str) -> None:
+        self.errors.append(f"pp={pp}: not tried ({why})")
+        self.tried.append({"pp": pp, "skipped": why})
+
+    def ascending(self, pps: list[int]) -> None:
+        """Pipeline sizes in increasing order, until two are slower than the best plan or one is
+        far slower (``pp="auto"`` where the whole batch fits one stage; all of them under
+        ``"search"``)."""
+        slower = 0
+        for pp in pps:
+            if not self.exhaustive and slower >= 2:
+                self.skip(
+                    pp,
+                    f"two smaller pipelines, or one {FAR_SLOWER}× the best plan's step, were slower than the "
+                    "best plan",
+                )
+                continue
+            best_before = self.best()
+            r = self.size(pp)
+            if pp == 1:
+                continue
+            if r.scored:
+                if r.step > FAR_SLOWER * best_before:
+                    slower = 2  # far slower: the next size will not recover it (module docstring)
+                else:
+                    slower = slower + 1 if r.step > best_before else 0
+            elif r.pruned:
+                slower = 2
+
+    def bisect(self, pps: list[int]) -> None:
+        """Pipeline sizes by the slope of the step (``pp="auto"`` where the whole batch does not fit
+        one stage as it is: module docstring). The step is taken as unimodal in ``pp``: comparing
+        two neighbouring sizes says on which side the fastest lies, halving the sizes left."""
+        done: dict[int, _Size] = {}
+
+        def at(i: int) -> _Size:
+            if i not in done:
+                done[i] = self.size(pps[i])
+            return done[i]
+
+        lo, hi = 0, len(pps) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            a, b = at(mid), at(mid + 1)
+            fits_a, fits_b = a.scored or a.pruned, b.scored or b.pruned
+            if not fits_a and not fits_b:  # whether deeper pipelines hold less depends on the model
+                for i in range(lo, hi + 1):
+                    at(i)
+                break
+            if not fits_a or not fits_b:  # toward the one that fits
+                left = fits_a
+            elif a.scored and b.scored:
+                left = a.step <= b.step
+            elif a.scored != b.scored:  # one proven far slower than the best plan
+                left = a.scored
+            else:  # both far slower: the fastest lies toward the best plan found so far
+                fastest = min((i for i in done if done[i].scored), key=lambda i: done[i].step, default=lo)
+                left = fastest <= mid
+            lo, hi = (lo, mid) if left else (mid + 1, hi)
+        else:
+            at(lo)
+        for i, pp in enumerate(pps):
+            if i not in done:
+                self.skip(pp, "the step is unimodal in pp: a neighbouring size was slower on the way here")
+
+
 def plan_model(
     model: nn.Module,
     example_inputs: Any,
@@ -275,146 +531,48 @@ def plan_model(
     ``captured``: the model already captured on ``example_inputs``."""
     args, kwargs = normalize_inputs(example_inputs)
     t0 = time.perf_counter()
-
     graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
-
-    def whole() -> Captured:
-        return graphs(1)
-
     if config.pp == 1 and config.microbatches in (None, 1):
-        return plan_captured(whole(), cluster, config)
+        return plan_captured(graphs(1), cluster, config)
     world = cluster.world_size
-    budget = config.budget(cluster.device.memory)
-    batch = batch_size(args, kwargs)
-    scored: list[Scored] = []
-    errors: list[str] = []
-    tried: list[dict[str, Any]] = []
+    search = _Search(graphs, cluster, config, batch_size(args, kwargs))
     if config.pp == "search":
         pps = [d for d in range(1, world + 1) if world % d == 0]
     elif config.pp == "auto":
         pps = [1] + [d for d in range(2, cluster.nodes + 1) if cluster.nodes % d == 0]
     else:
         pps = [int(config.pp)]
-    seam_count: int | None = None
-    least: tuple[float, str] | None = None  # the smallest memory a failed one-stage candidate reaches
-    # Under "auto" the step is taken as unimodal in pp and in the accumulation count (module docstring).
-    exhaustive = config.pp == "search"
-    slower_pps = 0
-    recomputes = False  # the one-stage plan of the whole batch needed recomputation
-    for pp in pps:
-        if not exhaustive and slower_pps >= 2:
-            why = f"two smaller pipelines, or one {FAR_SLOWER}× the best plan's step, were slower than the best plan"
-            errors.append(f"pp={pp}: not tried ({why})")
-            tried.append({"pp": pp, "skipped": why})
-            continue
-        best_before = min((c.step_time for c in scored), default=math.inf)
-        n_before = len(scored)
-        if pp == 1:
-            if config.microbatches in (None, 1):
-                try:
-                    p = plan_captured(whole(), cluster, config.replace(pp=1))
-                    scored.append(Scored(p, p.predicted.step_time, "pp=1"))
-                    tried.append({"pp": 1, "step_time": p.predicted.step_time})
-                    # Accumulating smaller micro-batches may fit without the recomputation the
-                    # whole batch needed (``recompute="auto"``): try it then.
-                    recomputes = config.recompute == "auto" and p.recompute != "none"
-                    if config.pp != "search" and not recomputes:
-                        continue
-                except InfeasibleError as e:
-                    errors.append(f"pp=1: {e}")
-                    if e.smallest is not None:
-                        least = min(least or (e.smallest, "pp=1"), (e.smallest, "pp=1"))
-                    if config.pp == "auto" and len(pps) == 1:  # one stage does not fit: pipelines too
-                        pps += [d for d in range(2, world + 1) if world % d == 0]
-            if batch is None or (
-                config.microbatches in (None, 1) and config.pp == "auto" and scored and not recomputes
-            ):
-                continue
-        sub = stage_cluster(cluster, pp)
-        if sub is None:
-            errors.append(
-                f"pp={pp}: {world} devices on {cluster.nodes} node(s) do not cut into {pp} equal stages"
-            )
-            continue
-        if seam_count is not None and pp - 1 > seam_count:
-            errors.append(f"pp={pp}: the model has {seam_count} seams")
-            continue
-        if batch is None:
-            errors.append(f"pp={pp}: no batch dimension to cut into micro-batches")
-            continue
-        ms = [config.microbatches] if config.microbatches else []
-        if not ms and config.pp != "search" and pp > 1:
-            ms = [k for k in (2 * pp, pp) if batch % k == 0][:1]
-        if not ms:  # pp = 1: gradient accumulation over 2, 4, 8 micro-batches
-            k = pp if pp > 1 else 2
-            while k <= batch:
-                if batch % k == 0:
-                    ms.append(k)
-                if len(ms) == 3:
-                    break
-                k *= 2
-        # A pipeline whose stages do not fit is tried again with smaller micro-batches (Megatron-LM
-        # runs large models at one sequence per data-parallel rank): up to two more counts.
-        escalate = pp > 1 and not exhaustive and not config.microbatches
-        prev_m = math.inf  # the best step of the previous micro-batch count
-        for m in ms:
-            if not exhaustive and prev_m < math.inf and prev_m > best_before:
-                tried.append({"pp": pp, "microbatches": m, "skipped": "fewer micro-batches were slower"})
-                break
-            if batch % m:
-                errors.append(f"pp={pp}: a batch of {batch} does not cut into {m} micro-batches")
-                continue
-            cap = graphs(m)
-            stage_config = config.replace(
-                pp=1,
-                microbatches=None,
-                schedule=None,
-                virtual=None,
-                memory_budget=budget * pp,
-                activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
-                microbatches_per_sync=m,
-                mesh_shape=None,
-            )
-            more = _more_microbatches(batch, pp, m) if escalate and len(ms) < 3 else None
-            try:
-                spmd = plan_captured(cap, sub, stage_config)
-            except InfeasibleError as e:
-                errors.append(f"pp={pp} m={m}: {e}")
-                if pp == 1 and e.smallest is not None:  # a stage's figure is not one device's
-                    label = f"{m} micro-batches accumulated"
-                    least = min(least or (e.smallest, label), (e.smallest, label))
-                if more is not None:
-                    ms.append(more)
-                continue
-            if seam_count is None:
-                seam_count = len(seams(cap.gm))
-            found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, budget)
-            if not found:
-                errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
-                if more is not None:
-                    ms.append(more)
-            for s in found:
-                tried.append({"pp": pp, "microbatches": m, "candidate": s.what, "step_time": s.step_time})
-            scored += found
-            if found:
-                prev_m = min(s.step_time for s in found)
-                best_before = min(best_before, prev_m)
-        if len(scored) > n_before and pp > 1:
-            fastest = min(c.step_time for c in scored[n_before:])
-            if fastest > FAR_SLOWER * best_before:
-                slower_pps = 2  # far slower: the next size will not recover it (module docstring)
-            else:
-                slower_pps = slower_pps + 1 if fastest > best_before else 0
-    if not scored:
+    whole = None
+    attempted = pps[0] == 1 and config.microbatches in (None, 1)
+    if attempted:
+        # Meanwhile the model is exported with a symbolic batch and the first pipeline's graph made.
+        whole = search.whole(pps[1] if len(pps) > 1 else None)
+        if config.pp == "auto" and whole is None and len(pps) == 1:  # one stage does not fit: pipelines too
+            pps += [d for d in range(2, world + 1) if world % d == 0]
+    # Accumulating smaller micro-batches may fit without the recomputation the whole batch needed
+    # (``recompute="auto"``): try it then; and where the whole batch fits as it is, not at all.
+    recomputes = whole is not None and config.recompute == "auto" and whole.recompute != "none"
+    fits = whole is not None and not recomputes
+    if pps[0] == 1 and ((config.pp == "auto" and fits) or search.batch is None):
+        pps = pps[1:]
+    if config.pp == "auto" and not fits and len(pps) > 2 and search.batch is not None:
+        # Sizes that cannot be planned at all would read as "does not fit": leave them out.
+        search.seam_count = len(seams(graphs(1 if attempted else search.counts(pps[0])[0]).gm))
+        search.bisect([pp for pp in pps if search.possible(pp)])
+    else:
+        search.ascending(pps)
+    if not search.scored:
         head = "no layout fits the memory budget"
-        if least is not None:
+        if search.least is not None:
             head += (
-                f": the smallest reachable is {fmt_bytes(least[0])} per device ({least[1]}); use more "
-                f"devices, a larger memory_budget, a smaller batch, or recomputation"
+                f": the smallest reachable is {fmt_bytes(search.least[0])} per device ({search.least[1]}); use "
+                f"more devices, a larger memory_budget, a smaller batch, or recomputation"
             )
-        raise InfeasibleError(head + ":\n  " + "\n  ".join(errors), smallest=least[0] if least else None)
-    best = min(scored, key=lambda s: s.step_time)
-    best.plan.info["pipeline_candidates"] = tried
+        raise InfeasibleError(
+            head + ":\n  " + "\n  ".join(search.errors), smallest=search.least[0] if search.least else None
+        )
+    best = min(search.scored, key=lambda s: s.step_time)
+    best.plan.info["pipeline_candidates"] = search.tried
     best.plan.info["planning_time"] = time.perf_counter() - t0
     best.plan.info["cluster_desc"] = cluster.describe()
     best.plan.cluster = cluster.to_dict()

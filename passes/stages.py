@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from torch.fx import GraphModule, Node
 
 from autopar.graph import outer_instance
@@ -86,10 +87,24 @@ def cut_bytes(gm: GraphModule, grad_only: bool = False) -> list[float]:
     return out
 
 
+SEAMS = "autopar.seams"
+"""``gm.meta`` key: the graph's seams by ``slack`` (a function of the graph and its cost
+annotations, asked for by every cut the 3D search tries)."""
+
+
 def seams(gm: GraphModule, slack: float = 0.0) -> list[int]:
     """Positions (after compute node ``i``) whose cut bytes are within ``slack`` of the smallest
     over the interior positions (module docstring), views excluded (a cut after a view would
     send the view, not its storage)."""
+    known = gm.meta.setdefault(SEAMS, {})
+    # Keyed too by whether the cost pass has run: cut bytes read its output sizes where it has.
+    key = (slack, any(COST in n.meta for n in gm.graph.nodes), len(gm.graph.nodes))
+    if key not in known:
+        known[key] = _seams(gm, slack)
+    return list(known[key])
+
+
+def _seams(gm: GraphModule, slack: float) -> list[int]:
     cb = cut_bytes(gm, grad_only=True)
     nodes = _compute_nodes(gm)
     interior = [i for i in range(len(nodes) - 1) if cb[i] > 0]
@@ -114,7 +129,8 @@ def stage_cuts(
     ``node_memory`` and ``fits`` (together): only cuts where every stage ``k`` fits are considered,
     ``fits(k, static, activation)`` given the sums of ``node_memory(n) = (static bytes, activation
     bytes)`` over the stage's nodes (the memory-constrained linear partition); ``ValueError`` when
-    no cut at the seams fits."""
+    no cut at the seams fits. ``fits`` is asked about many stages at once: ``static`` and
+    ``activation`` are numpy arrays, and it answers elementwise (arithmetic and comparisons)."""
     nodes = _compute_nodes(gm)
     if num_stages == 1:
         return {n.name: 0 for n in nodes}
@@ -132,52 +148,54 @@ def stage_cuts(
             f"cannot cut the model into {num_stages} pipeline stages: it has {len(cand)} places where only the "
             f"smallest activation crosses (between repeated layers); use pp <= {len(cand) + 1}"
         )
-    prefix = [0.0]
-    static, act = [0.0], [0.0]
-    for n in nodes:
-        prefix.append(prefix[-1] + t(n))
-        sm, am = node_memory(n) if node_memory is not None else (0.0, 0.0)
-        static.append(static[-1] + sm)
-        act.append(act[-1] + am)
+    # Prefix sums of time and memory over the nodes, read at the stage ends only.
+    times = np.array([t(n) for n in nodes], dtype=float)
+    mem = np.array([node_memory(n) for n in nodes], dtype=float).reshape(-1, 2) if node_memory else None
+    ends = np.array([c + 1 for c in cand] + [len(nodes)])  # a stage ending after node c: nodes[:c + 1]
+    prefix = np.concatenate(([0.0], np.cumsum(times)))[ends]
+    if mem is not None:
+        static, act = (np.concatenate(([0.0], np.cumsum(mem[:, i])))[ends] for i in (0, 1))
 
-    def ok(k: int, a: int, b: int) -> bool:
-        """Stage ``k`` holding nodes[a:b] fits (always, without ``fits``)."""
-        return fits is None or fits(k, static[b] - static[a], act[b] - act[a])
+    def ok(k: int, a: np.ndarray | slice, b: int) -> np.ndarray | bool:
+        """Stage ``k`` holding nodes from the ends ``a`` (positions into ``ends``; ``None`` for the
+        start) to end ``b`` fits (always, without ``fits``)."""
+        if fits is None or mem is None:
+            return True
+        s0, a0 = (static[a], act[a]) if a is not None else (0.0, 0.0)
+        return fits(k, static[b] - s0, act[b] - a0)
 
-    ends = [c + 1 for c in cand]  # a stage ending after node c covers nodes [start, c + 1)
-    total = len(nodes)
-    # best[k][j]: the smallest largest-stage time cutting nodes[:ends[j]] into k + 1 stages.
+    J = len(ends) - 1  # candidate ends; index J is the model's end
+    # best[k][j]: the smallest largest-stage time cutting nodes[:ends[j]] into k + 1 stages (the
+    # classic linear partition: best[k][j] = min_i max(best[k−1][i], time of ends[i]..ends[j])).
     inf = float("inf")
-    best = [[inf] * len(ends) for _ in range(num_stages - 1)]
-    back = [[-1] * len(ends) for _ in range(num_stages - 1)]
-    for j, e in enumerate(ends):
-        if ok(0, 0, e):
-            best[0][j] = prefix[e]
+    best = np.full((num_stages - 1, J), inf)
+    back = np.full((num_stages - 1, J), -1)
+    fit = ok(0, None, slice(0, J))
+    best[0] = prefix[:J] if fit is True else np.where(fit, prefix[:J], inf)
     for k in range(1, num_stages - 1):
-        for j, e in enumerate(ends):
-            for i in range(j):
-                if best[k - 1][i] == inf or not ok(k, ends[i], e):
-                    continue
-                v = max(best[k - 1][i], prefix[e] - prefix[ends[i]])
-                if v < best[k][j]:
-                    best[k][j], back[k][j] = v, i
+        for j in range(1, J):
+            v = np.maximum(best[k - 1][:j], prefix[j] - prefix[:j])
+            fit = ok(k, slice(0, j), j)
+            if fit is not True:
+                v = np.where(fit, v, inf)
+            i = int(np.argmin(v))  # the first minimum, as a loop over i would keep it
+            if v[i] < inf:
+                best[k][j], back[k][j] = v[i], i
     last = num_stages - 2
-
-    def finish(j: int) -> float:
-        if ends[j] >= total or not ok(num_stages - 1, ends[j], total):
-            return inf
-        return max(best[last][j], prefix[total] - prefix[ends[j]])
-
-    j_best = min(range(len(ends)), key=finish)
-    if finish(j_best) == inf:
+    tail = np.maximum(best[last], prefix[J] - prefix[:J])
+    tail[ends[:J] >= ends[J]] = inf
+    fit = ok(num_stages - 1, slice(0, J), J)
+    if fit is not True:
+        tail = np.where(fit, tail, inf)
+    j = int(np.argmin(tail))
+    if tail[j] == inf:
         raise ValueError(
             f"no cut of the model into {num_stages} pipeline stages at its seams fits the memory"
         )
     cuts = []
-    j = j_best
     for k in range(last, -1, -1):
-        cuts.append(ends[j])
-        j = back[k][j]
+        cuts.append(int(ends[j]))
+        j = int(back[k][j])
     cuts.reverse()
     return _stages_of(nodes, cuts)
 
