@@ -1,12 +1,20 @@
-"""Benchmark: end-to-end planning time of an 8B LLaMA for 8 nodes × 8 H100.
+"""Benchmark: planning time of an 8B LLaMA for 8 nodes × 8 H100.
 
-Capture (torch.export on the meta device) + annotation + solve, as ``autopar.plan`` runs them,
-for LLaMA-3-8B's shape (32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256),
-one global batch of 64 × 8192 tokens. Also times the solve of an 8-layer model to show that
-solve time barely grows with depth (repeated layers share decision variables).
+LLaMA-3-8B's shape (32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256) on the
+meta device, one global batch of 64 × 8192 tokens.
+
+* default: capture (torch.export) + annotation + solve of the one-stage plan (``plan_captured``),
+  and the same for an 8-layer model, to show that solve time barely grows with depth (repeated
+  layers share decision variables);
+* ``--search``: the whole 3D search as ``autopar.plan`` (and the ``autopar plan`` command) runs
+  it, in bf16 and in fp32: every candidate tried, pruned or skipped, and the time of each phase.
+  The figure of record is the command itself, which also counts starting Python and importing
+  transformers: ``time autopar plan llama3-8b --cluster H100-SXM --nodes 8 --batch 64 --seq 8192
+  --dtype bf16 -q`` (and ``--dtype fp32``).
 
     python examples/plan_llama8b.py            # full 8B, plus the 8-layer comparison
     python examples/plan_llama8b.py --layers 8 # one depth only
+    python examples/plan_llama8b.py --search   # the 3D search, bf16 and fp32
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import torch
 
 import autopar
 from autopar.capture import capture
+from autopar.config import PlanConfig
 from autopar.planner import plan_captured
+from autopar.search import plan_model
 
 
 def llama(layers: int) -> torch.nn.Module:
@@ -64,16 +74,74 @@ def run(layers: int, batch: int, seq: int, cluster: autopar.Cluster) -> dict[str
     }
 
 
+def search(dtype: torch.dtype, batch: int, seq: int, cluster: autopar.Cluster) -> None:
+    """The whole 3D search (``autopar.plan``), each phase timed from the planner's log."""
+    import logging
+
+    t0 = time.perf_counter()
+    model = llama(32).to(dtype)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    t1 = time.perf_counter()
+    cap = capture(model, {"input_ids": ids, "labels": ids.clone()})
+    t2 = time.perf_counter()
+    events: list[tuple[float, str]] = []
+
+    class Timed(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            progress = getattr(record, "progress", None)
+            if progress is not None and not progress.started:
+                events.append((time.perf_counter() - t2, progress.task))
+
+    handler = Timed()
+    logger = logging.getLogger("autopar.planner")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        plan = plan_model(
+            model, {"input_ids": ids, "labels": ids.clone()}, cluster, PlanConfig(), captured=cap
+        )
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    t3 = time.perf_counter()
+    pipe = plan.pipeline
+    layout = f"pp={pipe.pp} m={pipe.microbatches} {pipe.schedule}, " if pipe else ""
+    print(
+        f"{str(dtype).replace('torch.', '')}: build {t1 - t0:.2f} s | capture {t2 - t1:.2f} s | 3D search "
+        f"{t3 - t2:.2f} s | plan: {layout}mesh {plan.mesh_shape} {plan.mesh_axes}, step "
+        f"{plan.predicted.step_time * 1e3:.1f} ms"
+    )
+    for row in plan.info["pipeline_candidates"]:
+        what = (
+            f"{row['step_time'] * 1e3:.1f} ms"
+            if "step_time" in row
+            else f"pruned: {row['pruned']}"
+            if "pruned" in row
+            else f"skipped: {row['skipped']}"
+        )
+        name = row.get("candidate") or f"pp={row['pp']}" + (
+            f" m={row['microbatches']}" if "microbatches" in row else ""
+        )
+        print(f"    {name}: {what}")
+    print(f"    meshes solved (end times, s): {', '.join(f'{task} {t:.1f}' for t, task in events)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="*", default=[32, 8])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--search", action="store_true", help="the whole 3D search, in bf16 and fp32")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=args.nodes)
     print(f"cluster: {cluster.describe()}; batch {args.batch} × {args.seq} tokens")
+    if args.search:
+        for dtype in (torch.bfloat16, torch.float32):
+            search(dtype, args.batch, args.seq, cluster)
+        return
     results = {}
     for layers in args.layers:
         r = run(layers, args.batch, args.seq, cluster)
@@ -87,9 +155,10 @@ def main() -> None:
         print("  " + plan.summary().replace("\n", "\n  "))
         for m in plan.info["meshes_tried"]:
             if m["feasible"]:
+                status = "optimal" if m["optimal"] else f"within {m.get('gap', 0) * 100:.2f} % of optimal"
                 print(
                     f"    mesh {m['mesh']}: predicted {m['objective'] * 1e3:.1f} ms, solve {m['solve_time']:.2f} s, "
-                    f"{m['classes']} classes, {m['edge_vars']} edge variables, {'optimal' if m['optimal'] else 'feasible'}"
+                    f"{m['classes']} classes, {m['edge_vars']} edge variables, {status}"
                 )
             else:
                 print(f"    mesh {m['mesh']}: {'slower (pruned)' if m.get('pruned') else 'infeasible'}")
