@@ -209,11 +209,29 @@ class _ExporterOutput:
         return "\n".join([*lines, self.stderr.getvalue()]).strip()
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Any:
+    """Tracing without a Python stack trace per node (``torch.fx.config.do_not_emit_stack_traces``,
+    where this torch has it): nothing here reads ``node.stack_trace``, and extracting one per node
+    was a fifth of an export (LLaMA-3-8B: 3.0 s -> 2.4 s, with a symbolic batch 6.3 s -> 5.0 s).
+    An export that fails is explained from its exception, not from these."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None) -> Any:
     """``torch.export.export`` (non-strict), its failure explained (``_explain_export_failure``)."""
     held = _ExporterOutput()
     try:
-        with held:
+        with held, _no_stack_traces():
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # re-raised with context: which module, which op, what to do
         err = CaptureError(_explain_export_failure(model, exc))

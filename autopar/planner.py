@@ -59,6 +59,7 @@ from autopar.solver import Cutoff, InfeasibleError, NotBetter, SolverConfig, sol
 __all__ = [
     "GRAPH_PASSES",
     "MESH_PASSES",
+    "Background",
     "Progress",
     "candidate_meshes",
     "constrain_strategies",
@@ -96,6 +97,19 @@ def _progress(task: str, started: bool, done: int, total: int) -> None:
 
 
 NodeConstraint = Callable[[Node, Strategy], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Background:
+    """Work for the planning process while its meshes are solved in forked ones: a prefetch of
+    what the caller plans next (skipped where the meshes are solved in this process)."""
+
+    work: Callable[[], None]
+    eager: bool = False
+    """Start every mesh at once and do the work at once: it is long and their work short (the
+    export with a symbolic batch beside the whole batch's meshes). Otherwise it waits for a
+    worker to be free with no mesh left to start (the tail of the solves, where a core idles)."""
+
 
 GRAPH_PASSES: tuple[Pass, ...] = (annotate_tensors, annotate_fusions, annotate_cost)
 """Passes run once per captured graph."""
@@ -180,7 +194,7 @@ def plan_captured(
     node_constraint: NodeConstraint | None = None,
     layout: str = "",
     path_cutoff: float | None = None,
-    background: Callable[[], None] | None = None,
+    background: Background | None = None,
     **options: Any,
 ) -> Plan:
     """Plan an already captured program (``autopar.plan`` captures, then calls this).
@@ -190,7 +204,7 @@ def plan_captured(
     ``path_cutoff``: seconds the plan's compute path must stay within (``autopar.solver``'s
     constraint (h); the 3D search's bound from a better candidate): ``NotBetter`` when no mesh
     has such a plan. ``background``: work for this process while the meshes are solved in others
-    (a prefetch for what the caller does next: ``_attempt_all``).
+    (``Background``).
     """
     config = PlanConfig.build(config, **options)
     if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
@@ -386,7 +400,7 @@ def _attempt_all(
     meshes: list[tuple[int, ...]],
     attempt: Callable,
     workers: int,
-    background: Callable[[], None] | None = None,
+    background: Background | None = None,
 ) -> list[tuple[float, Any]]:
     """Run ``attempt(mesh, cutoff, live)`` for every mesh; with several meshes and workers, in
     forked processes. Each mesh started after another finished gets its objective as a cutoff
@@ -401,10 +415,10 @@ def _attempt_all(
     meshes are solved one after another. The parent then re-annotates
     the winning mesh's strategies, which are deterministic.
 
-    ``background``: work the parent does while the children solve (a prefetch: skipped when the
-    meshes are solved in this process, where it would only delay them). Every mesh is then started
-    at once, so no worker waits for the parent to fork it, and the children publish their
-    objectives themselves, so the live cutoffs work while the parent is busy.
+    ``background``: work the parent does while the children solve (``Background``: skipped when
+    the meshes are solved in this process, where it would only delay them), at once with every
+    mesh started (``eager``), or once no mesh waits to start and a worker is free. The children
+    publish their objectives themselves, so the live cutoffs work while the parent is busy.
     """
     if (
         workers <= 1
@@ -450,7 +464,7 @@ def _attempt_all(
         finally:
             conn.close()
 
-    concurrent = len(meshes) if background is not None else workers
+    concurrent = len(meshes) if background is not None and background.eager else workers
     while pending or running:
         while pending and len(running) < concurrent:
             i, mesh = pending.pop(0)
@@ -462,9 +476,10 @@ def _attempt_all(
             child_end.close()
             running.append((i, proc, parent_end))
             _progress(f"mesh {mesh}", True, len(results), len(meshes))
-        if background is not None:
-            background()
+        if background is not None and (background.eager or (not pending and len(running) < workers)):
+            background.work()
             background = None
+            continue  # a solve may have ended meanwhile
         # Whichever solve ends first frees its worker (mesh solves differ tenfold in time).
         ready = mp_connection.wait([c for _, _, c in running])
         k = next(j for j, (_, _, c) in enumerate(running) if c in ready)

@@ -51,7 +51,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -66,7 +65,7 @@ from autopar.display import fmt_bytes
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
-from autopar.planner import InfeasibleError, plan_captured
+from autopar.planner import Background, InfeasibleError, plan_captured
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
 from autopar.solver import NotBetter
@@ -321,16 +320,16 @@ class _Search:
         if smallest is not None:
             self.least = min(self.least or (smallest, label), (smallest, label))
 
-    def prefetch(self, pp: int | None) -> Callable[[], None] | None:
-        """Work for this process while the whole batch's meshes are solved in others
-        (``plan_captured(background=…)``): the graph of ``pp`` ranks' first micro-batch count,
-        exporting the model with a symbolic batch, which every micro-batch graph is specialised
-        from. Later candidates' graphs are not made ahead: both cores are busy solving then (made
-        ahead, LLaMA-3-8B fp32 planned no faster and used 12 % more processor time)."""
+    def prefetch(self, pp: int | None, eager: bool = False) -> Background | None:
+        """Work for this process while a candidate's meshes are solved in others
+        (``planner.Background``): the graph of ``pp`` ranks' first micro-batch count, the
+        candidate likely planned next. The first exports the model with a symbolic batch, which
+        every micro-batch graph is specialised from (``eager``: beside the whole batch's meshes,
+        a few seconds); the later ones fill the tail of a candidate's solves, where a core idles."""
         if pp is None or self.batch is None or not self.possible(pp, quiet=True):
             return None
         ms = [m for m in self.counts(pp) if self.batch % m == 0]
-        return (lambda: self.graphs(ms[0])) if ms else None
+        return Background(lambda: self.graphs(ms[0]), eager=eager) if ms else None
 
     def whole(self, then: int | None) -> Plan | None:
         """The one-stage plan of the whole batch, or ``None`` where it does not fit; ``then``: the
@@ -338,7 +337,7 @@ class _Search:
         config = self.config
         try:
             p = plan_captured(
-                self.graphs(1), self.cluster, config.replace(pp=1), background=self.prefetch(then)
+                self.graphs(1), self.cluster, config.replace(pp=1), background=self.prefetch(then, eager=True)
             )
         except InfeasibleError as e:
             self.errors.append(f"pp=1: {e}")
@@ -380,9 +379,10 @@ class _Search:
                 k *= 2
         return ms
 
-    def size(self, pp: int) -> _Size:
+    def size(self, pp: int, then: int | None = None) -> _Size:
         """Plan ``pp`` pipeline ranks (``pp = 1``: gradient accumulation) over its micro-batch
-        counts; every candidate found joins ``scored``."""
+        counts; every candidate found joins ``scored``. ``then``: the size likely planned next
+        (``prefetch``)."""
         config, batch, cluster = self.config, self.batch, self.cluster
         if not self.possible(pp):
             return _Size()
@@ -421,7 +421,13 @@ class _Search:
                 FAR_SLOWER * best_before * pp / m if not self.exhaustive and best_before < math.inf else None
             )
             try:
-                spmd = plan_captured(cap, sub, stage_config, path_cutoff=far)
+                spmd = plan_captured(
+                    cap,
+                    sub,
+                    stage_config,
+                    path_cutoff=far,
+                    background=self.prefetch(then) if m == ms[0] else None,
+                )
             except NotBetter:
                 why = f"no plan within {FAR_SLOWER}× the best plan's step (its compute path alone is longer)"
                 self.errors.append(f"pp={pp} m={m}: {why}")
@@ -462,7 +468,7 @@ class _Search:
         far slower (``pp="auto"`` where the whole batch fits one stage; all of them under
         ``"search"``)."""
         slower = 0
-        for pp in pps:
+        for k, pp in enumerate(pps):
             if not self.exhaustive and slower >= 2:
                 self.skip(
                     pp,
@@ -471,7 +477,7 @@ class _Search:
                 )
                 continue
             best_before = self.best()
-            r = self.size(pp)
+            r = self.size(pp, pps[k + 1] if k + 1 < len(pps) else None)
             if pp == 1:
                 continue
             if r.scored:
@@ -488,15 +494,18 @@ class _Search:
         two neighbouring sizes says on which side the fastest lies, halving the sizes left."""
         done: dict[int, _Size] = {}
 
-        def at(i: int) -> _Size:
+        def at(i: int, then: int | None = None) -> _Size:
             if i not in done:
-                done[i] = self.size(pps[i])
+                done[i] = self.size(pps[i], pps[then] if then is not None and then not in done else None)
             return done[i]
 
         lo, hi = 0, len(pps) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            a, b = at(mid), at(mid + 1)
+            # Next up (its graph made meanwhile): mid + 1, then the size the deeper half starts with.
+            deeper = (mid + 1 + hi) // 2
+            deeper += deeper == mid + 1
+            a, b = at(mid, mid + 1), at(mid + 1, deeper if deeper <= hi else None)
             fits_a, fits_b = a.scored or a.pruned, b.scored or b.pruned
             if not fits_a and not fits_b:  # whether deeper pipelines hold less depends on the model
                 for i in range(lo, hi + 1):

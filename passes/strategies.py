@@ -440,20 +440,20 @@ def with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
     if math.prod(node.meta[TENSOR].shape) > math.prod(producer.meta[TENSOR].shape):
         return ns  # a broadcast: resharding its small input beats resharding its output
     pns = producer.meta[STRATEGIES]
+    # The cheapest strategy reading each input spec (the first of equals), then one per producer
+    # strategy: by dictionary rather than comparing every pair of specs.
+    cheapest: dict[tuple, tuple[float, int]] = {}
+    for k, s in enumerate(ns.strategies):
+        dst = s.inputs[j]
+        if dst is None:
+            continue
+        c = s.compute_time + s.comm_time
+        if dst not in cheapest or c < cheapest[dst][0]:
+            cheapest[dst] = (c, k)
     fmap = []
     for ps in pns.strategies:
-        src = ps.outputs[0]
-        best, best_cost = None, math.inf
-        for k, s in enumerate(ns.strategies):
-            dst = s.inputs[j]
-            if dst is None:
-                continue
-            if dst != src:
-                continue
-            c = s.compute_time + s.comm_time
-            if c < best_cost:
-                best, best_cost = k, c
-        if best is None:
+        hit = cheapest.get(ps.outputs[0])
+        if hit is None:
             return ns
-        fmap.append(best)
+        fmap.append(hit[1])
     return NodeStrategies(ns.strategies, follows=producer.name, follow_map=tuple(fmap))

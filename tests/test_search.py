@@ -35,7 +35,7 @@ class _Made(_Search):
     def best(self) -> float:
         return self.best_step
 
-    def size(self, pp: int) -> _Size:
+    def size(self, pp: int, then: int | None = None) -> _Size:
         self.planned.append(pp)
         step = self.steps[pp]
         if step == PRUNED:
