@@ -226,14 +226,26 @@ def _square(node: Node) -> bool:
 def _attention_scores(node: Node, depth: int = 0) -> bool:
     """An attention-score tensor, found by structure: the ``… × s × s`` product of two activations
     (queries and keys: neither is a weight), or a same-shaped op on one (scaling, masking,
-    softmax, dropout)."""
+    softmax, dropout), or a view of one that regroups its leading dimensions (``baddbmm``'s
+    ``(b·h) × s × s`` viewed as ``b × h × s × s``, as attention written out runs it)."""
     if depth > 12 or not _square(node):
         return False
     ins = tensor_inputs(node)
     if op_info(node).family is OpFamily.MATMUL:
         return len(ins) >= 2 and not any(_from_param(i) for i in ins[:2])
     first = ins[0] if ins else None
-    if first is None or getattr(first.meta.get("val"), "shape", None) != node.meta["val"].shape:
+    if first is None:
+        return False
+    before, after = first.meta.get("val"), node.meta["val"]
+    shape = getattr(before, "shape", None)
+    regrouped = (
+        op_info(node).family is OpFamily.VIEW
+        and shape is not None
+        and len(shape) >= 3
+        and tuple(shape[-2:]) == tuple(after.shape[-2:])
+        and before.numel() == after.numel()
+    )
+    if shape != after.shape and not regrouped:
         return False
     return _attention_scores(first, depth + 1)
 
