@@ -46,6 +46,12 @@ DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
 STEADY_SECONDS = 0.1
 """How long each compute probe runs on every rank at once."""
 
+ROUNDS = 3
+"""How many times the compute probes are repeated; each probe's figure is the median over the
+rounds of its slowest rank. With more processes than cores one round can land on a bad share of
+them (4 processes on 2 cores: one calibration predicted a step 21 % slower than the next, whose
+measured steps were the same to 0.1 %); the median of three drops such a round."""
+
 
 def _steady(fn, seconds: float = STEADY_SECONDS) -> float:
     """Seconds per call of ``fn`` run back to back for about ``seconds`` on every rank at once
@@ -78,22 +84,24 @@ def _burst(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, object]:
+def _roofs() -> dict[str, float]:
+    """Matmul FLOP/s and copy bandwidth of this rank, every rank running them at once."""
+    a = torch.randn(384, 384)
+    b = torch.randn(384, 384)
+    torch.mm(a, b)
+    flops = 2 * 384**3 / _steady(lambda: torch.mm(a, b))
+    big = torch.randn(1 << 22)
+    dst = torch.empty_like(big)
+    bandwidth = 2 * big.numel() * 4 / _steady(lambda: dst.copy_(big))
+    return {"flops": flops, "memory_bandwidth": bandwidth}
+
+
+def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, rounds: int) -> dict[str, object]:
     import torch.distributed as dist
 
     from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scatter_into
 
-    out: dict[str, object] = {}
-    a = torch.randn(384, 384)
-    b = torch.randn(384, 384)
-    torch.mm(a, b)
-    t = _steady(lambda: torch.mm(a, b))
-    out["flops"] = 2 * 384**3 / t
-    big = torch.randn(1 << 22)
-    dst = torch.empty_like(big)
-    t = _steady(lambda: dst.copy_(big))
-    out["memory_bandwidth"] = 2 * big.numel() * 4 / t
-    out["kernels"] = _kernel_probes()
+    out: dict[str, object] = {"rounds": [_roofs() | _kernel_probes() for _ in range(rounds)]}
     # Every group size a mesh axis can have: groups of `g` consecutive ranks, all measured at once
     # (as the axes of a mesh run concurrently).
     out["rows"] = {}
@@ -252,13 +260,31 @@ def _fit_or_bound(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, 
         return alpha, max(times[-1] - alpha, 0.05 * times[-1]) / sizes[-1]
 
 
+def _across_rounds(results: Sequence[dict], key: str, slowest: bool) -> float:
+    """One compute figure from every rank's rounds: per round the slowest rank's (``slowest``:
+    a time) or the median rank's (a rate), then the median over rounds (``ROUNDS``)."""
+    per_round = []
+    for i in range(len(results[0]["rounds"])):
+        values = [r["rounds"][i][key] for r in results]
+        per_round.append(max(values) if slowest else statistics.median(values))
+    return statistics.median(per_round)
+
+
 def measure_local(
-    world_size: int, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, timeout: float = 300.0
+    world_size: int,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 7,
+    rounds: int = ROUNDS,
+    timeout: float = 300.0,
 ) -> Cluster:
-    """A ``Cluster.local(world_size)`` whose compute and collective costs were measured here."""
+    """A ``Cluster.local(world_size)`` whose compute and collective costs were measured here
+    (the compute probes ``rounds`` times: ``ROUNDS``)."""
     from autopar.runtime.launch import spawn
 
-    results = spawn(_probe, world_size, tuple(sizes), repeats, timeout=timeout)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    results = spawn(_probe, world_size, tuple(sizes), repeats, rounds, timeout=timeout)
     r0 = results[0]
     # A collective is as slow as its slowest rank: take the max over ranks per size.
     measured = []
@@ -270,10 +296,11 @@ def measure_local(
             measured.append((kind, g, alpha, beta))
             if g == world_size:
                 fits[kind] = (alpha, beta)
-    flops = statistics.median(r["flops"] for r in results)
-    bw = statistics.median(r["memory_bandwidth"] for r in results)
+    flops = _across_rounds(results, "flops", slowest=False)
+    bw = _across_rounds(results, "memory_bandwidth", slowest=False)
     # A kernel is as slow as the slowest rank runs it (all ranks probed at once, as they train).
-    probes = {k: max(r["kernels"][k] for r in results) for k in r0["kernels"]}
+    kernels = [k for k in r0["rounds"][0] if k not in ("flops", "memory_bandwidth")]
+    probes = {k: _across_rounds(results, k, slowest=True) for k in kernels}
     ar_alpha, ar_beta = fits.get("all_reduce", (60e-6, 1e-9))
     base = Cluster.local(
         world_size,

@@ -75,3 +75,23 @@ def test_alpha_beta_fit_and_its_bound_for_noisy_local_measurements():
         fit_alpha_beta(sizes, noisy)
     a, b = _fit_or_bound(sizes, noisy)
     assert a == min(noisy) and b > 0 and a + b * sizes[-1] >= noisy[-1] * 0.99
+
+
+def test_compute_probes_take_the_median_round_of_the_slowest_rank():
+    """Per round the slowest rank's time (a kernel is as slow as its slowest rank) or the median
+    rank's rate, then the median over rounds: one round that landed on a bad share of the cores
+    (here round 1, 40 % slower) moves nothing."""
+    from autopar.runtime.calibrate import _across_rounds
+
+    ranks = [
+        {"rounds": [{"t": 1.0, "flops": 10.0}, {"t": 1.4, "flops": 6.0}, {"t": 1.1, "flops": 9.0}]},
+        {"rounds": [{"t": 1.2, "flops": 8.0}, {"t": 1.3, "flops": 7.0}, {"t": 1.0, "flops": 11.0}]},
+        {"rounds": [{"t": 0.9, "flops": 9.0}, {"t": 1.1, "flops": 8.0}, {"t": 1.0, "flops": 10.0}]},
+    ]
+    # slowest per round: 1.2, 1.4, 1.1 -> median 1.2; median rate per round: 9, 7, 10 -> 9
+    assert _across_rounds(ranks, "t", slowest=True) == 1.2
+    assert _across_rounds(ranks, "flops", slowest=False) == 9.0
+    with pytest.raises(ValueError, match="rounds"):
+        from autopar.runtime.calibrate import measure_local
+
+        measure_local(2, rounds=0)
