@@ -38,7 +38,10 @@ everything.
   plans pp = 2, 4 and 8, not accumulation). Bisecting the sizes instead planned fewer on that
   model but more on GPT-3 175B, and on the 1T-parameter row settled on a 1.5 % slower pipeline:
   the step is not unimodal where divisibility changes the stage's layouts (pp = 3 there).
-* An accumulation count slower than the one before it ends the counts of that size.
+* An accumulation count slower than the one before it ends the counts of that size, unless
+  ``recompute="auto"`` had it recompute: smaller micro-batches may fit without (Table 1's row 1
+  recomputes selectively with 2 micro-batches, slower than the whole batch so, and with 8 keeps
+  every activation, 1.12× faster than both).
 * **Pruning.** A rank is busy at least ``m/pp`` of a micro-batch's *compute path* (what every
   micro-batch puts on the compute stream: ``StrategyGraph.path_terms``), so a stage plan whose
   path exceeds ``FAR_SLOWER · best · pp / m`` is far slower than the best plan so far. The stage
@@ -397,9 +400,12 @@ class _Search:
         escalate = pp > 1 and not self.exhaustive and not config.microbatches
         out = _Size()
         prev_m: float | None = None  # the best step of the previous micro-batch count (inf: pruned)
+        # Whether that count's fastest plan recomputes where ``recompute="auto"`` chose it: more
+        # (smaller) micro-batches may then fit without, so its being slower ends nothing.
+        prev_recomputes = False
         for m in ms:
             best_before = self.best()
-            if not self.exhaustive and prev_m is not None and prev_m > best_before:
+            if not self.exhaustive and prev_m is not None and prev_m > best_before and not prev_recomputes:
                 self.tried.append({"pp": pp, "microbatches": m, "skipped": "fewer micro-batches were slower"})
                 break
             if batch % m:
@@ -458,7 +464,9 @@ class _Search:
                 )
             self.scored += found
             if found:
-                prev_m = min(c.step_time for c in found)
+                fastest = min(found, key=lambda c: c.step_time)
+                prev_m = fastest.step_time
+                prev_recomputes = config.recompute == "auto" and fastest.plan.recompute != "none"
                 out = _Size(min(out.step, prev_m))
         return out
 

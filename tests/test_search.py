@@ -78,3 +78,34 @@ def test_a_size_proven_far_slower_ends_the_ascent():
     search.best_step = 1.0
     search.ascending([2, 4, 8])
     assert search.planned == [2, 4]
+
+
+@pytest.mark.parametrize(("recompute_at_2", "counts"), [("none", [2]), ("selective", [2, 4, 8])])
+def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
+    monkeypatch, recompute_at_2, counts
+):
+    """``_Search.size(1)`` over 2, 4, 8 micro-batches (the candidates made up, nothing planned):
+    2 is slower than the whole batch's 1.0 s. Keeping every activation, it ends the counts; having
+    had to recompute (``recompute="auto"``), it does not: 4 and 8 may fit without, and here do,
+    faster (Table 1's row 1)."""
+    from types import SimpleNamespace
+
+    import autopar.search as search_mod
+    from autopar.search import Scored
+
+    made = {2: (1.2, recompute_at_2), 4: (0.95, "none"), 8: (0.9, "none")}
+    monkeypatch.setattr(search_mod, "plan_captured", lambda cap, *a, **k: cap)
+    monkeypatch.setattr(search_mod, "seams", lambda gm: [])
+    monkeypatch.setattr(
+        search_mod,
+        "pipelined_candidates",
+        lambda spmd, gm, cluster, config, pp, m, budget: [
+            Scored(SimpleNamespace(recompute=made[m][1]), made[m][0], f"pp=1 m={m}")
+        ],
+    )
+    cluster = autopar.Cluster.preset("H100-SXM", nodes=8)
+    search = _Search(lambda m: SimpleNamespace(gm=None), cluster, PlanConfig(recompute="auto"), 64)  # type: ignore[arg-type]
+    search.scored = [Scored(SimpleNamespace(recompute="selective"), 1.0, "pp=1")]
+    search.size(1)
+    assert [r["microbatches"] for r in search.tried if "step_time" in r] == counts
+    assert any("were slower" in r.get("skipped", "") for r in search.tried) == (recompute_at_2 == "none")
