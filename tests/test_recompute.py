@@ -62,6 +62,41 @@ def test_plans_trade_memory_for_compute():
     assert sel.predicted.memory_per_device == pytest.approx(plans["none"].predicted.memory_per_device)
 
 
+def test_planned_activations_per_layer_follow_korthikanti():
+    """The activations a layer keeps for backward, as the planner counts them from the graph,
+    against Korthikanti et al.'s Table 2 (``cost.memory.activation_bytes_per_layer``) on GPT with
+    attention written out and dropout, bf16, one device: the depth difference of two models less
+    the parameters' state. Full recomputation keeps exactly the layer input, 2·sbh; none and
+    selective differ by exactly the scores' 5·a·s²·b (softmax output, dropout mask and output);
+    selective is the paper's 34·sbh plus 48 bytes per token (per-row float32 statistics, the layer
+    norms' mean and rstd among them, which the paper leaves out): within 0.6 %."""
+    from autopar.cost.memory import activation_bytes_per_layer
+    from autopar.models import GPT, GPTConfig
+
+    h, a, s, b = 256, 8, 256, 8
+    ids = torch.empty(b, s, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=1)
+
+    def kept(layers: int, mode: str) -> tuple[float, float]:
+        cfg = GPTConfig(n_layer=layers, n_head=a, n_embd=h, block_size=s, vocab_size=4096, dropout=0.1,
+                        attention="math")  # fmt: skip
+        with torch.device("meta"):
+            model = GPT(cfg).to(torch.bfloat16)
+        plan = autopar.plan(model, (ids, ids), cluster, recompute=mode, mesh_shape=(1,))
+        return plan.predicted.memory_per_device, sum(n.memory for n in plan.nodes if n.kind == "param")
+
+    act, paper = {}, {}
+    for mode in ("none", "selective", "full"):
+        (deep, deep_state), (shallow, shallow_state) = kept(4, mode), kept(2, mode)
+        act[mode] = ((deep - shallow) - (deep_state - shallow_state)) / 2
+        paper[mode] = activation_bytes_per_layer(s, b, h, a, recompute=None if mode == "none" else mode)
+    assert paper["none"] == s * b * h * (34 + 5 * a * s / h)
+    assert act["full"] == paper["full"] == 2 * s * b * h
+    assert act["none"] - act["selective"] == paper["none"] - paper["selective"] == 5 * a * s * s * b
+    assert act["selective"] - paper["selective"] == 48 * s * b
+    assert act["selective"] == pytest.approx(paper["selective"], rel=0.006)
+
+
 def test_auto_recomputes_only_when_nothing_else_fits():
     model, inputs = build("gpt")
     cluster = autopar.Cluster.local(2)
