@@ -347,16 +347,6 @@ class MicrobatchCaptures:
             self._graphs[m] = cap if cap is not None else capture(self.model, micro)
         return self._graphs[m]
 
-    def prefetch(self) -> None:
-        """Export with a symbolic batch now (the slow part of every micro-batch graph), so a later
-        ``self(m)`` only specialises it; a model that cannot be exported so is noted
-        (``symbolic_failure``) and exported per count later, as ``self(m)`` does."""
-        if self._symbolic is None and self.symbolic_failure is None:
-            try:
-                self._symbolic_export()
-            except Exception as exc:  # a branch on the batch size: ``self(m)`` exports per count
-                self.symbolic_failure = f"{type(exc).__name__}: {_first_line(exc)}"
-
     def _symbolic_export(self) -> Any:
         """The export with dimension 0 of every batched tensor input one symbol ``batch``."""
         if self._symbolic is None:

@@ -36,7 +36,7 @@ from autopar.ir import COST, STRATEGIES, TENSOR
 if TYPE_CHECKING:
     import torch
 
-    from autopar.planfile import NodePlan, Plan, Predicted
+    from autopar.planfile import NodePlan, Plan
 
 __all__ = [
     "LEGEND",
@@ -348,13 +348,15 @@ def replication_notes(plan: Plan, *, batch_only: bool = False) -> list[str]:
     return notes
 
 
-def solver_status(p: Predicted) -> str:
-    """How close to the optimum the solver's plan is: ``optimal``, ``within 0.31 % of optimal``
-    (stopped at ``autopar.solver.SolverConfig.relative_gap``, or by the time limit with CP-SAT's
-    bound that far below), or ``best found`` (no bound known)."""
-    if p.optimal:
+def solver_status(optimal: bool, gap: float) -> str:
+    """How close to the optimum a solver's plan is (``Predicted.optimal`` and ``.gap``, or a
+    ``meshes_tried`` row's): ``optimal``, ``within 0.31 % of optimal`` (stopped at
+    ``autopar.solver.SolverConfig.relative_gap``, or by the time limit with CP-SAT's bound that far
+    below), or ``best found`` (no bound known)."""
+    if optimal:
         return "optimal"
-    return f"within {p.gap * 100:.2f} % of optimal" if p.gap > 0 else "best found"
+    # A gap under 0.01 % still shows as a bound (not as 0.00 %, which reads as proven).
+    return f"within {max(gap * 100, 0.01):.2f} % of optimal" if gap > 0 else "best found"
 
 
 def plan_summary(plan: Plan) -> str:
@@ -365,7 +367,7 @@ def plan_summary(plan: Plan) -> str:
     comm = ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in zip(plan.mesh_axes, p.comm_bytes_per_axis))
     lines = [
         f"Plan on mesh {mesh_text(plan.mesh_shape, plan.mesh_axes)}  ({info.get('cluster_desc', '')})",
-        f"  predicted step time {fmt_time(p.step_time)}   ({solver_status(p)}; "
+        f"  predicted step time {fmt_time(p.step_time)}   ({solver_status(p.optimal, p.gap)}; "
         f"solver's sum: compute {fmt_time(p.compute_time)} + communication {fmt_time(p.comm_time)})",
     ]
     sim = info.get("simulated")

@@ -498,8 +498,6 @@ def _attempt_all(
             payload = InfeasibleError(*payload)
         elif status == "not_better":
             payload = NotBetter(*payload)
-        else:
-            finished[i] = payload.objective
         results[i] = (t, payload)
         _progress(f"mesh {meshes[i]}", False, len(results), len(meshes))
     return [results[i] for i in range(len(meshes))]

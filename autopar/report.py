@@ -297,7 +297,7 @@ def html_report(
     tried = plan.info.get("meshes_tried") or []
     if tried:
         trows = [(str(tuple(m["mesh"])), display.fmt_time(m["objective"]) if m.get("feasible") else "slower (pruned)" if m.get("pruned") else "does not fit",
-                  "optimal" if m.get("optimal") else f"within {m['gap'] * 100:.2f} %" if m.get("gap") else "",
+                  display.solver_status(m.get("optimal", False), m.get("gap", 0.0)) if m.get("feasible") else "",
                   f"{m.get('solve_time', 0):.2f} s") for m in tried]  # fmt: skip
         planning = f"<p>planned in {plan.info.get('planning_time', 0):.1f} s</p>" + _table(
             ("mesh", "predicted step", "", "solve time"), trows

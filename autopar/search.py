@@ -314,9 +314,8 @@ class _Search:
         self.scored: list[Scored] = []
         self.errors: list[str] = []
         self.tried: list[dict[str, Any]] = []
-        self.least: tuple[float, str] | None = (
-            None  # the smallest memory a failed one-stage candidate reaches
-        )
+        # The smallest memory a failed one-stage candidate reaches, and which it was.
+        self.least: tuple[float, str] | None = None
         self.seam_count: int | None = None
 
     def best(self) -> float:
@@ -442,7 +441,7 @@ class _Search:
                 self.errors.append(f"pp={pp} m={m}: {why}")
                 self.tried.append({"pp": pp, "microbatches": m, "pruned": why})
                 out.pruned = not out.scored
-                prev_m = math.inf  # more micro-batches are not tried either
+                prev_m, prev_recomputes = math.inf, False  # more micro-batches are not tried either
                 continue
             except InfeasibleError as e:
                 self.errors.append(f"pp={pp} m={m}: {e}")

@@ -28,6 +28,7 @@ import torch
 import autopar
 from autopar.capture import capture
 from autopar.config import PlanConfig
+from autopar.display import solver_status
 from autopar.planner import plan_captured
 from autopar.search import plan_model
 
@@ -155,7 +156,7 @@ def main() -> None:
         print("  " + plan.summary().replace("\n", "\n  "))
         for m in plan.info["meshes_tried"]:
             if m["feasible"]:
-                status = "optimal" if m["optimal"] else f"within {m.get('gap', 0) * 100:.2f} % of optimal"
+                status = solver_status(m["optimal"], m.get("gap", 0.0))
                 print(
                     f"    mesh {m['mesh']}: predicted {m['objective'] * 1e3:.1f} ms, solve {m['solve_time']:.2f} s, "
                     f"{m['classes']} classes, {m['edge_vars']} edge variables, {status}"

@@ -156,7 +156,7 @@ def stage_cuts(
     if mem is not None:
         static, act = (np.concatenate(([0.0], np.cumsum(mem[:, i])))[ends] for i in (0, 1))
 
-    def ok(k: int, a: np.ndarray | slice, b: int) -> np.ndarray | bool:
+    def ok(k: int, a: slice | None, b: int | slice) -> np.ndarray | bool:
         """Stage ``k`` holding nodes from the ends ``a`` (positions into ``ends``; ``None`` for the
         start) to end ``b`` fits (always, without ``fits``)."""
         if fits is None or mem is None:

@@ -137,3 +137,12 @@ def test_a_real_plan_folds_its_blocks(gpt2_plan):
     assert rows[0].name == "<inputs>"
     assert repr(gpt2_plan).startswith("<autopar.Plan mesh=(8,)")
     assert isinstance(autopar.Plan.from_dict(gpt2_plan.to_dict()).table(), str)
+
+
+def test_solver_status_says_how_close_to_the_optimum():
+    from autopar.display import solver_status
+
+    assert solver_status(True, 0.0) == "optimal"
+    assert solver_status(False, 0.0034) == "within 0.34 % of optimal"
+    assert solver_status(False, 2e-7) == "within 0.01 % of optimal"  # a bound, never "0.00 %"
+    assert solver_status(False, 0.0) == "best found"
