@@ -23,8 +23,8 @@ the local cluster we measure rather than assume:
   ``Link.measured``.
 
 ``measure_local(world_size)`` spawns the processes (``autopar.runtime.launch.spawn``), measures,
-and returns a ``Cluster`` ready for ``autopar.plan``. It takes about 12 s (2 processes, this 2-core machine). The α-β fits are
-``autopar.cost.fit``'s.
+and returns a ``Cluster`` ready for ``autopar.plan``. It takes about 12 s (2 processes on a
+2-core machine). The α-β fits are ``autopar.cost.fit``'s.
 """
 
 from __future__ import annotations
