@@ -568,6 +568,7 @@ def _megatron_knobs(text: str, cluster: Any) -> dict[str, Any]:
         for n, p in params.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in ("config", "captured")
     ]
+    accepted.append("recompute")  # a PlanConfig field, which ``megatron`` takes among its options
     knobs = _assignments([t for t in text.split(",") if t.strip()], "megatron:")
     out = {}
     for key, value in knobs.items():

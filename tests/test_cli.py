@@ -103,6 +103,10 @@ def test_compare_with_megatron_and_with_a_plan_file(tiny_plan, tmp_path, capsys)
     assert code == 0 and "megatron(tp=2, dp=2)" in out
     code, _, err = run(capsys, "compare", str(tiny_plan), "megatron:tq=2")
     assert code == 1 and "unknown knob 'tq'; knobs: tp, dp" in err
+    # Recomputation is one of Megatron's knobs too (README: ``megatron:tp=8,recompute=full``).
+    code, out, err = run(capsys, "compare", str(tiny_plan), "megatron:tp=2,recompute=full")
+    assert code == 0, err
+    assert "recompute=full" in out
 
 
 def test_compare_with_best_megatron(tiny_plan, capsys):
