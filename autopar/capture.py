@@ -19,6 +19,23 @@ fingerprint are the ones the runtime captures.
 ``Captured`` keeps what later stages need: the graph, which placeholder is which parameter /
 buffer / user input (and all the names a tied parameter goes by), and how to rebuild the model's
 output structure from the graph's flat outputs.
+
+**Canonical graph.** What export records depends in places on the device the model is traced on,
+and a plan made on the meta device must run on the real model, so ``canonicalize`` rewrites each
+such place into one form (the values are the same) and the fingerprint is taken after it:
+
+* ``Tensor.contiguous()`` records nothing when its input's strides already are contiguous, and
+  the strides are the device kernel's choice (scaled-dot-product attention returns (batch, heads,
+  seq, dim)-contiguous output on the meta device, (batch, seq, heads, dim)-strided on CPU and
+  CUDA, so ``y.transpose(1, 2).contiguous()`` is a copy on one and nothing on the other).
+  ``drop_layout_copies`` removes every ``contiguous`` in the default memory format and turns the
+  ``view`` reading through it into ``reshape``; the fingerprint reads the two as one op (the
+  per-rank program makes every ``view`` a ``reshape`` anyway, ``passes.lower``).
+* A Python number written into a tensor (``x[:, 0] = 0``) is a lifted constant tensor and
+  ``fill_`` on CPU and CUDA, ``scalar_tensor`` expanded and ``copy_``-ed on the meta device.
+  ``canonical_scalars`` makes both ``scalar_tensor`` then ``fill_``.
+* Node names are numbered again in graph order (``linear``, ``linear_1``, …), so a node removed or
+  added above does not rename every node of its op below it.
 """
 
 from __future__ import annotations
@@ -278,6 +295,7 @@ def _captured(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tuple, 
         aliases.setdefault(first, []).append(fqn)
         first_of[fqn] = first
     _merge_tied_placeholders(gm, params, first_of)
+    canonicalize(gm, constants)
     # Constant tensors lifted by export become attributes so the graph module runs by itself.
     for name, value in constants.items():
         if isinstance(value, torch.Tensor):
@@ -527,12 +545,200 @@ def input_paths(args: tuple, kwargs: dict) -> list[str]:
     return out
 
 
+def canonicalize(gm: torch.fx.GraphModule, constants: dict[str, Any]) -> None:
+    """The captured graph in its device-independent form (module docstring: canonical graph);
+    ``constants`` (lifted constant placeholder name -> tensor) loses the constants no longer read."""
+    drop_layout_copies(gm)
+    canonical_scalars(gm, constants)
+    renumber_names(gm)
+
+
+def canonical_scalars(gm: torch.fx.GraphModule, constants: dict[str, Any]) -> int:
+    """A Python number written into a tensor, in one form: ``lift_fresh_copy`` of a 0-d lifted
+    constant becomes ``scalar_tensor`` of its value, and ``copy_`` of a 0-d value expanded to
+    the destination becomes ``fill_`` (module docstring). Returns how many nodes were rewritten."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.lift_fresh_copy.default and _is_placeholder(node.args[0]):
+            const = node.args[0]
+            value = _scalar_value(constants.get(const.name))
+            if value is None:
+                continue
+            dtype = constants[const.name].dtype
+            with graph.inserting_before(node):
+                new = graph.create_node(
+                    "call_function",
+                    aten.scalar_tensor.default,
+                    (value,),
+                    {"dtype": dtype},
+                    name="scalar_tensor",
+                )
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            if not const.users:
+                graph.erase_node(const)
+                del constants[const.name]
+            done += 1
+        elif node.target is aten.copy_.default and len(node.args) == 2 and not node.kwargs:
+            dst, src = node.args
+            chain = []
+            while isinstance(src, torch.fx.Node) and src.target in (aten.expand.default, aten.view.default):
+                if len(src.users) != 1:
+                    break
+                chain.append(src)
+                src = src.args[0]
+            sv, dv = _val(src), _val(dst)
+            if (
+                not chain
+                or getattr(src, "target", None) is not aten.scalar_tensor.default
+                or sv is None
+                or dv is None
+                or sv.dim() != 0
+                or sv.dtype != dv.dtype
+            ):
+                continue
+            with graph.inserting_before(node):
+                new = graph.create_node("call_function", aten.fill_.Tensor, (dst, src), name="fill_")
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            for n in chain:
+                graph.erase_node(n)
+            done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _is_placeholder(x: Any) -> bool:
+    return isinstance(x, torch.fx.Node) and x.op == "placeholder"
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _scalar_value(t: Any) -> bool | int | float | None:
+    """The Python number a 0-d constant tensor holds (``None`` if it is not one, or is fake)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.is_complex():
+        return None
+    inner = getattr(t, "constant", None)  # a fake tensor of a real constant
+    try:
+        return (inner if isinstance(inner, torch.Tensor) else t).item()
+    except Exception:  # a fake tensor without its value
+        return None
+
+
+def renumber_names(gm: torch.fx.GraphModule) -> None:
+    """Every node but the placeholders named again, in graph order, as fx names a new graph's nodes
+    (``view``, ``view_1``, …): the same ops in the same order get the same names whatever was
+    removed or added above them."""
+    from torch.fx.graph import _name_regex
+
+    old = gm.graph
+    new = torch.fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls)
+    new._codegen = old._codegen
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in old.nodes:
+        if node.op in ("placeholder", "output"):
+            name = node.name
+        else:
+            match = _name_regex.match(node.name)
+            name = match.group(1) if match else node.name
+        copy = new.create_node(
+            node.op, node.target, torch.fx.map_arg(node.args, env.__getitem__),
+            torch.fx.map_arg(node.kwargs, env.__getitem__), name=name, type_expr=node.type,
+        )  # fmt: skip
+        copy.meta = node.meta
+        env[node] = copy
+    gm.graph = new
+    gm.recompile()
+
+
+def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
+    """Remove each ``contiguous`` (default memory format) whose result nothing writes into, and
+    turn every ``view`` that reads it, directly or through other views, into ``reshape`` (module
+    docstring: canonical graph). Returns how many were removed."""
+    from autopar.graph import OpFamily, op_family
+
+    aten = torch.ops.aten
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.contiguous.default:
+            continue
+        fmt = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
+        src = node.args[0]
+        if fmt not in (None, torch.contiguous_format) or not isinstance(src, torch.fx.Node):
+            continue
+        if _written(node):
+            continue  # an in-place write into the copy must not reach its source
+        frontier, seen = list(node.users), set()
+        while frontier:
+            u = frontier.pop()
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target is aten.view.default:
+                u.target = aten.reshape.default
+            elif op_family(u) is OpFamily.VIEW:
+                frontier.extend(u.users)
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
+
+
+def _written(value: torch.fx.Node) -> bool:
+    """Something writes into ``value`` in place, directly or through views of it."""
+    from autopar.graph import OpFamily, op_family
+
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in v.users:
+            if _writes_into(u, v):
+                return True
+            if u.op == "call_function" and op_family(u) is OpFamily.VIEW:
+                stack.append(u)
+    return False
+
+
+def _writes_into(user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """``user`` mutates ``value`` (an argument its schema marks as written)."""
+    schema = getattr(user.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        got = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+        if got is value and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    return False
+
+
+_SAME_OP = {"aten.reshape.default": "aten.view.default"}
+"""Ops the fingerprint reads as one (``drop_layout_copies`` makes a ``view`` a ``reshape`` on one
+device where the other recorded no copy)."""
+
+
 def graph_fingerprint(graph: torch.fx.Graph) -> str:
+    """A hash of every node's kind, name, op and output shape: the program a plan was made for."""
     h = hashlib.sha256()
     for n in graph.nodes:
         val = n.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ""
-        h.update(f"{n.op}|{n.name}|{n.target}|{shape}\n".encode())
+        target = _SAME_OP.get(str(n.target), n.target)
+        h.update(f"{n.op}|{n.name}|{target}|{shape}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -17,7 +17,8 @@ Words:
   cast to its own dtype) shares its input's storage; every other op allocates its own, and the
   storage's **owner** is the node that allocated it. Found from the fake tensors' storages, with one
   rule the fake tensors do not know: attention kernels write their output as (batch, seq, heads,
-  dim), so ``contiguous`` of its transpose is free on the device.
+  dim), so a copy into (batch, seq, heads·dim) of its transpose (``reshape``, which capture's
+  canonical graph makes of ``contiguous`` then ``view``) is free on the device.
 * **saved** — what autograd keeps for backward, from the ops' derivative formulas
   (``tools/autograd/derivatives.yaml``): a matmul keeps each operand only if the *other* needs a
   gradient; ``mul`` likewise (a rotary ``q · cos`` keeps ``cos``, not ``q``); nonlinear pointwise
@@ -172,7 +173,7 @@ def ordered_tensor_args(node: Node) -> list[Node]:
 
 
 def _attention_layout_view(node: Node) -> bool:
-    """``node`` reads an attention output through views only (module docstring: ``contiguous``
+    """``node`` reads an attention output through views only (module docstring: a ``reshape``
     of the transposed output is free because the kernel wrote it as (batch, seq, heads, dim))."""
     cur = node
     for _ in range(8):
@@ -204,7 +205,7 @@ def is_alias(node: Node) -> bool:
         return isinstance(src, Node) and op_info(src).family is OpFamily.VIEW and is_alias(src)
     if name in _MULTI_VIEWS:
         return True  # its parts are views (read through getitem)
-    return name == "contiguous" and _attention_layout_view(node)
+    return name in ("contiguous", "reshape") and _attention_layout_view(node)
 
 
 def _aliases(owner: Node) -> list[Node]:

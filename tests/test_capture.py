@@ -4,6 +4,8 @@ error that names the module and suggests a fix."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -257,3 +259,101 @@ def test_specialising_a_micro_batch_graph_starts_no_thread(make_gpt):
     assert graphs.symbolic_failure is None
     assert tqdm.monitor is None
     assert threading.active_count() == before, [t.name for t in threading.enumerate()]
+
+
+# ---------------------------------------------------------------- canonical graph (meta = cpu)
+
+
+def _t5(vocab: int = 128) -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+        use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(cfg)
+
+
+def _on_meta(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, dict):
+        return {k: _on_meta(v) for k, v in x.items()}
+    return tuple(_on_meta(v) for v in x)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "gpt2", "llama", "t5"])
+def test_the_meta_device_captures_the_program_the_real_model_runs(kind, make_gpt, make_gpt2, make_llama):
+    """A plan is made on the meta device and run on the real model: both captures are one program
+    (same node names, ops, shapes, fingerprint), one batch and micro-batches alike. Before the
+    canonical graph, attention's ``contiguous`` (a copy on CPU, nothing on meta) and T5's
+    ``labels[:, 0] = 0`` (``fill_`` on CPU, ``copy_`` on meta) made them differ."""
+    from autopar.capture import MicrobatchCaptures
+
+    build = {"gpt": make_gpt, "gpt2": make_gpt2, "llama": lambda: make_llama(layers=2), "t5": _t5}[kind]
+    ids = torch.randint(0, 128, (4, 16))
+    inputs = {"input_ids": ids, "labels": ids[:, :8].clone() if kind == "t5" else ids.clone()}
+    if kind == "gpt":
+        inputs = (inputs["input_ids"], inputs["labels"])
+    torch.manual_seed(0)
+    real = build()
+    with torch.device("meta"):
+        meta = build()
+    for m in (1, 2):
+        got = MicrobatchCaptures(meta, _on_meta(inputs))(m)
+        want = MicrobatchCaptures(real, inputs)(m)
+        assert got.fingerprint == want.fingerprint, kind
+        assert _rows(got) == _rows(want)
+        assert not [n for n in want.graph.nodes if n.target is torch.ops.aten.contiguous.default]
+
+
+def _rows(cap) -> list[tuple]:
+    """Each node's name, op (``reshape`` read as ``view``, as the fingerprint reads it) and shape."""
+    same = {"aten.reshape.default": "aten.view.default"}
+    out = []
+    for n in cap.graph.nodes:
+        v = n.meta.get("val")
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        out.append((n.name, same.get(str(n.target), str(n.target)), shape))
+    return out
+
+
+class _Layouts(nn.Module):
+    """A transposed copy read by a view (removed), one written in place (kept), and Python numbers
+    written into a tensor (one form on every device)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.transpose(0, 1).contiguous().view(-1)
+        kept = x.t().contiguous()
+        kept.mul_(2)
+        through_view = x.t().contiguous()
+        through_view[0] = 5  # a write through a view (select) of the copy
+        shifted = x.new_zeros(x.shape)
+        shifted[:, 1:] = x[:, :-1]
+        shifted[:, 0] = 3
+        out = flat.sum() + kept.sum() + through_view.sum()
+        return out + (shifted * torch.arange(x.shape[1], device=x.device)).sum() + x.sum()
+
+
+def test_canonical_graph_keeps_the_values_and_the_copies_written_into():
+    x = torch.randn(4, 6)
+    model = _Layouts()
+    cap = autopar.capture(model, (x,))
+    aten = torch.ops.aten
+    contig = [n for n in cap.graph.nodes if n.target is aten.contiguous.default]
+    assert [[u.target for u in c.users][0] for c in contig] == [aten.mul_.Tensor, aten.select.int]
+    assert any(n.target is aten.reshape.default for n in cap.graph.nodes)
+    assert not cap.constants  # the lifted 3 became a scalar_tensor
+    fills = [n for n in cap.graph.nodes if n.target is aten.fill_.Tensor]
+    assert len(fills) == 2 and all(f.args[1].target is aten.scalar_tensor.default for f in fills)
+    torch.testing.assert_close(cap.gm(x)[0], model(x))
+    meta = autopar.capture(_Layouts(), (x.to("meta"),))
+    assert meta.fingerprint == cap.fingerprint
+    # numbered again in graph order: per op, ``op``, ``op_1``, ``op_2``, … with no gaps (fx starts
+    # at ``sum_1`` for a name that is a Python builtin)
+    numbers: dict[str, list[int]] = {}
+    for n in cap.graph.nodes:
+        if n.op == "call_function":
+            base, num = re.fullmatch(r"(.*?)(?:_(\d+))?", n.name).groups()
+            numbers.setdefault(base, []).append(int(num or 0))
+    assert all(nums == list(range(nums[0], nums[0] + len(nums))) for nums in numbers.values()), numbers

@@ -90,3 +90,41 @@ def test_saved_plan_trains_in_processes_without_ortools(
             (ref_losses, ref_state), (res["losses"], res["state"]), "sgd", f"rank {rank}"
         )
         assert not problems, "\n".join(problems)
+
+
+def meta_plan_worker(rank: int, world: int, path: str, kind: str) -> dict[str, object]:
+    H.quiet()
+    plan = autopar.Plan.load(path)
+    model, inputs = H.build(kind)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    losses = H.train(pm, inputs, H.make_optimizer("sgd", pm.parameters()), steps=2)
+    return {"losses": losses, "state": pm.full_state_dict()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("kind", "options"), [("gpt", {}), ("llama", {"pp": 2, "microbatches": 2})])
+def test_a_plan_made_on_the_meta_device_trains_the_real_model(
+    tmp_path: Path, kind: str, options: dict[str, int]
+) -> None:
+    """The way a large model is planned: built on the meta device (no memory), planned, saved; then
+    the real model on real processes runs that plan, and trains as one device does. Both models'
+    attention writes ``contiguous`` copies that only the CPU kernels' strides elide, which made
+    the two captures differ until capture's canonical graph."""
+    import torch
+
+    with torch.device("meta"):
+        meta_model, meta_inputs = H.build(kind)
+    plan = autopar.plan(meta_model, meta_inputs, autopar.Cluster.local(WORLD), **options)
+    assert next(meta_model.parameters()).device.type == "meta"
+    path = tmp_path / f"{kind}.plan.json"
+    plan.save(path)
+
+    results = spawn(meta_plan_worker, WORLD, str(path), kind, timeout=200)
+
+    ref_losses, ref_state = H.reference(kind, "sgd", steps=2)
+    for rank, res in enumerate(results):
+        problems = H.compare_training(
+            (ref_losses, ref_state), (res["losses"], res["state"]), "sgd", f"rank {rank}"
+        )
+        assert not problems, "\n".join(problems)
