@@ -214,7 +214,7 @@ def _parallelize_pipeline(
     from autopar.capture import MicrobatchCaptures, microbatch_inputs, normalize_inputs
     from autopar.passes import PassContext
     from autopar.passes.joint import PrimalInfo, RankInfo
-    from autopar.passes.lower import lower
+    from autopar.passes.lower import lower, program_difference
     from autopar.passes.pipeline import build_pipeline, propagate_fake
 
     pipe = plan.pipeline
@@ -228,7 +228,8 @@ def _parallelize_pipeline(
     if cap.fingerprint != plan.fingerprint:
         raise ValueError(
             "the model captured on one micro-batch of these inputs is not the program the plan was made for "
-            "(its fingerprint differs): plan again for this model and batch shape"
+            f"(its fingerprint differs; {program_difference(plan, cap)}): plan again for this model and "
+            "batch shape"
         )
     device = device_for_backend(dist.get_backend())
     axes, device_mesh, world_group = mesh_axes(

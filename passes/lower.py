@@ -509,6 +509,36 @@ def _install(root: nn.Module, target: str, obj: Any) -> None:
         setattr(mod, last, obj)
 
 
+_SAME_OP = {"reshape": "view", "_unsafe_view": "view"}
+
+
+def program_difference(plan: Plan, cap: Captured) -> str:
+    """Where ``cap``'s graph and the one ``plan`` was made for first differ, in words: a node the
+    plan does not have, one with another op or shape, or one the plan has and the graph lacks (a
+    model changed since planning, another batch shape, or another version of torch or of the
+    model's library tracing the same code differently)."""
+    planned = {n.name: n for n in plan.nodes}
+    seen = {node.name for node in cap.graph.nodes}
+    for node in cap.graph.nodes:
+        val = node.meta.get("val")
+        if node.op not in ("placeholder", "call_function") or not isinstance(val, torch.Tensor):
+            continue
+        p = planned.get(node.name)
+        here = op_name(node) if node.op == "call_function" else node.op
+        if p is None:
+            return f"this program's node {node.name} ({here}) is not in the plan"
+        if node.op == "call_function" and _SAME_OP.get(p.op, p.op) != _SAME_OP.get(here, here):
+            return f"node {node.name} is {here} here, {p.op} in the plan"
+        if tuple(p.shape) != tuple(val.shape):
+            return (
+                f"node {node.name} ({here}) has shape {tuple(val.shape)} here, {tuple(p.shape)} in the plan"
+            )
+    gone = [n.name for n in plan.nodes if n.name not in seen]
+    if gone:
+        return f"the plan's node {gone[0]} ({planned[gone[0]].op}) is not in this program"
+    return "every node has the plan's name, op and shape; the graph's structure differs"
+
+
 def lower(
     cap: Captured,
     plan: Plan,
@@ -524,7 +554,8 @@ def lower(
     if plan.fingerprint != cap.fingerprint:
         raise LoweringError(
             f"the plan was made for a different program (graph fingerprint {plan.fingerprint}, this model and "
-            f"batch give {cap.fingerprint}): plan again for this model and input shapes"
+            f"batch give {cap.fingerprint}; {program_difference(plan, cap)}): plan again for this model and "
+            "input shapes"
         )
     if len(axes) != len(plan.mesh_shape) or any(ax.size != n for ax, n in zip(axes, plan.mesh_shape)):
         raise LoweringError(f"axis groups {axes} do not match the plan's mesh {plan.mesh_shape}")

@@ -171,3 +171,4 @@ def test_parallelize_warns_once_and_refuses_a_plan_for_another_model_on_every_ra
         msg = out["other model"]
         assert "the plan was made for a different program (graph fingerprint" in msg, (rank, msg)
         assert "plan again for this model and input shapes" in msg, (rank, msg)
+        assert "this program's node p_blocks_2_" in msg, (rank, msg)  # the first layer the plan lacks

@@ -202,8 +202,11 @@ def test_plan_for_a_different_program_is_refused(gpt_megatron):
     model, inputs, _, plan = gpt_megatron
     other = autopar.capture(model, tuple(x[:, : SEQ // 2].contiguous() for x in inputs))
     assert other.fingerprint != plan.fingerprint
-    with pytest.raises(LoweringError, match="different program"):
+    with pytest.raises(LoweringError, match="different program") as err:
         lower(other, plan, _axes(plan, (0,)), device="cpu")
+    # the message says where: the first input's shape
+    half = (BATCH, SEQ // 2)
+    assert f"node idx (placeholder) has shape {half} here, {(BATCH, SEQ)} in the plan" in str(err.value)
 
 
 def test_axis_groups_must_match_the_plans_mesh(gpt_megatron):
