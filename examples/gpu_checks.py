@@ -4,11 +4,15 @@
    shapes, measured as ``reference/h100_training_steps.csv`` was (median of 10 steps after 3
    warm-up, ``torch.cuda.synchronize`` around each phase, ``max_memory_allocated``), beside
    ``autopar.reference.predict_step`` on the device preset named by ``--preset``.
-2. With ``--plan FILE`` (a 1-device plan saved where OR-Tools is installed, e.g. with
-   ``recompute="full"``): the per-rank program run on CUDA against eager PyTorch from the same
-   weights, 3 AdamW steps (losses), then its step time against ``plan.predicted.step_time``.
+2. With ``--plan FILE`` (a 1-device plan saved where OR-Tools is installed, by ``--make-plan``):
+   the per-rank program run on CUDA against eager PyTorch from the same weights, 3 AdamW steps
+   (losses), then its step time against ``plan.predicted.step_time``.
 
-    python examples/gpu_checks.py --preset H100-SXM [--plan gpt_full.plan.json]
+    python examples/gpu_checks.py --make-plan gpt_full.plan.json --recompute full   # here (OR-Tools)
+    python examples/gpu_checks.py --preset H100-SXM [--plan gpt_full.plan.json]     # on the GPU
+
+``--make-plan`` plans the model built on the meta device, as a large model is planned; the GPU
+captures the real model on CUDA, and runs the plan only if the two are one program.
 """
 
 from __future__ import annotations
@@ -138,12 +142,36 @@ def runtime(path: str) -> None:
     dist.destroy_process_group()
 
 
+PLAN_MODEL = {"n_layer": 4, "n_head": 8, "n_embd": 512, "block_size": 512, "vocab_size": 8192, "dropout": 0.0}
+PLAN_BATCH, PLAN_SEQ = 8, 512
+
+
+def make_plan(path: str, preset: str, recompute: str) -> None:
+    """The 1-device plan ``--plan`` runs, made from the model on the meta device."""
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**PLAN_MODEL))
+        ids = torch.empty(PLAN_BATCH, PLAN_SEQ, dtype=torch.long)
+    cluster = autopar.Cluster.preset(preset, gpus_per_node=1)
+    plan = autopar.plan(model, (ids, ids), cluster, recompute=recompute, mesh_shape=(1,))
+    plan.info["gpu_check"] = {"config": PLAN_MODEL, "batch": PLAN_BATCH, "seq": PLAN_SEQ}
+    plan.save(path)
+    print(f"{path}: {plan.recompute} recomputation, predicted step {plan.predicted.step_time * 1e3:.2f} ms "
+          f"on {preset}, fingerprint {plan.fingerprint}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="H100-SXM")
     ap.add_argument("--plan", help="a 1-device plan JSON to run on CUDA against eager")
+    ap.add_argument("--make-plan", metavar="FILE", help="plan the --plan check's model here and save it")
+    ap.add_argument("--recompute", default="full", help="with --make-plan: none, selective, full")
     ap.add_argument("--skip-steps", action="store_true")
     args = ap.parse_args()
+    if args.make_plan:
+        make_plan(args.make_plan, args.preset, args.recompute)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("gpu_checks: no CUDA device here; run it on a GPU machine")
     if args.plan:
