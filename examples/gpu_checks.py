@@ -9,6 +9,7 @@
    (losses), then its step time against ``plan.predicted.step_time``.
 
     python examples/gpu_checks.py --make-plan gpt_full.plan.json --recompute full   # here (OR-Tools)
+    python examples/gpu_checks.py --plan gpt_full.plan.json --cpu                   # a dry run here
     python examples/gpu_checks.py --preset H100-SXM [--plan gpt_full.plan.json]     # on the GPU
 
 ``--make-plan`` plans the model built on the meta device, as a large model is planned; the GPU
@@ -97,7 +98,8 @@ def steps(preset: str) -> None:
               f"{est.peak_memory / g:>9.2f}/{peak / g:<9.2f} {est.peak_memory / peak:>6.3f}", flush=True)  # fmt: skip
 
 
-def runtime(path: str) -> None:
+def runtime(path: str, device: str = "cuda") -> None:
+    """``device="cpu"`` (gloo): a dry run of the same check here, losses only (no timings)."""
     import torch.distributed as dist
 
     from autopar.models import GPT, GPTConfig
@@ -106,12 +108,13 @@ def runtime(path: str) -> None:
     meta = plan.info["gpu_check"]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         eager = GPT(GPTConfig(**meta["config"]))
-    ids = torch.randint(0, meta["config"]["vocab_size"], (meta["batch"], meta["seq"]), device="cuda")
+    ids = torch.randint(0, meta["config"]["vocab_size"], (meta["batch"], meta["seq"]), device=device)
     model = copy.deepcopy(eager)
     pm = autopar.parallelize(model, autopar.Cluster.from_dict(plan.cluster), (ids, ids), plan=plan)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, pm)]
@@ -126,6 +129,9 @@ def runtime(path: str) -> None:
             losses.append(loss.item())
         print(f"step {step}: eager {losses[0]:.7f} per-rank program ({plan.recompute}) {losses[1]:.7f} "
               f"rel {abs(losses[0] - losses[1]) / abs(losses[0]):.2e}", flush=True)  # fmt: skip
+    if device != "cuda":
+        dist.destroy_process_group()
+        return
     for name, m, opt in (("eager", eager, opts[0]), ("per-rank program", pm, opts[1])):
 
         def one(m=m, opt=opt) -> None:
@@ -168,9 +174,13 @@ def main() -> None:
     ap.add_argument("--make-plan", metavar="FILE", help="plan the --plan check's model here and save it")
     ap.add_argument("--recompute", default="full", help="with --make-plan: none, selective, full")
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="with --plan: a dry run on the CPU (losses only)")
     args = ap.parse_args()
     if args.make_plan:
         make_plan(args.make_plan, args.preset, args.recompute)
+        return
+    if args.cpu:
+        runtime(args.plan, "cpu")
         return
     if not torch.cuda.is_available():
         raise SystemExit("gpu_checks: no CUDA device here; run it on a GPU machine")
