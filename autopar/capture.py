@@ -182,6 +182,13 @@ def _explain_export_failure(model: nn.Module, exc: BaseException) -> str:
     )
     if "Unsupported" in type(exc).__name__ or "not supported" in str(exc):
         hint = "replace the unsupported call with a tensor op, or register it as a custom op (torch.library)"
+    devices = re.search(r"found at least two devices, (\w+(?::\d+)?) and (\w+(?::\d+)?)", str(exc))
+    if devices:
+        hint = (
+            f"the computation mixes tensors on {devices.group(1)} and {devices.group(2)}: put the example "
+            "inputs on the model's device (for a model on the meta device, torch.empty(..., device='meta')), "
+            "and create tensors inside forward on an input's device (device=x.device)"
+        )
     return f"torch.export could not capture the model {where}{op_text}.\n  exporter said:\n    {reason_text}\n  fix: {hint}"
 
 

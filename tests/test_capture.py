@@ -134,6 +134,17 @@ def test_data_dependent_control_flow_raises_capture_error_naming_the_module():
     assert isinstance(err.value.__cause__, Exception)  # the exporter's own error is kept
 
 
+def test_inputs_on_another_device_than_the_model_are_named_in_the_fix(make_gpt):
+    with torch.device("meta"):
+        model = make_gpt()
+    ids = torch.randint(0, 64, (2, 8))  # on the CPU, the model on the meta device
+    with pytest.raises(autopar.CaptureError) as err:
+        autopar.capture(model, (ids, ids))
+    msg = str(err.value)
+    assert "fix: the computation mixes tensors on meta and cpu" in msg, msg
+    assert "device='meta'" in msg
+
+
 def _structure(cap):
     """(name, op, target, shape, dtype, args) of every node: what a plan and the runtime key on."""
     out = []
@@ -341,7 +352,7 @@ def test_canonical_graph_keeps_the_values_and_the_copies_written_into():
     cap = autopar.capture(model, (x,))
     aten = torch.ops.aten
     contig = [n for n in cap.graph.nodes if n.target is aten.contiguous.default]
-    assert [[u.target for u in c.users][0] for c in contig] == [aten.mul_.Tensor, aten.select.int]
+    assert [next(iter(c.users)).target for c in contig] == [aten.mul_.Tensor, aten.select.int]
     assert any(n.target is aten.reshape.default for n in cap.graph.nodes)
     assert not cap.constants  # the lifted 3 became a scalar_tensor
     fills = [n for n in cap.graph.nodes if n.target is aten.fill_.Tensor]
