@@ -68,6 +68,7 @@ __all__ = [
     "input_paths",
     "microbatch_inputs",
     "normalize_inputs",
+    "traced_by",
 ]
 
 log = logging.getLogger("autopar.capture")
@@ -323,6 +324,16 @@ def _captured(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tuple, 
     if any(p.requires_grad for p in model.parameters()):
         check_loss_output(gm.graph)
     return cap
+
+
+def traced_by(cap: Captured) -> str:
+    """``"torch 2.13.0 on meta"``: the torch that exported the graph and the device it traced on
+    (a plan records it; ``passes.lower.program_difference`` names both when a plan meets another
+    program)."""
+    dev = next(
+        (v.device.type for n in cap.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)), "?"
+    )
+    return f"torch {torch.__version__} on {dev}"
 
 
 def batch_size(args: tuple, kwargs: dict) -> int | None:

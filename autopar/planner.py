@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from autopar.capture import Captured
+from autopar.capture import Captured, traced_by
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.reshard import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
@@ -349,6 +349,7 @@ def plan_captured(
             "unruled_ops": unruled,
             "memory_budget": budget,
             "memory_reserve": cluster.device.memory - budget if config.memory_budget is None else 0.0,
+            "traced_by": traced_by(cap),
         }
     )
     if layout:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.capture import Captured
+from autopar.capture import Captured, traced_by
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
@@ -526,17 +526,30 @@ def program_difference(plan: Plan, cap: Captured) -> str:
         p = planned.get(node.name)
         here = op_name(node) if node.op == "call_function" else node.op
         if p is None:
-            return f"this program's node {node.name} ({here}) is not in the plan"
-        if node.op == "call_function" and _SAME_OP.get(p.op, p.op) != _SAME_OP.get(here, here):
-            return f"node {node.name} is {here} here, {p.op} in the plan"
-        if tuple(p.shape) != tuple(val.shape):
-            return (
+            where = f"this program's node {node.name} ({here}) is not in the plan"
+        elif node.op == "call_function" and _SAME_OP.get(p.op, p.op) != _SAME_OP.get(here, here):
+            where = f"node {node.name} is {here} here, {p.op} in the plan"
+        elif tuple(p.shape) != tuple(val.shape):
+            where = (
                 f"node {node.name} ({here}) has shape {tuple(val.shape)} here, {tuple(p.shape)} in the plan"
             )
+        else:
+            continue
+        return where + _versions(plan, cap)
     gone = [n.name for n in plan.nodes if n.name not in seen]
     if gone:
-        return f"the plan's node {gone[0]} ({planned[gone[0]].op}) is not in this program"
-    return "every node has the plan's name, op and shape; the graph's structure differs"
+        where = f"the plan's node {gone[0]} ({planned[gone[0]].op}) is not in this program"
+    else:
+        where = "every node has the plan's name, op and shape; the graph's structure differs"
+    return where + _versions(plan, cap)
+
+
+def _versions(plan: Plan, cap: Captured) -> str:
+    """The torch versions that traced the plan's program and this one, where they differ."""
+    then, now = plan.info.get("traced_by"), traced_by(cap)
+    if then and then.split(" on ")[0] != now.split(" on ")[0]:
+        return f"; the plan was traced by {then}, this program by {now}"
+    return ""
 
 
 def lower(

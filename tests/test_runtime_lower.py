@@ -5,6 +5,7 @@ group is needed): the program each rank would run, read as code and as a graph."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -207,6 +208,12 @@ def test_plan_for_a_different_program_is_refused(gpt_megatron):
     # the message says where: the first input's shape
     half = (BATCH, SEQ // 2)
     assert f"node idx (placeholder) has shape {half} here, {(BATCH, SEQ)} in the plan" in str(err.value)
+    assert plan.info["traced_by"] == f"torch {torch.__version__} on cpu"
+    older = dataclasses.replace(plan, info={**plan.info, "traced_by": "torch 2.11.0 on cuda"})
+    with pytest.raises(
+        LoweringError, match=r"the plan was traced by torch 2\.11\.0 on cuda, this program by torch"
+    ):
+        lower(other, older, _axes(plan, (0,)), device="cpu")
 
 
 def test_axis_groups_must_match_the_plans_mesh(gpt_megatron):
