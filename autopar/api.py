@@ -26,6 +26,7 @@ from autopar.runtime.module import (
     mesh_axes,
 )
 from autopar.runtime.monitor import DEFAULT_TIMEOUT
+from autopar.runtime.step import group_names
 
 __all__ = ["parallelize", "plan"]
 
@@ -171,7 +172,7 @@ def _capture_step(
     info = RankInfo(
         primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
         num_outputs=0,
-        axis_names={ax.group_name: ax.name for ax in pm.axes},
+        axis_names=group_names(pm.axes),
         recompute=plan.recompute,
         **(_recompute_info(pm.captured, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
     )
@@ -233,7 +234,7 @@ def _parallelize_pipeline(
         )
     device = device_for_backend(dist.get_backend())
     axes, device_mesh, world_group = mesh_axes(
-        (pp, *plan.mesh_shape), ("pp", *plan.mesh_axes), device, timeout
+        (pp, *plan.mesh_shape), ("pp", *plan.mesh_axes), device, timeout, stage_from=1
     )
     pp_axis, stage_axes = axes[0], axes[1:]
     program = lower(cap, plan, stage_axes, device=device, stage_of=stage_of)
@@ -256,7 +257,7 @@ def _parallelize_pipeline(
     info = RankInfo(
         primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
         num_outputs=0,
-        axis_names={ax.group_name: ax.name for ax in stage_axes},
+        axis_names=group_names(stage_axes),
         recompute=plan.recompute,
         **(_recompute_info(cap, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
     )

@@ -119,7 +119,7 @@ class _Lowerer:
         self.np: dict[str, NodePlan] = {n.name: n for n in plan.nodes}
         self.g = Graph()
         self.env: dict[Node, Node] = {}
-        self.ax_nodes: dict[int, Node] = {}
+        self.ax_nodes: dict[int | str, Node] = {}
         self.reshard_memo: dict[tuple, Node] = {}
         self.sync_memo: dict[tuple, Node] = {}
         self.root = nn.Module()
@@ -142,6 +142,21 @@ class _Lowerer:
             with self.g.inserting_before(self._first_non_placeholder()):
                 self.ax_nodes[a] = self.g.get_attr(f"_ax{a}")
         return self.ax_nodes[a]
+
+    def sync_groups(self, axes: Sequence[int]) -> tuple[Node, ...]:
+        """The groups a gradient partial on ``axes`` is all-reduced over: one group spanning them
+        all where the mesh made it (``AxisGroup.combined``), as ``autopar.cost`` prices it (one
+        collective, bucketed with the others over the same axes), else one per axis."""
+        key = tuple(sorted(axes))
+        combined = self.axes[0].combined.get(key) if len(key) > 1 and self.axes else None
+        if combined is None:
+            return tuple(self.ax(a) for a in key)
+        attr = "_ax" + "_".join(str(a) for a in key)
+        if attr not in self.ax_nodes:
+            setattr(self.root, attr, combined)
+            with self.g.inserting_before(self._first_non_placeholder()):
+                self.ax_nodes[attr] = self.g.get_attr(attr)
+        return (self.ax_nodes[attr],)
 
     def store(self) -> Node:
         if self.store_node is None:
@@ -204,7 +219,7 @@ class _Lowerer:
         skey = (value, rest, self.pstage)
         synced = self.sync_memo.get(skey)
         if synced is None:
-            synced = self.g.call_function(C.grad_sync, (value, *(self.ax(a) for a in rest)))
+            synced = self.g.call_function(C.grad_sync, (value, *self.sync_groups(rest)))
             self.sync_memo[skey] = synced
         return synced
 
@@ -218,7 +233,7 @@ class _Lowerer:
         key = (producer, self.pstage)
         if key not in self.param_values:
             self.param_values[key] = self.g.call_function(
-                C.grad_sync, (self.env[producer], *(self.ax(a) for a in axes))
+                C.grad_sync, (self.env[producer], *self.sync_groups(axes))
             )
         return self.param_values[key]
 

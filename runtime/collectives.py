@@ -60,7 +60,7 @@ __all__ = [
 
 @dataclass(eq=False)
 class AxisGroup:
-    """One mesh axis as this rank sees it."""
+    """One mesh axis as this rank sees it, or (``parts``) several axes as one group."""
 
     axis: int
     name: str
@@ -73,6 +73,13 @@ class AxisGroup:
     counting: bool = True
     """Count collectives as they run (off while a program is traced: a traced program's
     collectives are counted from its graph each time it runs)."""
+    parts: tuple[AxisGroup, ...] = ()
+    """Of a group over several mesh axes: the single axes it spans (its collectives are counted
+    on each of them)."""
+    combined: dict[tuple[int, ...], AxisGroup] = field(default_factory=dict)
+    """Groups over several axes of this axis's mesh, by the axes' indices (one dict, shared by the
+    mesh's axes): a gradient partial on several axes is all-reduced once over all of them, as
+    ``autopar.cost`` prices it, not once per axis (``passes.lower``)."""
 
     def __repr__(self) -> str:
         return f"AxisGroup({self.name}, size={self.size}, coord={self.coord})"
@@ -84,7 +91,10 @@ class AxisGroup:
         return group.group_name
 
     def note(self, kind: str, direction: str) -> None:
-        if self.counting:
+        if self.parts:
+            for part in self.parts:
+                part.note(kind, direction)
+        elif self.counting:
             self.counts[f"{kind}/{direction}"] += 1
 
 

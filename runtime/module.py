@@ -26,6 +26,7 @@ Data-parallel weight gradients are all-reduced in buckets while backward runs
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -647,13 +648,22 @@ def check_world(plan: Plan | None, cluster: Cluster) -> int:
 
 
 def mesh_axes(
-    shape: Sequence[int], names: Sequence[str], device: torch.device, timeout: float = DEFAULT_TIMEOUT
+    shape: Sequence[int],
+    names: Sequence[str],
+    device: torch.device,
+    timeout: float = DEFAULT_TIMEOUT,
+    stage_from: int = 0,
 ) -> tuple[list[AxisGroup], Any, Any]:
     """This rank's view of every axis of the mesh ``shape`` (named ``names``) — its own process
     group, created with the collective ``timeout`` (seconds), and its coordinate — a
     ``DeviceMesh`` over those groups (for DTensor checkpoints) and a group of all ranks with the
     same timeout (input checks). Every rank must call this (groups are created collectively, in
-    the same order everywhere)."""
+    the same order everywhere).
+
+    Each set of two or more axes from ``stage_from`` on (the axes inside a pipeline stage), all
+    of more than one device, gets a group too (``AxisGroup.combined``, keyed by the axes' indices
+    counted from ``stage_from``): a gradient partial on several axes is all-reduced once over
+    them."""
     from torch.distributed.device_mesh import DeviceMesh
 
     shape = tuple(shape)
@@ -674,4 +684,21 @@ def mesh_axes(
     axes = [
         AxisGroup(axis=a, name=names[a], size=n, coord=coord[a], group=groups[a]) for a, n in enumerate(shape)
     ]
+    combined: dict[tuple[int, ...], AxisGroup] = {}
+    wide = [a for a in range(stage_from, len(shape)) if shape[a] > 1]
+    for k in range(2, len(wide) + 1):
+        for span_axes in itertools.combinations(wide, k):
+            others = [a for a in range(len(shape)) if a not in span_axes]
+            size = math.prod(shape[a] for a in span_axes)
+            mine, at = None, 0
+            for sub in ranks.permute(*others, *span_axes).reshape(-1, size).tolist():
+                g = dist.new_group(sub, timeout=span)
+                if rank in sub:
+                    mine, at = g, sub.index(rank)
+            parts = tuple(axes[a] for a in span_axes)
+            key = tuple(a - stage_from for a in span_axes)
+            name = "·".join(names[a] for a in span_axes)
+            combined[key] = AxisGroup(axis=-1, name=name, size=size, coord=at, group=mine, parts=parts)
+    for ax in axes:
+        ax.combined = combined
     return axes, mesh, world_group

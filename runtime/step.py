@@ -25,7 +25,14 @@ from torch.fx import GraphModule
 from autopar.runtime.collectives import AxisGroup
 from autopar.runtime.monitor import StepMonitor
 
-__all__ = ["FUNCTIONAL_COLLECTIVES", "StepProgram", "StepTimes", "collective_tally", "run_step"]
+__all__ = [
+    "FUNCTIONAL_COLLECTIVES",
+    "StepProgram",
+    "StepTimes",
+    "collective_tally",
+    "group_names",
+    "run_step",
+]
 
 _fc = torch.ops._c10d_functional
 FUNCTIONAL_COLLECTIVES = {
@@ -50,8 +57,11 @@ class CollectiveCall:
 
 
 def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str) -> list[CollectiveCall]:
-    """Every collective node of ``gm`` in program order."""
-    by_group = {ax.group_name: ax.axis for ax in axes}
+    """Every collective node of ``gm`` in program order (one per axis for a collective over a
+    group of several axes, ``AxisGroup.combined``)."""
+    by_group = {ax.group_name: (ax.axis,) for ax in axes}
+    for ax in _combined(axes):
+        by_group[ax.group_name] = tuple(p.axis for p in ax.parts)
     out = []
     for n in gm.graph.nodes:
         kind = FUNCTIONAL_COLLECTIVES.get(n.target) if n.op == "call_function" else None
@@ -61,8 +71,18 @@ def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str)
         inp = n.args[0]
         val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
         numel = val.numel() if isinstance(val, torch.Tensor) else 0
-        out.append(CollectiveCall(kind, by_group.get(group, -1), direction, numel))
+        out.extend(CollectiveCall(kind, a, direction, numel) for a in by_group.get(group, (-1,)))
     return out
+
+
+def _combined(axes: Sequence[AxisGroup]) -> list[AxisGroup]:
+    """The groups over several of ``axes``' mesh axes (``AxisGroup.combined``)."""
+    return list(axes[0].combined.values()) if axes else []
+
+
+def group_names(axes: Sequence[AxisGroup]) -> dict[str, str]:
+    """Process group name -> axis name, for ``axes`` and the groups over several of them."""
+    return {ax.group_name: ax.name for ax in (*axes, *_combined(axes))}
 
 
 def monitored_wait(x: torch.Tensor, monitor: StepMonitor, label: str) -> torch.Tensor:
@@ -146,7 +166,7 @@ class StepProgram:
             "fwd": collective_tally(self.forward, axes, "fwd"),
             "bwd": collective_tally(self.backward, axes, "bwd"),
         }
-        names = {ax.group_name: ax.name for ax in axes}
+        names = group_names(axes)
         _monitor_waits(self.forward, monitor, names, "fwd")
         _monitor_waits(self.backward, monitor, names, "bwd")
 
