@@ -69,3 +69,36 @@ def test_weights_synced_over_two_data_parallel_axes_are_all_reduced_once_over_bo
         assert len(res["groups"]) <= 2
         # counted on each axis it spans, as often on one as on the other
         assert res["counts"][0] == res["counts"][1] and res["counts"][0].get("all_reduce/bwd", 0) > 0
+
+
+def groups_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.runtime.module import mesh_axes
+
+    axes, _, _ = mesh_axes((2, 2, 2), ("pp", "dp", "tp"), torch.device("cpu"), stage_from=1)
+    out = {}
+    for key, ax in axes[0].combined.items():
+        members = [None] * ax.size
+        dist.all_gather_object(members, rank, group=ax.group)
+        out[key] = {
+            "members": members,
+            "coord": ax.coord,
+            "name": ax.name,
+            "parts": [p.name for p in ax.parts],
+        }
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_pipelined_mesh_gets_groups_over_its_stage_axes_only():
+    """pp × dp × tp = 2 × 2 × 2: one group over (dp, tp) per pipeline rank (keys count from the
+    first stage axis), none with pp in it; a rank's coordinate is its place in the group."""
+    results = spawn(groups_worker, 8, timeout=100)
+    for rank, res in enumerate(results):
+        assert list(res) == [(0, 1)], res
+        got = res[(0, 1)]
+        assert got["members"] == ([0, 1, 2, 3] if rank < 4 else [4, 5, 6, 7])
+        assert got["coord"] == rank % 4 and got["name"] == "dp·tp" and got["parts"] == ["dp", "tp"]
