@@ -31,7 +31,9 @@ class PlanConfig:
     count: the CUDA context (about 0.5 GiB), NCCL's buffers, the caching allocator's fragmentation.
     Ignored when ``memory_budget`` is given."""
     mesh_shape: tuple[int, ...] | None = None
-    """Fix the device mesh, e.g. ``(2, 8)``; ``None``: try every candidate mesh."""
+    """Fix the device mesh, e.g. ``(2, 8)``; ``None``: try every candidate mesh. With pipeline
+    parallelism it is the mesh inside a stage (``world / pp`` devices), so only pipelines of that
+    size are planned."""
     fixed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """``{name: spec}``: placements honored exactly, one per mesh axis, for parameters (their
     ``named_parameters`` names) or user inputs (``"input_ids"``, ``"args[0]"``), e.g.

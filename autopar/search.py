@@ -357,8 +357,14 @@ class _Search:
         cut); where not, the error says why (unless ``quiet``)."""
         cluster, world = self.cluster, self.cluster.world_size
         why = None
+        shape = self.config.mesh_shape
         if stage_cluster(cluster, pp) is None:
             why = f"{world} devices on {cluster.nodes} node(s) do not cut into {pp} equal stages"
+        elif shape is not None and math.prod(shape) * pp != world:
+            why = (
+                f"mesh_shape {shape} spans {math.prod(shape)} devices, a stage of {pp} has "
+                f"{world} / {pp} = {world / pp:g}"
+            )
         elif self.seam_count is not None and pp - 1 > self.seam_count:
             why = f"the model has {self.seam_count} seams"
         elif self.batch is None:
@@ -419,7 +425,7 @@ class _Search:
                 memory_budget=self.budget * pp,
                 activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
                 microbatches_per_sync=m,
-                mesh_shape=None,
+                mesh_shape=config.mesh_shape,  # the mesh inside a stage (``possible`` checked its size)
             )
             more = _more_microbatches(batch, pp, m) if escalate and len(ms) < 3 else None
             # A rank is busy at least m/pp of a micro-batch's compute path (``StrategyGraph.path_terms``):
@@ -541,6 +547,13 @@ def plan_model(
         pps = [1] + [d for d in range(2, cluster.nodes + 1) if cluster.nodes % d == 0]
     else:
         pps = [int(config.pp)]
+    if config.mesh_shape is not None and config.pp not in ("auto", "search"):  # the mesh inside a stage
+        stage, pp = math.prod(config.mesh_shape), pps[0]
+        if stage * pp != world:
+            raise ValueError(
+                f"mesh_shape {config.mesh_shape} spans {stage} devices, but the mesh inside a pipeline stage "
+                f"spans world / pp = {world} / {pp} = {world / pp:g}: give a mesh_shape of that many devices"
+            )
     whole = None
     if pps[0] == 1 and config.microbatches in (None, 1):
         # Meanwhile the model is exported with a symbolic batch and the first pipeline's graph made.

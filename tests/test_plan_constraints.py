@@ -111,3 +111,22 @@ def test_fixed_block_count_must_match_the_weights_split(make_gpt2, batch, a100x8
         autopar.plan(model, inputs, a100x8, mesh_shape=(8,), fixed={name: ("S(1)x5",)})
     plan = autopar.plan(model, inputs, a100x8, mesh_shape=(8,), fixed={name: ("S(1)x3",)})
     assert plan.param_placements(detailed=True)[name] == ("S(1)x3",)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_shape_with_a_pipeline_is_the_mesh_inside_a_stage(make_gpt):
+    """``pp=2, mesh_shape=(2, 2)`` on 8 devices: two stages of a 2 × 2 mesh, fixed specs on it
+    honored (the search used to drop the mesh and refuse the specs for its one-axis meshes); a
+    mesh of the wrong size is refused with the arithmetic."""
+    import torch
+
+    model = make_gpt(n_layer=2, n_head=4, n_embd=32, vocab_size=64)
+    inputs = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
+    cluster = autopar.Cluster.local(8)
+    fixed = {name: ("R", "R") for name, _ in model.named_parameters()}
+    fixed |= {"args[0]": ("S(0)", "S(0)"), "args[1]": ("S(0)", "S(0)")}
+    plan = autopar.plan(model, inputs, cluster, pp=2, microbatches=2, mesh_shape=(2, 2), fixed=fixed)
+    assert plan.pipeline is not None and plan.pipeline.pp == 2 and plan.mesh_shape == (2, 2)
+    assert set(plan.param_placements().values()) == {("R", "R")}
+    with pytest.raises(ValueError, match=r"mesh_shape \(8,\) spans 8 devices, .* world / pp = 8 / 2 = 4"):
+        autopar.plan(model, inputs, cluster, pp=2, microbatches=2, mesh_shape=(8,))
