@@ -716,7 +716,7 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
 
 def _written(value: torch.fx.Node) -> bool:
     """Something writes into ``value`` in place, directly or through views of it."""
-    from autopar.graph import OpFamily, op_family
+    from autopar.graph import OpFamily, op_family, written_inputs
 
     stack, seen = [value], set()
     while stack:
@@ -725,28 +725,17 @@ def _written(value: torch.fx.Node) -> bool:
             continue
         seen.add(v)
         for u in v.users:
-            if _writes_into(u, v):
+            if v in written_inputs(u):
                 return True
             if u.op == "call_function" and op_family(u) is OpFamily.VIEW:
                 stack.append(u)
     return False
 
 
-def _writes_into(user: torch.fx.Node, value: torch.fx.Node) -> bool:
-    """``user`` mutates ``value`` (an argument its schema marks as written)."""
-    schema = getattr(user.target, "_schema", None)
-    if schema is None:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        got = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-        if got is value and arg.alias_info is not None and arg.alias_info.is_write:
-            return True
-    return False
-
-
-_SAME_OP = {"aten.reshape.default": "aten.view.default"}
-"""Ops the fingerprint reads as one (``drop_layout_copies`` makes a ``view`` a ``reshape`` on one
-device where the other recorded no copy)."""
+SAME_OPS = {torch.ops.aten.reshape.default: torch.ops.aten.view.default}
+"""Ops the fingerprint (and ``passes.lower.program_difference``) reads as one:
+``drop_layout_copies`` makes a ``view`` a ``reshape`` on one device where the other recorded
+no copy."""
 
 
 def graph_fingerprint(graph: torch.fx.Graph) -> str:
@@ -755,7 +744,7 @@ def graph_fingerprint(graph: torch.fx.Graph) -> str:
     for n in graph.nodes:
         val = n.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ""
-        target = _SAME_OP.get(str(n.target), n.target)
+        target = SAME_OPS.get(n.target, n.target) if n.op == "call_function" else n.target
         h.update(f"{n.op}|{n.name}|{target}|{shape}\n".encode())
     return h.hexdigest()[:16]
 

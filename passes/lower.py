@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.capture import Captured, traced_by
+from autopar.capture import SAME_OPS, Captured, traced_by
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
@@ -524,7 +524,8 @@ def _install(root: nn.Module, target: str, obj: Any) -> None:
         setattr(mod, last, obj)
 
 
-_SAME_OP = {"reshape": "view", "_unsafe_view": "view"}
+_SAME_OP = {a.overloadpacket.__name__: b.overloadpacket.__name__ for a, b in SAME_OPS.items()}
+"""``SAME_OPS`` by op name, as a plan records ops."""
 
 
 def program_difference(plan: Plan, cap: Captured) -> str:
