@@ -34,6 +34,12 @@ such place into one form (the values are the same) and the fingerprint is taken 
 * A Python number written into a tensor (``x[:, 0] = 0``) is a lifted constant tensor and
   ``fill_`` on CPU and CUDA, ``scalar_tensor`` expanded and ``copy_``-ed on the meta device.
   ``canonical_scalars`` makes both ``scalar_tensor`` then ``fill_``.
+* A slice that keeps its whole dimension (``hidden[:, slice(-k, None)]`` with ``k = 0``, the
+  ``x[:]`` of a dimension) is recorded by export only where it cannot prove the slice whole:
+  with a symbolic batch it is kept on the batch dimension, with concrete sizes it is not. It is
+  the identity, yet a slice rule may not split the dimension it slices, so a micro-batch graph
+  would run everything after it replicated over data parallelism. ``drop_identity_slices``
+  removes every ``slice`` whose output is its input's size.
 * Node names are numbered again in graph order (``linear``, ``linear_1``, …), so a node removed or
   added above does not rename every node of its op below it.
 """
@@ -483,6 +489,19 @@ def specialise_batch(symbolic: torch.fx.GraphModule, batch: int) -> torch.fx.Gra
     gm.recompile()
     with _no_progress_thread():
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    # FakeTensorProp leaves two marks an export does not: it stores each value detached (give
+    # every node back the ``requires_grad`` its export recorded, where gradients flow), and it
+    # gives the output node a ``val``, which made the planner take the graph's outputs (the
+    # logits beside the loss) as a tensor it must deliver whole, so every micro-batch graph ran
+    # its LM head and loss replicated over data parallelism.
+    grads = {n.name: _val(n) is not None and _val(n).requires_grad for n in symbolic.graph.nodes}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            n.meta.pop("val", None)
+            continue
+        v = _val(n)
+        if v is not None and grads.get(n.name) and not v.requires_grad and v.is_floating_point():
+            n.meta["val"] = v.requires_grad_(True)
     return gm
 
 
@@ -567,6 +586,7 @@ def canonicalize(gm: torch.fx.GraphModule, constants: dict[str, Any]) -> None:
     """The captured graph in its device-independent form (module docstring: canonical graph);
     ``constants`` (lifted constant placeholder name -> tensor) loses the constants no longer read."""
     drop_layout_copies(gm)
+    drop_identity_slices(gm)
     canonical_scalars(gm, constants)
     renumber_names(gm)
 
@@ -706,6 +726,31 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
                 u.target = aten.reshape.default
             elif op_family(u) is OpFamily.VIEW:
                 frontier.extend(u.users)
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
+
+
+def drop_identity_slices(gm: torch.fx.GraphModule) -> int:
+    """Remove each ``slice`` (step 1) whose output has its input's shape: the identity (module
+    docstring: canonical graph). A slice something writes into stays (its writes reach the source
+    through the view; the copy that replaces it would not be the same tensor). Returns how many
+    were removed."""
+    aten = torch.ops.aten
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.slice.Tensor:
+            continue
+        src = node.args[0]
+        step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+        out, inp = _val(node), _val(src) if isinstance(src, torch.fx.Node) else None
+        if step != 1 or out is None or inp is None or tuple(out.shape) != tuple(inp.shape):
+            continue
+        if _written(node):
+            continue
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
         dropped += 1

@@ -109,8 +109,10 @@ def annotate_tensors(gm: GraphModule, ctx: PassContext) -> GraphModule:
             val = node.meta.get("val")
             grad[node] = kind == "param" and isinstance(val, torch.Tensor) and val.is_floating_point()
         elif node.op == "output":
-            kind, fqn, module = "output", "", ""
+            # The output node produces nothing (a ``val`` on it, as FakeTensorProp leaves, is its
+            # inputs' values): no record, so no strategy asks for the graph's outputs whole.
             grad[node] = False
+            continue
         else:
             kind, fqn, module = "op", "", _module_of(node)
             ins = [i for i in node.all_input_nodes]

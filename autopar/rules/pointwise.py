@@ -154,3 +154,20 @@ def _pointwise(node: Node, ins: list[Node]) -> list[AxisStrategy]:
                     continue
                 strategies.append(AxisStrategy(tuple(P if i is partial_in else R for i in ins), (P,)))
     return strategies
+
+
+@register(aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty)
+def _new_tensor(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """``x.new_ones(size)`` and its kin read only ``x``'s dtype and device, so ``x`` may arrive in
+    any placement; the output, a constant of the given size, is whole (the size argument stays
+    global) or split along any dimension (the lowering gives each device its local size)."""
+    if len(ins) != 1 or not isinstance(node.meta.get("val"), torch.Tensor):
+        return []
+    src_shape, out_shape = shape_of(ins[0]), shape_of(node)
+    src = [Shard(d) for d in range(len(src_shape)) if src_shape[d] > 1] + [P]
+    out = [AxisStrategy((s,), (R,)) for s in src]
+    out += [AxisStrategy((R,), (Shard(d),)) for d in range(len(out_shape)) if out_shape[d] > 1]
+    # A split input beside an output split the same way (x.new_zeros(x.shape)): no gather first.
+    if src_shape == out_shape:
+        out += [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(len(out_shape)) if out_shape[d] > 1]
+    return out

@@ -10,6 +10,7 @@ from autopar.ir import Rewrite
 from autopar.placement import Partial, Replicate, Shard
 from autopar.rules.base import (
     AxisStrategy,
+    arg,
     norm_dim,
     op_key,
     register,
@@ -83,3 +84,17 @@ def _along_dim(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     rank = len(shape_of(src))
     dim = norm_dim(node.args[1], rank)
     return [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(rank) if d != dim and shape_of(src)[d] > 1]
+
+
+@register(aten.diff)
+def _diff(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """``diff(x, n, dim, prepend, append)``: differences along ``dim``, so any other dimension
+    splits; ``prepend``/``append`` (tensors shaped as ``x`` but along ``dim``) split alike."""
+    src = node.args[0]
+    shape = shape_of(src)
+    dim = norm_dim(arg(node, "dim", -1), len(shape))
+    return [
+        AxisStrategy(tuple(Shard(d) for _ in ins), (Shard(d),))
+        for d in range(len(shape))
+        if d != dim and shape[d] > 1
+    ]
