@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -27,6 +28,41 @@ __all__ = ["PROFILE_VERSION", "Cluster", "DeviceSpec", "Link", "load_profile", "
 TB = 1e12
 GB = 1e9
 GiB = 1 << 30
+
+
+def _number(owner: str, what: str, value: Any, *, unit: str, fix: str, zero_ok: bool = False) -> None:
+    """Raise unless ``value`` is a finite real number > 0 (>= 0 with ``zero_ok``): a NaN or an
+    infinity would make every cost it enters NaN, zero or infinite and the plan meaningless."""
+    bound = ">= 0" if zero_ok else "> 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"{owner}: {what} must be a number of {unit} {bound}, got {value!r} "
+            f"({type(value).__name__}); {fix}"
+        )
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        why = (
+            "not finite: every cost it enters would be NaN, zero or infinite"
+            if not math.isfinite(value)
+            else ("negative" if value < 0 else "zero")
+        )
+        raise ValueError(
+            f"{owner}: {what} must be a finite number of {unit} {bound}, got {value} ({why}); {fix}"
+        )
+
+
+def _count(owner: str, what: str, value: Any, *, fix: str) -> int:
+    """``value`` as an ``int`` >= 1, or raise: a count of devices or NICs is a whole number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"{owner}: {what} must be a whole number >= 1, got {value!r} ({type(value).__name__}); {fix}"
+        )
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(
+            f"{owner}: {what} must be a whole number >= 1, got {value} (not a whole number); {fix}"
+        )
+    if value < 1:
+        raise ValueError(f"{owner}: {what} must be a whole number >= 1, got {value}; {fix}")
+    return int(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,38 +113,48 @@ class DeviceSpec:
     per-tensor bookkeeping) on top of its memory-bound update."""
 
     def __post_init__(self) -> None:
-        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
-            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops must be positive, got {self.peak_flops}")
-        if self.memory_bandwidth <= 0 or self.memory <= 0:
+        owner = f"DeviceSpec {self.name!r}"
+        measure = "use the datasheet figure or measure it with autopar.runtime.calibrate"
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise ValueError(
-                f"DeviceSpec {self.name!r}: memory_bandwidth ({self.memory_bandwidth}) and memory "
-                f"({self.memory}) must be positive"
+                f"{owner}: peak_flops must map dtype names to FLOP/s, e.g. {{'float32': 19.5e12}}, "
+                f"got {self.peak_flops!r}"
             )
+        for dtype, v in self.peak_flops.items():
+            _number(owner, f"peak_flops[{dtype!r}]", v, unit="FLOP/s", fix=measure)
+        _number(owner, "memory_bandwidth", self.memory_bandwidth, unit="bytes/s", fix=measure)
+        _number(
+            owner,
+            "memory",
+            self.memory,
+            unit="bytes",
+            fix="give the device's memory in bytes, e.g. 80 * autopar.cluster.GiB",
+        )
         for what, v in (
             ("compute_efficiency", self.compute_efficiency),
             ("memory_efficiency", self.memory_efficiency),
         ):
-            if not 0 < v <= 1:
-                raise ValueError(f"DeviceSpec {self.name!r}: {what} must be in (0, 1], got {v}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v <= 1:
+                raise ValueError(
+                    f"{owner}: {what} must be in (0, 1] (a fraction of the peak), got {v!r}; {measure}"
+                )
         for what, v in (
             ("attention_efficiency", self.attention_efficiency),
             ("attention_bwd_efficiency", self.attention_bwd_efficiency),
         ):
-            if not 0 <= v <= 1:
-                raise ValueError(f"DeviceSpec {self.name!r}: {what} must be in [0, 1] (0: default), got {v}")
-        for what in (
-            "matmul_k_half",
-            "sm_count",
-            "attention_seq_half",
-            "attention_bwd_seq_half",
-            "attention_causal_seq_half",
-            "kernel_overhead",
-            "host_overhead",
-            "optimizer_overhead",
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v <= 1:
+                raise ValueError(f"{owner}: {what} must be in [0, 1] (0: default), got {v!r}; {measure}")
+        for what, unit in (
+            ("matmul_k_half", "K-steps"),
+            ("sm_count", "compute units"),
+            ("attention_seq_half", "keys"),
+            ("attention_bwd_seq_half", "keys"),
+            ("attention_causal_seq_half", "keys"),
+            ("kernel_overhead", "seconds"),
+            ("host_overhead", "seconds"),
+            ("optimizer_overhead", "seconds"),
         ):
-            v = getattr(self, what)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"DeviceSpec {self.name!r}: {what} must be finite and >= 0, got {v}")
+            _number(owner, what, getattr(self, what), unit=unit, fix="0 leaves it unmodelled", zero_ok=True)
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s for ``dtype``; integer and unknown dtypes use the float32 figure."""
@@ -157,10 +203,16 @@ class Link:
         return None
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0:
-            raise ValueError(
-                f"Link {self.name!r}: bandwidth ({self.bandwidth}) must be > 0 and latency ({self.latency}) >= 0"
-            )
+        owner = f"Link {self.name!r}"
+        measure = "use the link's datasheet figure or measure it with autopar.runtime.calibrate"
+        _number(owner, "bandwidth", self.bandwidth, unit="bytes/s", fix=measure)
+        _number(owner, "latency", self.latency, unit="seconds", fix=measure, zero_ok=True)
+        for row in self.measured:
+            _collective, n, a, b = row
+            where = f"measured row {row!r}"
+            _count(owner, f"{where}: devices", n, fix="a row is (collective, devices, α seconds, β s/byte)")
+            _number(owner, f"{where}: α", a, unit="seconds", fix="measure again", zero_ok=True)
+            _number(owner, f"{where}: β", b, unit="seconds per byte", fix="measure again", zero_ok=True)
 
 
 # How fast real kernels run, per device generation (DeviceSpec fields; the formulas are
@@ -277,14 +329,49 @@ class Cluster:
     """Free-form provenance (e.g. how a local profile was measured)."""
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node < 1 or self.nodes < 1:
-            raise ValueError(
-                f"Cluster needs at least one device: gpus_per_node={self.gpus_per_node}, nodes={self.nodes}"
+        # A count given as a whole float (8.0, from a JSON file) is taken as the int it is.
+        arithmetic = (
+            f"world size = nodes({self.nodes}) × gpus_per_node({self.gpus_per_node}): a Cluster needs at "
+            "least one device and counts whole devices"
+        )
+        object.__setattr__(
+            self,
+            "gpus_per_node",
+            _count(
+                "Cluster",
+                "gpus_per_node",
+                self.gpus_per_node,
+                fix=f"{arithmetic}; give the number of devices in one node",
+            ),
+        )
+        object.__setattr__(
+            self,
+            "nodes",
+            _count(
+                "Cluster",
+                "nodes",
+                self.nodes,
+                fix=f"{arithmetic}; give the number of machines",
+            ),
+        )
+        if self.nics_per_node is not None:
+            object.__setattr__(
+                self,
+                "nics_per_node",
+                _count(
+                    "Cluster",
+                    "nics_per_node",
+                    self.nics_per_node,
+                    fix="give the inter-node NICs per node, or None for one per GPU",
+                ),
             )
-        if self.nics_per_node is not None and self.nics_per_node < 1:
-            raise ValueError(
-                f"Cluster: nics_per_node must be at least 1 (or None: one per GPU), got {self.nics_per_node}"
-            )
+        for what, v, cls in (
+            ("device", self.device, DeviceSpec),
+            ("intra_node", self.intra_node, Link),
+            ("inter_node", self.inter_node, Link),
+        ):
+            if not isinstance(v, cls):
+                raise ValueError(f"Cluster: {what} must be a {cls.__name__}, got {type(v).__name__}")
 
     @property
     def world_size(self) -> int:
@@ -393,10 +480,12 @@ class Cluster:
         with the measured numbers. ``overlap_comm`` (default: when the machine has a spare core for
         each process's gloo thread, ``2 · world_size <= os.cpu_count()``): see ``Cluster``.
         """
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+            raise ValueError(
+                f"Cluster.local needs world_size >= 1 (a whole number of processes), got {world_size!r}"
+            )
         if overlap_comm is None:
             overlap_comm = 2 * world_size <= (os.cpu_count() or 1)
-        if world_size < 1:
-            raise ValueError(f"Cluster.local needs world_size >= 1, got {world_size}")
         dev = DeviceSpec(
             name="cpu-process",
             peak_flops={"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
@@ -421,6 +510,8 @@ class Cluster:
 
     def validate_mesh(self, mesh_shape: tuple[int, ...]) -> None:
         """Raise ``ValueError`` with the arithmetic when ``mesh_shape`` does not cover the cluster."""
+        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in mesh_shape):
+            raise ValueError(f"mesh_shape {mesh_shape} must be whole numbers of devices per axis")
         if any(n < 1 for n in mesh_shape):
             raise ValueError(f"mesh_shape {mesh_shape} has an axis smaller than 1")
         total = math.prod(mesh_shape)

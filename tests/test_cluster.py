@@ -109,3 +109,65 @@ def test_dict_round_trip():
     assert again == cl
     assert again.device.compute_efficiency == 0.5
     assert "3 node(s) × 4 H100-SXM" in cl.describe()
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "why"),
+    [
+        ({"link_bandwidth": NAN}, "bandwidth", "not finite"),
+        ({"link_bandwidth": INF}, "bandwidth", "not finite"),
+        ({"link_latency": NAN}, "latency", "not finite"),
+        ({"link_latency": INF}, "latency", "not finite"),
+        ({"link_latency": -1e-6}, "latency", "negative"),
+        ({"memory": NAN}, "memory", "not finite"),
+        ({"memory": 0}, "memory", "zero"),
+        ({"flops": NAN}, "peak_flops['float32']", "not finite"),
+        ({"flops": INF}, "peak_flops['float32']", "not finite"),
+        ({"memory_bandwidth": NAN}, "memory_bandwidth", "not finite"),
+    ],
+)
+def test_non_finite_or_non_positive_figures_are_refused_naming_the_field(kwargs, field, why):
+    """A NaN link bandwidth used to plan with zero communication; every figure is checked."""
+    with pytest.raises(ValueError) as err:
+        Cluster.local(2, **kwargs)
+    msg = str(err.value)
+    assert f"{field} must be a finite number" in msg and why in msg
+    assert "measure it with autopar.runtime.calibrate" in msg or "bytes" in msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpus_per_node": 2.5}, "gpus_per_node must be a whole number >= 1, got 2.5 (not a whole number)"),
+        ({"nodes": 0}, "nodes must be a whole number >= 1, got 0"),
+        ({"nodes": NAN}, "nodes must be a whole number >= 1, got nan"),
+        ({"nics_per_node": 1.5}, "nics_per_node must be a whole number >= 1, got 1.5"),
+        ({"gpus_per_node": "8"}, "gpus_per_node must be a whole number >= 1, got '8' (str)"),
+    ],
+)
+def test_counts_must_be_whole_numbers(kwargs, message):
+    args = {"gpus_per_node": 8, "nodes": 1, **kwargs}
+    with pytest.raises(ValueError) as err:
+        Cluster.preset("A100-80GB", **args)
+    assert message in str(err.value)
+    assert "world size = nodes(" in str(err.value) or "nics_per_node" in message
+
+
+def test_whole_float_counts_are_taken_as_ints():
+    cl = Cluster.preset("A100-80GB", gpus_per_node=8.0, nodes=2.0)
+    assert cl.world_size == 16 and isinstance(cl.gpus_per_node, int) and isinstance(cl.nodes, int)
+
+
+def test_device_overheads_and_measured_rows_are_checked():
+    base = Cluster.preset("H100-SXM")
+    with pytest.raises(ValueError, match="kernel_overhead must be a finite number of seconds >= 0, got nan"):
+        base.with_device(kernel_overhead=NAN)
+    with pytest.raises(ValueError, match="compute_efficiency must be in"):
+        base.with_device(compute_efficiency=NAN)
+    with pytest.raises(ValueError, match="β must be a finite number"):
+        Link(name="x", bandwidth=1e9, latency=1e-6, measured=(("all_reduce", 2, 1e-5, NAN),))
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        Cluster.local(2.5)
