@@ -304,6 +304,8 @@ def megatron(
     for fqn, n in experts.items():
         if n % ep:
             raise ValueError(f"ep={ep} does not divide the {n} experts of {fqn}")
+    if tp > 1:
+        _check_tp_divides(cap.gm.graph, roles, tp, world)
     mesh, axis_names, axis = megatron_mesh(dp, tp, ep)
     t_axis = axis.get("tp")
     e_axis = axis.get("ep")
@@ -396,6 +398,40 @@ def megatron(
     )
     plan.mesh_axes = axis_names
     return plan
+
+
+def _check_tp_divides(graph: torch.fx.Graph, roles: dict[str, str], tp: int, world: int) -> None:
+    """Raise, before any planning, where tensor parallelism cannot split a weight Megatron-LM
+    splits: the dimension it cuts must divide by ``tp``. Names every such weight with its
+    arithmetic and the tensor-parallel sizes that would divide them all."""
+    shapes = {
+        n.meta[TENSOR].fqn: n.meta[TENSOR].shape
+        for n in graph.nodes
+        if n.op == "placeholder" and n.meta.get(TENSOR) is not None and n.meta[TENSOR].kind == "param"
+    }
+    split: dict[str, tuple[int, int]] = {}  # fqn -> (dim, size)
+    for fqn, role in roles.items():
+        if fqn not in shapes or role == "row_bias":
+            continue
+        d = int(role.split(":")[1]) if role.startswith(("col:", "row:")) else 0
+        split[fqn] = (d, shapes[fqn][d])
+    bad = {fqn: ds for fqn, ds in split.items() if ds[1] % tp}
+    if not bad:
+        return
+    sizes = sorted({size for _, size in split.values()})
+    fits = [t for t in range(1, world + 1) if world % t == 0 and all(size % t == 0 for size in sizes)]
+    shown = [
+        f"{fqn} {shapes[fqn]}: dimension {d} = {size}, {size} / {tp} = {size / tp:g}"
+        for fqn, (d, size) in bad.items()
+    ]
+    more = f" (and {len(shown) - 4} more)" if len(shown) > 4 else ""
+    raise ValueError(
+        f"megatron(tp={tp}): tensor parallelism splits each column-parallel weight's output dimension, each "
+        f"row-parallel weight's input dimension and the vocabulary into tp={tp} pieces, and {len(bad)} "
+        f"weight(s) have a size that does not divide by {tp}: {'; '.join(shown[:4])}{more}. The sizes "
+        f"tensor parallelism splits here are {sizes}; tp must divide all of them: tp in {fits} would "
+        f"(on {world} devices), or change the model's hidden, head or vocabulary sizes to multiples of {tp}"
+    )
 
 
 def _distributed_optimizer_spec(

@@ -39,6 +39,7 @@ __all__ = [
     "parse_placement",
     "parse_spec",
     "shard_slices",
+    "spec_problem",
 ]
 
 
@@ -128,6 +129,44 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
                 )
             out[p.dim] //= n
     return tuple(out)
+
+
+def spec_problem(
+    shape: Sequence[int],
+    spec: Spec,
+    mesh_shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] | None = None,
+) -> str | None:
+    """Why ``spec`` is not a layout of a tensor of ``shape`` (on ``mesh_shape``), in words with
+    the arithmetic, or ``None``. Without ``mesh_shape`` only what holds on any mesh is checked:
+    every sharded dimension exists."""
+    shape = tuple(shape)
+    for p in spec:
+        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+            have = f"dimensions 0..{len(shape) - 1}" if shape else "no dimensions (a scalar)"
+            return f"dimension {p.dim} does not exist: shape {shape} has {have}"
+        if isinstance(p, Shard) and p.blocks < 1:
+            return f"{p} has {p.blocks} blocks; a block count is at least 1"
+    if mesh_shape is None:
+        return None
+    if len(spec) != len(mesh_shape):
+        return f"{len(spec)} placement(s) for a mesh of {len(mesh_shape)} axes {tuple(mesh_shape)}"
+    cur = list(shape)
+    for a, (p, n) in enumerate(zip(spec, mesh_shape)):
+        if not isinstance(p, Shard):
+            continue
+        name = f"mesh axis {a}" + (f" ({axis_names[a]})" if axis_names else "") + f" of {n} devices"
+        pieces = n * p.blocks
+        if cur[p.dim] % pieces:
+            what = f"{n} pieces" if p.blocks == 1 else f"{p.blocks} blocks × {n} pieces = {pieces}"
+            return (
+                f"{p} on {name} cuts dimension {p.dim} (size {cur[p.dim]}"
+                + (f" here, {shape[p.dim]} before earlier axes cut it" if cur[p.dim] != shape[p.dim] else "")
+                + f") into {what}, and {cur[p.dim]} / {pieces} = {cur[p.dim] / pieces:g} is not whole: "
+                f"a sharded dimension's size must divide by the devices (and blocks) it is cut into"
+            )
+        cur[p.dim] //= n
+    return None
 
 
 def divides(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:

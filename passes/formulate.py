@@ -43,7 +43,7 @@ from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
 from autopar.passes.annotate import grad_sync_share
-from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec
+from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec, spec_problem
 from autopar.reshard import bucketed_grad_sync, grad_sync_axes
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
@@ -58,6 +58,11 @@ def parse_fixed(cap: Captured, config: PlanConfig, n_axes: int) -> dict[str, Spe
         return {}
     alias_to_first = {a: first for first, names in cap.param_aliases.items() for a in names}
     known = set(cap.params.values()) | set(cap.inputs.values())
+    shapes = {
+        (cap.params.get(n.name) or cap.inputs.get(n.name)): tuple(n.meta["val"].shape)
+        for n in cap.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    }
     out = {}
     for name, spec in config.fixed.items():
         first = alias_to_first.get(name, name)
@@ -68,6 +73,10 @@ def parse_fixed(cap: Captured, config: PlanConfig, n_axes: int) -> dict[str, Spe
                 f"{sorted(cap.inputs.values())}; similar parameters: {close})"
             )
         parsed = parse_spec(spec)
+        shape = shapes.get(first)
+        problem = spec_problem(shape, parsed) if shape is not None else None
+        if problem is not None:
+            raise ValueError(f"fixed spec {format_spec(parsed)} for {name!r} is not a layout: {problem}")
         if len(parsed) != n_axes:
             raise ValueError(
                 f"fixed spec for {name!r} has {len(parsed)} entries but the mesh has {n_axes} axes; give one "
@@ -204,10 +213,12 @@ class _Builder:
                             d.allowed[k] = False
                     if not any(d.allowed):
                         near = sorted({",".join(format_spec(s.outputs[0])) for s in ns.strategies})
+                        why = spec_problem(info.shape, want, self.mesh.shape) or (
+                            "no strategy of its op produces it (a block count must match the weight's split)"
+                        )
                         raise ValueError(
                             f"fixed placement {format_spec(want)} for {info.fqn} is not a valid layout of "
-                            f"shape {info.shape} on mesh {self.mesh.shape} (a sharded dimension must divide "
-                            f"evenly; block counts must match the weight's split): valid layouts are {near}"
+                            f"shape {info.shape} on mesh {self.mesh.shape}: {why}; valid layouts are {near}"
                         )
             d = self.decisions[ci]
             d.members = (*d.members, n.name)

@@ -265,3 +265,55 @@ def test_distributed_optimizer_layout_trains_like_one_process():
         (ref, ref_state), (result["losses"], result["state"]), "adamw", "ep=2 + dist-opt"
     )
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------ errors naming the knob
+
+
+def test_megatron_tp_that_does_not_divide_the_hidden_size_names_tp_and_the_sizes():
+    """Hidden size 66 under tp=4: the error used to be the solver's "fixed placement ('S(0)',) for
+    blocks.0.attn.qkv.weight is not a valid layout of shape (198, 66)"; it names tp and the sizes."""
+    import torch
+
+    from autopar.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=6, n_embd=66))
+    idx = torch.randint(0, 64, (4, 16))
+    with pytest.raises(ValueError) as err:
+        autopar.layouts.megatron(model, (idx, idx), autopar.Cluster.local(4), tp=4)
+    msg = str(err.value)
+    assert msg.startswith("megatron(tp=4):"), msg
+    assert "blocks.0.attn.qkv.weight (198, 66): dimension 0 = 198, 198 / 4 = 49.5" in msg
+    assert "tp must divide all of them: tp in [1, 2]" in msg
+    assert "not a valid layout" not in msg
+    # The pipelined layout checks the same before planning its stages.
+    with pytest.raises(ValueError, match=r"megatron\(tp=2\):"):
+        model3 = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=33))
+        autopar.layouts.megatron(model3, (idx, idx), autopar.Cluster.local(4), tp=2, pp=2, microbatches=2)
+
+
+def test_fixed_placement_on_a_dimension_that_does_not_exist_says_so():
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(66, 66))
+    x = torch.randn(8, 66)
+    with pytest.raises(ValueError) as err:
+        autopar.plan(model, (x,), autopar.Cluster.local(2), fixed={"0.weight": ("S(9)",)}, pp=1)
+    msg = str(err.value)
+    assert "dimension 9 does not exist: shape (66, 66) has dimensions 0..1" in msg
+    assert "must divide" not in msg
+
+
+def test_fixed_placement_that_does_not_divide_gives_the_arithmetic():
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(66, 66))
+    x = torch.randn(8, 66)
+    with pytest.raises(ValueError) as err:
+        autopar.plan(
+            model, (x,), autopar.Cluster.local(4), fixed={"0.weight": ("S(0)",)}, mesh_shape=(4,), pp=1
+        )
+    msg = str(err.value)
+    assert "cuts dimension 0 (size 66) into 4 pieces, and 66 / 4 = 16.5 is not whole" in msg
