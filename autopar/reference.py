@@ -1,5 +1,7 @@
 """Predictions against measurements: the cost model checked on the reference rows in
 ``reference/`` (measured on one H100-SXM, PyTorch 2.11, bf16, eager; each file's header says how).
+The folder is installed as the package ``autopar.reference_data`` and every ``*.csv`` in it ships
+in the wheel: read a file through ``data_path(name)``, never by a path relative to the checkout.
 
 * ``h100_matmul.csv`` — dense bf16 ``torch.matmul`` of ``M×K @ K×N`` in TFLOP/s: checks the GEMM
   efficiency curve (``autopar.cost.compute.gemm_efficiency``).
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from autopar import reference_data
 from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
@@ -39,14 +42,24 @@ __all__ = [
     "StepRow",
     "build_step_model",
     "check_calibration",
+    "data_path",
     "format_comparisons",
     "predict_step",
     "read_matmul_rows",
     "read_step_rows",
 ]
 
-REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"
-"""The measured reference files shipped with the repository."""
+REFERENCE_DIR = Path(reference_data.__file__).resolve().parent
+"""The measured reference files: ``reference/`` in a checkout, ``autopar/reference_data/`` installed."""
+
+
+def data_path(name: str) -> Path:
+    """The reference file ``name`` (e.g. ``"h100_matmul.csv"``), wherever autopar is installed."""
+    path = REFERENCE_DIR / name
+    if not path.is_file():
+        have = ", ".join(sorted(p.name for p in REFERENCE_DIR.glob("*.csv")))
+        raise FileNotFoundError(f"no reference file {name!r} in {REFERENCE_DIR} (it has: {have})")
+    return path
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,13 +113,13 @@ def _rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
 
 
 def read_matmul_rows(path: str | os.PathLike[str] | None = None) -> list[MatmulRow]:
-    rows = _rows(path or REFERENCE_DIR / "h100_matmul.csv")
+    rows = _rows(path or data_path("h100_matmul.csv"))
     return [MatmulRow(m=int(r["M"]), n=int(r["N"]), k=int(r["K"]), tflops=float(r["tflops"])) for r in rows]
 
 
 def read_step_rows(path: str | os.PathLike[str] | None = None) -> list[StepRow]:
     out = []
-    for r in _rows(path or REFERENCE_DIR / "h100_training_steps.csv"):
+    for r in _rows(path or data_path("h100_training_steps.csv")):
         out.append(
             StepRow(
                 model=r["model"],

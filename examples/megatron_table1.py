@@ -23,14 +23,14 @@ import argparse
 import csv
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig
+from autopar.reference import data_path
 
-CSV = Path(__file__).resolve().parents[1] / "reference" / "megatron_gpt_weak_scaling.csv"
+CSV = data_path("megatron_gpt_weak_scaling.csv")
 SEQ, VOCAB = 2048, 51200
 
 
