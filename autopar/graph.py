@@ -22,17 +22,19 @@ import enum
 from dataclasses import dataclass
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 __all__ = [
     "OPS",
     "OpFamily",
     "OpInfo",
     "is_tensor_node",
+    "mutates",
     "op_family",
     "op_info",
     "op_name",
     "outer_instance",
+    "output_node",
     "tensor_inputs",
     "tensor_outputs",
     "written_inputs",
@@ -229,6 +231,20 @@ def written_inputs(node: Node) -> list[Node]:
         if i < len(node.args) and isinstance(node.args[i], Node) and node.args[i] not in out:
             out.append(node.args[i])
     return out
+
+
+def mutates(n: Node) -> bool:
+    """True for an op that writes into one of its arguments (``add_``, a training ``batch_norm``
+    updating its running statistics)."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
+
+
+def output_node(gm: GraphModule) -> Node:
+    """The graph's ``output`` node."""
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
 def is_tensor_node(n: Node) -> bool:

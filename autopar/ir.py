@@ -12,6 +12,10 @@ tables, annotating a fresh capture as needed; ``print(plan)`` summarises the thi
    the N-D strategies the solver may pick from, each with its per-device cost).
 3. **planned** — a :class:`autopar.plan.Plan`: one strategy per node, the reshards between them.
 4. **lowered** — per-rank graph with local shapes and collectives as nodes (``passes.lower``).
+5. **stepped** — the whole training step as one per-rank graph (``passes.joint``): every node's
+   :class:`Phase` in ``node.meta[PHASE]``, what the rank-program passes read besides the graph
+   (:class:`RankInfo`) in ``gm.meta[RANK]``; partitioned into the ``StepProgram`` the runtime runs
+   (``autopar.program.records``).
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ from autopar.placement import Spec
 
 __all__ = [
     "COST",
+    "PHASE",
+    "RANK",
     "STRATEGIES",
     "TENSOR",
     "FusionKind",
     "NodeCost",
     "NodeStrategies",
+    "Phase",
+    "PrimalInfo",
+    "RankInfo",
     "Rewrite",
     "Strategy",
     "TensorInfo",
@@ -152,3 +161,53 @@ class NodeStrategies:
     """The follower's strategies only make sense together with its leader's (a mixture-of-experts
     region, ``autopar.rules.routing``): a pass that drops strategies drops them jointly and never
     re-derives the follow map."""
+
+
+# ------------------------------------------------------------------ the joint program (passes.joint)
+
+PHASE = "autopar.phase"
+"""``node.meta`` key of a joint program's node: its :class:`Phase`."""
+
+
+class Phase(str, enum.Enum):
+    """Whether a node of the joint program runs in the forward program (needed for the outputs)
+    or in the backward program (the rest); a node a pass moves or copies into backward is ``BWD``."""
+
+    FWD = "fwd"
+    BWD = "bwd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class PrimalInfo:
+    """What one primal is, for the rank-program passes."""
+
+    kind: str
+    """``param``, ``buffer``, ``input`` or ``const``."""
+    name: str
+    """Parameter/buffer FQN or user input path."""
+    zero_stage: int = 0
+    """ZeRO stage of a parameter stored sharded and gathered for use (0 otherwise)."""
+
+
+RANK = "autopar.rank"
+"""``gm.meta`` key of the joint program's :class:`RankInfo`."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What the rank-program passes read besides the graph (``gm.meta[RANK]``)."""
+
+    primals: tuple[PrimalInfo, ...]
+    num_outputs: int
+    axis_names: dict[str, str]
+    """Process-group name -> mesh axis name (``dp``, ``tp`` …)."""
+    recompute: str = "none"
+    """The plan's activation recomputation (``passes.recompute.recompute_layers``)."""
+    layer_of: dict[str, str] = field(default_factory=dict)
+    """Captured node name -> the repeated-layer instance it belongs to (``transformer.h.3``)."""
+    recompute_sources: frozenset[str] = frozenset()
+    """Captured nodes the plan recomputes (``passes.strategies.recomputed``: the rule the plan
+    was costed with)."""

@@ -25,7 +25,6 @@ Words:
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,10 +32,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from autopar.graph import mutates, output_node
+from autopar.ir import PHASE, RANK, Phase, PrimalInfo, RankInfo
 from autopar.runtime.step import StepProgram
 
 __all__ = [
-    "PHASE",
+    "PHASE",  # the joint program's records are autopar.ir's, named here too
     "RANK",
     "JointProgram",
     "Partitioned",
@@ -48,16 +49,6 @@ __all__ = [
     "partition",
     "trace_joint",
 ]
-
-PHASE = "autopar.phase"
-
-
-class Phase(str, enum.Enum):
-    FWD = "fwd"
-    BWD = "bwd"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
@@ -175,19 +166,6 @@ def placeholders(jp: JointProgram) -> tuple[list[Node], list[Node]]:
     """(primal placeholders, tangent placeholders) of ``jp.gm``."""
     phs = [n for n in jp.gm.graph.nodes if n.op == "placeholder"]
     return phs[: jp.num_primals], phs[jp.num_primals :]
-
-
-def output_node(gm: GraphModule) -> Node:
-    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-
-
-def mutates(n: Node) -> bool:
-    """True for an op that writes into one of its arguments (``add_``, a training ``batch_norm``
-    updating its running statistics)."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    return schema is not None and any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
 
 
 def _forward_mutations(gm: GraphModule, num_primals: int) -> list[Node]:
@@ -310,39 +288,6 @@ def is_getitem(n: Node) -> bool:
 
 
 # ---------------------------------------------------------------------------------- the step
-
-
-@dataclass(frozen=True, slots=True)
-class PrimalInfo:
-    """What one primal is, for the rank-program passes."""
-
-    kind: str
-    """``param``, ``buffer``, ``input`` or ``const``."""
-    name: str
-    """Parameter/buffer FQN or user input path."""
-    zero_stage: int = 0
-    """ZeRO stage of a parameter stored sharded and gathered for use (0 otherwise)."""
-
-
-RANK = "autopar.rank"
-"""``gm.meta`` key of the joint program's :class:`RankInfo`."""
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """What the rank-program passes read besides the graph (``gm.meta[RANK]``)."""
-
-    primals: tuple[PrimalInfo, ...]
-    num_outputs: int
-    axis_names: dict[str, str]
-    """Process-group name -> mesh axis name (``dp``, ``tp`` …)."""
-    recompute: str = "none"
-    """The plan's activation recomputation (``passes.recompute.recompute_layers``)."""
-    layer_of: dict[str, str] = field(default_factory=dict)
-    """Captured node name -> the repeated-layer instance it belongs to (``transformer.h.3``)."""
-    recompute_sources: frozenset[str] = frozenset()
-    """Captured nodes the plan recomputes (``passes.strategies.recomputed``: the rule the plan
-    was costed with)."""
 
 
 def build_step(

@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.graph import OpFamily, op_family, op_info, outer_instance
+from autopar.graph import OpFamily, op_family, op_info, outer_instance, output_node
+from autopar.ir import PHASE, RANK, Phase
 from autopar.passes import PassContext
-from autopar.passes.joint import PHASE, RANK, Phase, output_node
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
 from autopar.runtime.step import FUNCTIONAL_COLLECTIVES
 

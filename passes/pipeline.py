@@ -188,7 +188,8 @@ def split_backward(jp: object, num_primals: int) -> tuple:
     """Split the joint program ``jp`` (``passes.joint.JointProgram``) into forward, input-gradient
     and weight-gradient programs: backward nodes that the gradients of placeholders ``>=
     num_primals`` (received values) need form ``B``; the rest (parameter gradients) form ``W``."""
-    from autopar.passes.joint import PHASE, Phase, output_node
+    from autopar.graph import output_node
+    from autopar.ir import PHASE, Phase
 
     gm = jp.gm
     out = output_node(gm)
@@ -279,9 +280,10 @@ def build_stage_step(
     micro-batch (``defer_reductions``)."""
     from dataclasses import replace
 
+    from autopar.ir import RANK
     from autopar.passes import run_passes
     from autopar.passes.fusion import fuse_kernels
-    from autopar.passes.joint import RANK, mark_phases_keep, trace_joint
+    from autopar.passes.joint import mark_phases_keep, trace_joint
     from autopar.passes.overlap import RANK_PASSES
 
     sp.gm = run_passes(sp.gm, ctx, [fuse_kernels])  # fused kernels, where they run

@@ -47,9 +47,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from autopar.graph import is_random, written_inputs
+from autopar.graph import is_random, mutates, written_inputs
+from autopar.ir import PHASE, RANK, Phase
 from autopar.passes import PassContext
-from autopar.passes.joint import PHASE, RANK, Phase, mutates
 from autopar.runtime.rng import run_and_save_rng_state, run_with_rng_state
 
 __all__ = ["RECOMPUTE_MODES", "recompute_in_backward", "recompute_layers", "source_of"]
