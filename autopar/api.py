@@ -96,7 +96,7 @@ def parallelize(
     """
     import torch.distributed as dist
 
-    from autopar.passes.lower import lower
+    from autopar.passes.lower import check_plan, lower
 
     config = PlanConfig.build(config, **options)
     check_world(plan, cluster)
@@ -111,9 +111,10 @@ def parallelize(
         )
     if plan.pipeline is not None:
         return _parallelize_pipeline(model, cluster, example_inputs, plan, config, timeout)
+    check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
     device = device_for_backend(dist.get_backend())
     axes, device_mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
-    program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs)
+    program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs, certify=False)
     pm = ParallelModule(
         program,
         plan,
@@ -215,7 +216,7 @@ def _parallelize_pipeline(
     from autopar.capture import MicrobatchCaptures, microbatch_inputs, normalize_inputs
     from autopar.passes import PassContext
     from autopar.passes.joint import PrimalInfo, RankInfo
-    from autopar.passes.lower import lower, program_difference
+    from autopar.passes.lower import check_plan, lower, program_difference
     from autopar.passes.pipeline import build_pipeline, propagate_fake
 
     pipe = plan.pipeline
@@ -232,12 +233,13 @@ def _parallelize_pipeline(
             f"(its fingerprint differs; {program_difference(plan, cap)}): plan again for this model and "
             "batch shape"
         )
+    check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
     device = device_for_backend(dist.get_backend())
     axes, device_mesh, world_group = mesh_axes(
         (pp, *plan.mesh_shape), ("pp", *plan.mesh_axes), device, timeout, stage_from=1
     )
     pp_axis, stage_axes = axes[0], axes[1:]
-    program = lower(cap, plan, stage_axes, device=device, stage_of=stage_of)
+    program = lower(cap, plan, stage_axes, device=device, stage_of=stage_of, certify=False)
     # Which parameters this rank's stages read: from the cut program.
     num_stages = pipe.num_stages
     mine = {s for s in range(num_stages) if s % pp == pp_axis.coord}

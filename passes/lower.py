@@ -37,6 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.capture import SAME_OPS, Captured, traced_by
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
+from autopar.passes.certify import certify as certify_plan
 from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import NodePlan, Plan
 from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
@@ -46,7 +47,7 @@ from autopar.runtime import moe as M
 from autopar.runtime import ops as O
 from autopar.runtime.collectives import AxisGroup
 
-__all__ = ["LOCAL_OPS", "LoweringError", "lower"]
+__all__ = ["LOCAL_OPS", "LoweringError", "check_plan", "lower"]
 
 aten = torch.ops.aten
 
@@ -568,6 +569,21 @@ def _versions(plan: Plan, cap: Captured) -> str:
     return ""
 
 
+def check_plan(cap: Captured, plan: Plan, certify: bool = True) -> None:
+    """Refuse, before anything runs, a plan made for another program (its graph fingerprint differs:
+    ``program_difference`` says where) and, with ``certify``, one that is not a plan autopar could
+    have made for this graph (``autopar.passes.certify``: a strategy its op does not allow, a
+    reshard that does not connect its producer to its consumer). Pure: every rank raises the same."""
+    if plan.fingerprint != cap.fingerprint:
+        raise LoweringError(
+            f"the plan was made for a different program (graph fingerprint {plan.fingerprint}, this model and "
+            f"batch give {cap.fingerprint}; {program_difference(plan, cap)}): plan again for this model and "
+            "input shapes"
+        )
+    if certify:
+        certify_plan(cap.graph, plan, cap.params)
+
+
 def lower(
     cap: Captured,
     plan: Plan,
@@ -575,17 +591,14 @@ def lower(
     device: torch.device | str = "cpu",
     gather_outputs: bool = True,
     stage_of: dict[str, int] | None = None,
+    certify: bool = True,
 ) -> GraphModule:
     """This rank's program (see module docstring). ``axes[i]`` is mesh axis ``i`` as this rank sees
     it. ``stage_of``: captured node name -> pipeline stage; every emitted node is tagged with its
     stage (``meta["autopar.stage"]``) and source node (``meta["autopar.source"]``) for
-    ``passes.pipeline.cut_stages``."""
-    if plan.fingerprint != cap.fingerprint:
-        raise LoweringError(
-            f"the plan was made for a different program (graph fingerprint {plan.fingerprint}, this model and "
-            f"batch give {cap.fingerprint}; {program_difference(plan, cap)}): plan again for this model and "
-            "input shapes"
-        )
+    ``passes.pipeline.cut_stages``. ``check_plan`` runs first; ``certify=False`` leaves out its
+    certificate check (where the caller has made it)."""
+    check_plan(cap, plan, certify)
     if len(axes) != len(plan.mesh_shape) or any(ax.size != n for ax, n in zip(axes, plan.mesh_shape)):
         raise LoweringError(f"axis groups {axes} do not match the plan's mesh {plan.mesh_shape}")
     return _Lowerer(cap, plan, axes, torch.device(device), gather_outputs, stage_of).run()
