@@ -254,11 +254,11 @@ def megatron(
     ``api-guide/dist_optimizer``): every parameter's optimizer state is split over its
     data-parallel ranks — ``dp / ep`` and ``ep`` for the dense weights, ``dp / ep`` and ``tp`` for
     the experts (their data-parallel group, ``tp · dp / ep`` ranks with expert tensor parallel
-    size 1) — its gradients reduce-scattered and its weights all-gathered after the step. Planned
-    as ZeRO stage 2 on those axes (``autopar.cost.memory``: the same all-gather and
-    reduce-scatter); Megatron keeps a full-size gradient buffer (ZeRO-1's memory), so this counts
-    2 bytes per parameter and data-parallel rank less than Megatron holds (in the layout's favour).
-    Weights are still read whole on those axes (gathered), never split there.
+    size 1) — its gradients accumulated whole over the micro-batches and reduce-scattered once
+    per step, its weights all-gathered once after the step. Planned as ZeRO stage 1 on those axes
+    (``autopar.cost.memory``: Megatron's full-size gradient buffer; ``autopar.cost.reshard``: the
+    reduce-scatter and all-gather, once per step in ``autopar.simulate``). Weights are still read
+    whole on those axes (gathered), never split there.
 
     ``config`` (or its fields as keyword ``options``, e.g. ``memory_budget``) holds the other
     planning options; the layout sets the mesh and fixes the weights. ``captured``: the model
@@ -345,7 +345,7 @@ def megatron(
             fixed[info.fqn] = _distributed_optimizer_spec(
                 info.shape, spec, split_dims.get(info.fqn, set()), data_axes[info.fqn], mesh
             )
-        config = config.replace(zero_stage=2)
+        config = config.replace(zero_stage=1)
     used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
     # Grouped matmuls read their experts' weights through views (transformers transposes them):

@@ -31,6 +31,9 @@ class GPTConfig:
     """Dropout probability on the attention probabilities and on each residual branch (the
     embeddings' sum included), as GPT-2 and Megatron-LM's GPT place it; 0: none."""
     bias: bool = True
+    tie_embeddings: bool = True
+    """The LM head shares the token embedding's weight (GPT-2, Press & Wolf 2017); ``False``: its
+    own weight, as Megatron-Core's ``--untie-embeddings-and-output-weights`` and LLaMA have it."""
     attention: str = "sdpa"
     """``"sdpa"``: ``F.scaled_dot_product_attention`` (a fused FlashAttention-style kernel on GPUs);
     ``"math"``: attention written out as Megatron-LM's GPT of 2021 runs it (Narayanan et al., SC'21)
@@ -120,7 +123,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf, 2017)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf, 2017)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
         self.apply(self._init_weights)
 

@@ -123,6 +123,8 @@ def stage_costs(
     mb_sync = [0.0] * num_stages
     chunks = [0] * num_stages
     kind = {n.name: n.kind for n in plan.nodes}
+    zero = {n.name: n.zero_stage for n in plan.nodes if n.kind == "param"}
+    gather = [0.0] * num_stages
 
     def where(name: str) -> int:
         s = stage_of.get(name)
@@ -143,12 +145,23 @@ def stage_costs(
     for r in plan.reshards:
         s = where(r.consumer)
         if r.grad_sync_axes and kind.get(r.producer) == "param":
-            # A weight's gradient: reduced beside the backward, once per step (data parallel),
-            # or every micro-batch when it is also gathered for use (ZeRO: reduce-scattered).
-            if r.collectives:
+            # A weight's gradient: reduced beside the backward, once per step (data parallel).
+            # A ZeRO parameter gathered for use (the edge's time is the all-gather and the
+            # gradient's reduce-scatter, equal volumes, ``cost.reshard.edge_cost``): stage 3
+            # gathers and reduces every micro-batch; stages 1 and 2 gather once per step after
+            # the optimizer (``param_gather``), stage 1 reduce-scatters its accumulated gradient
+            # once per step (Megatron-LM's distributed optimizer), stage 2 every micro-batch.
+            stage = zero.get(r.producer, 0)
+            if not r.collectives:
+                sync[s] += r.time
+            elif stage == 3:
                 mb_sync[s] += r.time
             else:
-                sync[s] += r.time
+                gather[s] += r.time / 2
+                if stage == 1:
+                    sync[s] += r.time / 2
+                else:
+                    mb_sync[s] += r.time / 2
             chunks[s] += 1
         elif r.grad_sync_axes:  # an activation's gradient (Megatron-LM's f): inside the backward
             b[s] += r.time
@@ -169,6 +182,7 @@ def stage_costs(
                 grad_sync=sync[s],
                 microbatch_sync=mb_sync[s],
                 sync_chunks=max(1, min(chunks[s], 8)),
+                param_gather=gather[s],
             )
         )
     return out

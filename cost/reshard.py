@@ -91,8 +91,12 @@ def edge_cost(
 
     ``zero_stage`` (1, 2, 3; 0 for values that are not parameters): how a parameter stored sharded
     behaves where it is gathered (Rajbhandari et al., arXiv 1910.02054 §5): stage 3 frees the
-    gathered copy after use and gathers again for backward (all-gathers paid twice); stage 2 keeps
-    it, its gradient reduce-scattered; stage 1 keeps it and all-reduces the full gradient.
+    gathered copy after use and gathers again for backward (all-gathers paid twice); stages 2 and 1 keep it, its gradient
+    reduce-scattered — stage 2 every micro-batch, stage 1 once per step from the full gradient it
+    accumulates (the paper's ``P_os``, §5.1 and §7.2.1: a reduce-scatter of the gradients and an
+    all-gather of the updated weights, the volume of one data-parallel all-reduce; Megatron-LM's
+    distributed optimizer, ``docs/source/api-guide/dist_optimizer.md``). When each runs in the
+    step is the simulator's (``autopar.simulate.stage_costs``).
 
     ``bucketed_sync``: the gradient all-reduce is bucketed with others (parameters' gradients,
     as PyTorch DDP does, Li et al., VLDB 2020), so it pays bandwidth but no per-tensor latency.
@@ -109,11 +113,8 @@ def edge_cost(
         return fwd
     bwd = 0.0
     last_on_axis = {s.axis: s for s in steps}
-    fusable = zero_stage != 1
     for s in steps:
-        fused = (
-            fusable and s is last_on_axis[s.axis] and s.kind == StepKind.ALL_GATHER and consumer_split[s.axis]
-        )
+        fused = s is last_on_axis[s.axis] and s.kind == StepKind.ALL_GATHER and consumer_split[s.axis]
         bwd += step_backward_cost(s, itemsize, mesh, fused)
         if zero_stage == 3 and s.kind == StepKind.ALL_GATHER:
             bwd += step_cost(s, itemsize, mesh)
@@ -134,13 +135,12 @@ def grad_reduce_axes(
     """Mesh axes over which an edge's gradient is all-reduced: those where the consumer splits the
     work while reading the value whole (Megatron-LM's ``f``, ``autopar.reshard.grad_sync_axes``),
     less size-1 axes (a group of one device communicates nothing) and less those fused into an
-    all-gather's backward reduce-scatter (its last step on that axis; not for ZeRO-1, which keeps
-    full gradients)."""
+    all-gather's backward reduce-scatter (its last step on that axis)."""
     last = {s.axis: s for s in steps or ()}
     return tuple(
         a
         for a in grad_sync_axes(consumer_split, dst)
-        if mesh.shape[a] > 1 and not (zero_stage != 1 and a in last and last[a].kind == StepKind.ALL_GATHER)
+        if mesh.shape[a] > 1 and not (a in last and last[a].kind == StepKind.ALL_GATHER)
     )
 
 

@@ -9,7 +9,9 @@ Words:
   ``F`` until ``W``; ``static`` bytes (weights, gradients, optimizer state); ``grad_sync``
   seconds of the data-parallel reduction of the step's weight gradients (once per step), and
   ``microbatch_sync`` seconds of the reductions every micro-batch runs (a ZeRO parameter's
-  gradient reduce-scatter: its full gradient is not kept between micro-batches).
+  gradient reduce-scatter: its full gradient is not kept between micro-batches), and
+  ``param_gather`` seconds of the all-gather that brings back the whole weights of ZeRO-1/2
+  parameters once per step after the optimizer updated their shards.
 * **play** — an action starts when its rank is free and its inputs have arrived: ``F(s, i)`` after
   ``F(s−1, i)`` plus the transfer (none when both stages are on one rank), ``B(s, i)`` after its
   ``F`` and ``B(s+1, i)`` plus the transfer, ``W(s, i)`` after its ``B``. Sends are asynchronous
@@ -24,8 +26,17 @@ Words:
   and a ZeRO parameter's gradient inside every ``W``; both in ``sync_chunks`` buckets issued as the
   backward produces them (PyTorch DDP's bucketing, Li et al., VLDB 2020), on a communication
   stream that runs beside the compute: a ``W``'s reduction starts no earlier than the ``W`` and
-  the communication stream is free, and its last bucket no earlier than the ``W`` ends. The
-  rank's step ends when both its compute and its communication stream are done.
+  the communication stream is free, and its last bucket no earlier than the ``W`` ends. Where
+  the ``W`` directly follows its ``B`` on the rank (every schedule but zero-bubble's deferred
+  ``W``), the backward as a whole produces the gradients, so the reduction may start with the
+  ``B`` (Megatron-LM's ``--overlap-grad-reduce`` launches each bucket as soon as its gradients are
+  ready during the last micro-batch's backward). The rank's step ends when both its compute and
+  its communication stream are done.
+* **parameter gather** — ZeRO-1/2 weights are gathered once per step after the optimizer step
+  (Megatron-LM's distributed optimizer); with ``--overlap-param-gather`` the gather of the next
+  step runs beside the first forward, bucket by bucket in the order the forward reads them, so
+  the first ``F`` on a rank ends no earlier than the gather plus its last bucket's share of the
+  ``F`` (the steady state of one step to the next).
 * **bubble** — a rank's idle time before its last action ends: the step's makespan less its busy
   time.
 """
@@ -68,6 +79,7 @@ class StageCost:
     grad_sync: float = 0.0
     microbatch_sync: float = 0.0
     sync_chunks: int = 1
+    param_gather: float = 0.0
 
 
 @dataclass
@@ -139,6 +151,13 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
     comm = [0.0] * pp  # when each rank's communication stream is free
     blocked = [0.0] * pp  # reductions a rank waited for without overlap
     last_w = {(r, a[1]): i for r in range(pp) for i, a in enumerate(actions[r]) if a[0] == "W"}
+    # ZeRO-1/2 weights gathered once per step, beside the rank's first forward (module docstring).
+    gather = [sum(stages[s].param_gather for s in range(r, n, pp)) for r in range(pp)]
+    chunks_of = [max((stages[s].sync_chunks for s in range(r, n, pp)), default=1) for r in range(pp)]
+    for r in range(pp):
+        if gather[r] > 0:
+            comm[r] = gather[r]
+            tl.comm.append((r, 0.0, gather[r]))
 
     def arrival(dep: Action, same_rank: bool, transfer: float) -> float | None:
         t = done.get(dep)
@@ -176,6 +195,8 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
                 dur = c.forward if kind == "F" else c.backward_input if kind == "B" else c.backward_weight
                 start = max(free[r], t)
                 end = start + dur
+                if kind == "F" and pos[r] == 0 and gather[r] > 0:  # waits for its last bucket
+                    end = max(end, gather[r] + dur / chunks_of[r])
                 tl.events[a] = (r, start, end)
                 done[a] = end
                 free[r] = end
@@ -194,7 +215,9 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
                         tl.comm.append((r, end, end + sync))
                     elif sync > 0:
                         last = sync / max(1, c.sync_chunks)
-                        begin = max(comm[r], start)
+                        prev = actions[r][pos[r] - 2] if pos[r] >= 2 else None
+                        produced = tl.events[prev][1] if prev == ("B", s, a[2]) else start
+                        begin = max(comm[r], produced)
                         comm[r] = max(begin + sync, end + last)
                         tl.comm.append((r, comm[r] - sync, comm[r]))
     stuck = [(r, actions[r][pos[r]]) for r in range(pp) if pos[r] < len(actions[r])]

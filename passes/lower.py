@@ -191,8 +191,9 @@ class _Lowerer:
         stage = pplan.zero_stage if pplan is not None and pplan.kind == "param" else 0
         sync = {a for a in grad_sync_axes(split, dst, val.is_floating_point()) if self.mesh[a] > 1}
         last = {s.axis: s for s in steps}
-        # ZeRO-1 keeps full gradients: its gathers are not fused with the gradient all-reduce.
-        fused = frozenset(a for a in sync if a in last and last[a].kind == StepKind.ALL_GATHER and stage != 1)
+        # A gathered weight's gradient is reduce-scattered to its shard (ZeRO-1, 2 and 3 alike:
+        # ``autopar.cost.reshard.edge_cost``).
+        fused = frozenset(a for a in sync if a in last and last[a].kind == StepKind.ALL_GATHER)
         key = (producer, dst, fused, self.pstage)
         value = self.reshard_memo.get(key)
         if value is None:
