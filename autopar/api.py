@@ -18,6 +18,7 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.planfile import Plan
+from autopar.program.records import group_names
 from autopar.runtime.module import (
     ParallelModule,
     broadcast_plan,
@@ -26,7 +27,6 @@ from autopar.runtime.module import (
     mesh_axes,
 )
 from autopar.runtime.monitor import DEFAULT_TIMEOUT
-from autopar.runtime.step import group_names
 
 __all__ = ["parallelize", "plan"]
 

@@ -392,7 +392,7 @@ def plan_summary(plan: Plan) -> str:
     fused = plan.fusion_counts()
     if fused:
         lines.append(
-            "  fused kernels assumed (autopar.runtime.kernels): "
+            "  fused kernels assumed (autopar.program.kernels): "
             + ", ".join(f"{kind} ×{n}" for kind, n in fused.items())
         )
     budget = info.get("memory_budget")

@@ -78,7 +78,7 @@ class Rewrite(str, enum.Enum):
 
 
 class FusionKind(str, enum.Enum):
-    """A fused kernel family (``autopar.runtime.kernels``): the kind of a group of nodes one fused
+    """A fused kernel family (``autopar.program.kernels``): the kind of a group of nodes one fused
     kernel replaces (``autopar.passes.fusion``), costed by ``autopar.cost.fusion``."""
 
     ADD_LAYER_NORM = "add_layer_norm"

@@ -1,10 +1,10 @@
-"""Memory traffic of the fused kernels (``autopar.runtime.kernels``): one launch reads each input
+"""Memory traffic of the fused kernels (``autopar.program.kernels``): one launch reads each input
 once and writes each output once, where eager PyTorch runs one kernel per op and re-reads the
 intermediate values from device memory (``autopar.cost.compute.op_kernels``).
 
 Words:
 
-* **fused kernel** — one of the kernel families of ``autopar.runtime.kernels``
+* **fused kernel** — one of the kernel families of ``autopar.program.kernels``
   (``autopar.ir.FusionKind``): residual add + LayerNorm, residual add + RMSNorm, bias + GeLU,
   SwiGLU, rotary embedding, softmax cross-entropy. Its forward and backward are each one row (or
   element) kernel, plus the small reductions noted below, all memory-bound: time is
@@ -26,7 +26,7 @@ Bytes per kernel, each read and write counted once (the kernels' module docstrin
   gradients of a chunk of rows in fp32 and writes one row of a ``[P, width]`` partial buffer,
   which torch zero-fills before and sums (and casts to ``p`` unless fp32) after: two or three
   small launches per parameter gradient. ``P`` is :data:`PARTIAL_ROWS`
-  (``runtime/kernels/_launch.row_chunks``: two programs per multiprocessor).
+  (``autopar/program/kernels/_launch.row_chunks``: two programs per multiprocessor).
 * **add + RMSNorm** (transformers' ``LlamaRMSNorm`` arithmetic; Liger-Kernel ``rms_norm``): as
   LayerNorm with no bias and one statistic (``rstd``).
 * **bias + GeLU** (Megatron-LM's ``bias_gelu_impl``): forward reads ``x`` and the bias, writes
@@ -67,7 +67,7 @@ __all__ = [
 
 PARTIAL_ROWS = 264
 """Rows of a norm's fp32 weight-gradient partial buffer: two programs per multiprocessor of an
-H100 (132 SMs; ``runtime/kernels/_launch.row_chunks``), fewer when there are fewer rows."""
+H100 (132 SMs; ``autopar/program/kernels/_launch.row_chunks``), fewer when there are fewer rows."""
 
 
 def _mem(nbytes: float) -> Kernel:
@@ -151,7 +151,7 @@ def cross_entropy_kernels(
     rows: int, classes: int, act_bytes: int, *, grad: bool, vocab_parallel: bool = False, reduced: bool = True
 ) -> OpKernels:
     """Softmax cross-entropy over ``rows × classes`` logits (this device's classes when
-    ``vocab_parallel``), int64 targets (``runtime/kernels/cross_entropy.py``).
+    ``vocab_parallel``), int64 targets (``autopar/program/kernels/cross_entropy.py``).
 
     Plain: forward one kernel reads the logits once (the online softmax of Milakov and
     Gimelshein, arXiv 1805.02867, as Liger-Kernel runs it) and the targets and writes the loss and

@@ -28,7 +28,7 @@ mask element):
   sequence-parallel)
 
 Under recomputation no dropout mask is kept: a recomputed dropout draws its mask again from the
-generator state its forward recorded (a few KB per op, not counted; ``autopar.runtime.rng``), as
+generator state its forward recorded (a few KB per op, not counted; ``autopar.program.rng``), as
 Megatron-LM's recomputation does — the rule ``passes.strategies.recomputed`` costs and
 ``passes.recompute`` runs.
 

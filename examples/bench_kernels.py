@@ -5,7 +5,7 @@ cross-entropy, peak memory.
     python examples/bench_kernels.py --runs 100 --json out.json
     python examples/bench_kernels.py --cpu-smoke      # no GPU: tiny shapes under Triton's interpreter
 
-Each case runs the fused function (``autopar.runtime.kernels``) and the eager composition it
+Each case runs the fused function (``autopar.program.kernels``) and the eager composition it
 replaces (its ``*_reference``) on the same inputs at bf16, at the shapes of a LLaMA-3-8B-sized
 layer: 8192 tokens, hidden 4096 (32 query and 8 key/value heads of 128), MLP width 14336 for
 SwiGLU and 4 × 4096 for bias + GeLU, a 128256-class vocabulary for the cross-entropy.
@@ -18,7 +18,7 @@ SwiGLU and 4 × 4096 for bias + GeLU, a 128256-class vocabulary for the cross-en
 * peak memory — for the cross-entropy, ``torch.cuda.max_memory_allocated`` during one forward +
   backward above what was allocated before it (the logits and targets): eager allocates the
   log-probabilities and two dense gradients, fused only the logits' gradient (see the module
-  docstring of ``autopar/runtime/kernels/cross_entropy.py``).
+  docstring of ``autopar/autopar/program/kernels/cross_entropy.py``).
 
 Before timing, each case checks that the fused outputs and gradients agree with eager (bf16
 tolerances), so a broken kernel is reported as such rather than timed. The device name and the
@@ -95,7 +95,7 @@ class Result:
 def cases(s: Shapes, device: str, dtype: Any) -> list[Case]:
     import torch
 
-    from autopar.runtime import kernels as K
+    from autopar.program import kernels as K
 
     def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (
@@ -283,7 +283,7 @@ def main() -> None:
 
     import triton
 
-    from autopar.runtime import kernels as K
+    from autopar.program import kernels as K
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     probe = torch.zeros(1, device=device)

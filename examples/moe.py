@@ -4,7 +4,7 @@ The model (``MoELM``): token embedding, ``n_layer`` blocks of pre-norm causal at
 mixture-of-experts MLP, a language-model head. The MoE MLP (``MoE``) routes each token to its
 top-2 of 8 experts (softmax router, weights renormalized over the two), sorts the (token, slot)
 pairs by expert, runs every expert's SwiGLU MLP on its rows with one grouped matmul per weight
-(``autopar.runtime.moe.grouped_mm``: experts' weights stacked ``[E, …]``, rows grouped by the
+(``autopar.program.experts.grouped_mm``: experts' weights stacked ``[E, …]``, rows grouped by the
 cumulative counts), and scatters the weighted rows back to their tokens — dropless: every token
 reaches both its experts, however unbalanced the routing. Nothing in it names autopar's
 parallelism: autopar finds the MoE region by its structure (``autopar.rules.routing``).
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from autopar.runtime.moe import grouped_mm
+from autopar.program.experts import grouped_mm
 
 
 class MoE(nn.Module):

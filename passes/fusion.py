@@ -1,4 +1,4 @@
-"""Kernel fusion: groups of ATen ops that one fused kernel of ``autopar.runtime.kernels`` computes,
+"""Kernel fusion: groups of ATen ops that one fused kernel of ``autopar.program.kernels`` computes,
 found by graph structure (ops and data flow, never module or node names), in the captured graph
 (where the cost model charges them as one kernel) and in this rank's program (where the group is
 replaced by a call of the kernel).
@@ -34,7 +34,7 @@ Words:
     no gradient), paired in program order;
   - ``cross_entropy`` — ``aten.cross_entropy_loss`` (no class weights or smoothing),
     ``log_softmax`` + ``nll_loss``, and in this rank's program the lowering's
-    ``autopar.runtime.ops.sharded_cross_entropy`` (``sharded_nll_loss`` of a ``log_softmax``),
+    ``autopar.program.local_ops.sharded_cross_entropy`` (``sharded_nll_loss`` of a ``log_softmax``),
     whose vocabulary-parallel form then runs ``vocab_parallel_cross_entropy``.
 
 Passes:
@@ -47,7 +47,7 @@ Passes:
 * ``fuse_kernels`` (rank program) rewrites this rank's forward program before the whole step is
   traced (``autopar.api._capture_step``, the pipeline's stage programs in
   ``autopar.passes.pipeline.build_stage_step``), so the traced step records one node per fused
-  forward op and one per backward op. It runs where the kernels run (``autopar.runtime.kernels
+  forward op and one per backward op. It runs where the kernels run (``autopar.program.kernels
   .available``: CUDA with Triton, or Triton's interpreter on the CPU) and leaves the program as it
   is elsewhere, saying why.
 """
@@ -79,7 +79,7 @@ from autopar.graph import OpFamily, op_family, op_name
 from autopar.ir import TENSOR, FusionKind
 from autopar.passes import PassContext
 from autopar.planfile import FusionPlan
-from autopar.runtime import ops as O
+from autopar.program import local_ops as O
 
 __all__ = [
     "FUSION",
@@ -906,7 +906,7 @@ def fused_kernels(node: Node, args: Sequence[TensorArg], outs: Sequence[TensorAr
 
 
 def _kernels() -> Any:
-    import autopar.runtime.kernels as K
+    import autopar.program.kernels as K
 
     return K
 
@@ -921,7 +921,7 @@ def _device_of(gm: GraphModule) -> torch.device | None:
 
 def kernels_run(device: torch.device, config: Any) -> bool:
     """Whether ``fuse_kernels`` fuses a program running on ``device``: the kernels run there
-    (``autopar.runtime.kernels.available``), natively (CUDA), or under Triton's interpreter on the
+    (``autopar.program.kernels.available``), natively (CUDA), or under Triton's interpreter on the
     CPU when ``config.interpret_kernels`` asks for it."""
     try:
         K = _kernels()
@@ -937,7 +937,7 @@ def _why_not(gm: GraphModule, config: Any) -> str:
     try:
         K = _kernels()
     except ImportError as e:
-        return f"autopar.runtime.kernels is not importable ({e})"
+        return f"autopar.program.kernels is not importable ({e})"
     device = _device_of(gm)
     if device is not None and device.type == "cpu" and not config.interpret_kernels:
         return (
@@ -1048,7 +1048,7 @@ def _rewrite(
 
 
 def apply_fusions(gm: GraphModule, groups: Sequence[FusionGroup]) -> list[FusionGroup]:
-    """Replace each group of ``gm`` by a call of its fused kernel (``autopar.runtime.kernels``);
+    """Replace each group of ``gm`` by a call of its fused kernel (``autopar.program.kernels``);
     returns the groups replaced (a group whose call cannot be placed is left as it is)."""
     K = _kernels()
     by_name = {n.name: n for n in gm.graph.nodes}

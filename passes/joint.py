@@ -1,7 +1,7 @@
 """The whole training step as one per-rank program: forward and backward in one fx graph.
 
 The lowering (``passes.lower``) gives this rank's *forward* program, whose collectives are
-autograd Functions (``autopar.runtime.collectives``). ``trace_joint`` runs that program and
+autograd Functions (``autopar.program.collectives``). ``trace_joint`` runs that program and
 ``torch.autograd.grad`` under ``make_fx`` with fake tensors, recording every op either direction
 executes — the forward's collectives and their backward conjugates alike — as nodes of one graph,
 each collective issued (``_c10d_functional.*``) and completed by an explicit ``wait_tensor`` node.
@@ -34,7 +34,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autopar.graph import mutates, output_node
 from autopar.ir import PHASE, RANK, Phase, PrimalInfo, RankInfo
-from autopar.runtime.step import StepProgram
+from autopar.program.records import StepProgram
 
 __all__ = [
     "PHASE",  # the joint program's records are autopar.ir's, named here too

@@ -5,9 +5,9 @@ The per-rank program is a new ``torch.fx.GraphModule`` (printable with ``.code``
 * every op runs on local shards, its arguments rewritten where sharding changes them: shape
   arguments of views/expands/``new_*`` become the local output shape, ``split`` sizes the local
   sizes, and ops with a ``rewrite`` tag in the plan are replaced by their local form
-  (``autopar.runtime.ops``: vocabulary-parallel embedding, sharded cross-entropy, mean over a
+  (``autopar.program.local_ops``: vocabulary-parallel embedding, sharded cross-entropy, mean over a
   sharded dimension); ``device=`` arguments name the rank's device;
-* every reshard the plan implies is a sequence of collective nodes (``autopar.runtime.collectives``),
+* every reshard the plan implies is a sequence of collective nodes (``autopar.program.collectives``),
   one per step of ``autopar.reshard.reshard_steps``, on the ``AxisGroup`` of its mesh axis
   (``self._ax{i}`` in the generated code);
 * a replicated value read by an op that splits work along an axis passes through ``grad_sync``
@@ -40,12 +40,12 @@ from autopar.ir import Rewrite
 from autopar.passes.certify import certify as certify_plan
 from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import NodePlan, Plan
+from autopar.program import collectives as C
+from autopar.program import experts as M
+from autopar.program import local_ops as O
+from autopar.program.collectives import AxisGroup
 from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
 from autopar.rules.routing import grouped_mm_operands
-from autopar.runtime import collectives as C
-from autopar.runtime import moe as M
-from autopar.runtime import ops as O
-from autopar.runtime.collectives import AxisGroup
 
 __all__ = ["LOCAL_OPS", "LoweringError", "check_plan", "lower"]
 
@@ -406,7 +406,7 @@ class _Lowerer:
             self.dispatched.add(node)
 
     def lower_experts(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
-        """A grouped matmul over this device's experts (``autopar.runtime.moe``): dispatch its rows
+        """A grouped matmul over this device's experts (``autopar.program.experts``): dispatch its rows
         to their experts' devices first (``EXPERT_DISPATCH``), or take them already dispatched;
         combine its output back after (``EXPERT_COMBINE``). The route (counts exchanged once) is
         made at the dispatch and reused, keyed by the counts the matmuls share."""
@@ -501,7 +501,7 @@ LOCAL_OPS = {
     Rewrite.LOSS_ROWS: _Lowerer.lower_loss,
     Rewrite.LOSS_CLASSES: _Lowerer.lower_loss,
 }
-"""Each ``Rewrite`` and the method that emits its local op (``autopar.runtime.ops``)."""
+"""Each ``Rewrite`` and the method that emits its local op (``autopar.program.local_ops``)."""
 
 
 def _fetch(root: nn.Module, target: str) -> Any:

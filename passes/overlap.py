@@ -37,7 +37,7 @@ from autopar.graph import OpFamily, op_family, op_info, outer_instance, output_n
 from autopar.ir import PHASE, RANK, Phase
 from autopar.passes import PassContext
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
-from autopar.runtime.step import FUNCTIONAL_COLLECTIVES
+from autopar.program.records import FUNCTIONAL_COLLECTIVES
 
 __all__ = [
     "BUCKET_BYTES",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.runtime.pipeline import StageStep
+from autopar.program.records import StageStep
 
 __all__ = [
     "STAGE",

@@ -30,7 +30,7 @@ Random ops (dropout) are recomputed too, drawing the same numbers: the forward d
 ``run_and_save_rng_state(op, …)`` — one call that reads the generator's state and draws, so no pass
 can separate the two — and its copy in backward ``run_with_rng_state(state, op, …)``, which sets
 that state, draws, and puts the generator back where it was, so every later draw of the step is
-the one it would be without recomputation (``autopar.runtime.rng``; AOTAutograd's functionalized
+the one it would be without recomputation (``autopar.program.rng``; AOTAutograd's functionalized
 RNG and Megatron-LM's ``CheckpointFunction`` do the same). Backward keeps the state — a few KB per
 random op — instead of a mask. Ops writing into their inputs are not recomputed, except those
 writing only into a value recomputed with them that nothing else reads (the ``empty_like`` a
@@ -50,7 +50,7 @@ from torch.fx.node import map_arg
 from autopar.graph import is_random, mutates, written_inputs
 from autopar.ir import PHASE, RANK, Phase
 from autopar.passes import PassContext
-from autopar.runtime.rng import run_and_save_rng_state, run_with_rng_state
+from autopar.program.rng import run_and_save_rng_state, run_with_rng_state
 
 __all__ = ["RECOMPUTE_MODES", "recompute_in_backward", "recompute_layers", "source_of"]
 
@@ -134,7 +134,7 @@ def _state_of(draw: Node) -> Node:
 def _record_draw(gm: GraphModule, n: Node) -> None:
     """Make the forward random node ``n`` record its generator's state just before it draws: a
     ``run_and_save_rng_state(op, *args)`` call is inserted before ``n``, its element 0 is the state
-    (what backward keeps: a few KB, ``autopar.runtime.rng``), and ``n`` becomes its element 1 —
+    (what backward keeps: a few KB, ``autopar.program.rng``), and ``n`` becomes its element 1 —
     the same value, read by the same users."""
     g = gm.graph
     val = n.meta.get("val")

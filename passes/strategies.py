@@ -270,7 +270,7 @@ def recomputed(node: Node, mode: str) -> bool:
     exactly these.
 
     Random ops (dropout) are recomputed like the rest: the program records the generator's state
-    before the forward draw and replays it in backward (``autopar.runtime.rng``), so no dropout mask
+    before the forward draw and replays it in backward (``autopar.program.rng``), so no dropout mask
     is kept — as Korthikanti et al.'s formulas assume (``autopar.cost.memory``: full recomputation
     keeps only the layer's input, selective no attention-dropout mask). The state kept instead, a
     few KB per random op (5 KB on a CPU, 16 bytes on CUDA), is not counted."""

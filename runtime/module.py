@@ -41,13 +41,14 @@ from autopar.capture import Captured, input_paths
 from autopar.cluster import Cluster, mesh_arithmetic
 from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import Plan
+from autopar.program import collectives as C
+from autopar.program.collectives import AxisGroup
+from autopar.program.records import StepProgram
 from autopar.reshard import reshard_steps
-from autopar.runtime import collectives as C
-from autopar.runtime.collectives import AxisGroup
 from autopar.runtime.compat import all_gather_into
 from autopar.runtime.monitor import DEFAULT_TIMEOUT, StepMonitor
 from autopar.runtime.pipeline import PipelineRunner
-from autopar.runtime.step import StepProgram, run_step
+from autopar.runtime.step import bind_step, run_step
 
 __all__ = [
     "ParallelModule",
@@ -573,7 +574,7 @@ class ParallelModule(nn.Module):
 
     def set_step(self, step: StepProgram) -> None:
         """Run training steps as ``step``'s programs (built by ``autopar.passes.joint.build_step``)."""
-        step.bind(self.axes, self.monitor)
+        bind_step(step, self.axes, self.monitor)
         self.step = step
 
     @property

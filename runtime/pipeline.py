@@ -31,51 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.fx import GraphModule
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.program.collectives import AxisGroup
+from autopar.program.records import StageStep
 from autopar.runtime.monitor import StepMonitor
 
-__all__ = ["PipelineRunner", "StageStep"]
-
-
-@dataclass
-class StageStep:
-    """One stage's step as three programs (built by ``passes.pipeline.build_stage_step``).
-
-    ``forward(*primals, *received) -> (*sent, *outputs, *saved)``;
-    ``backward_input(*saved[:num_saved_i], *tangents) -> (*received_grads, *passed)``;
-    ``backward_weight(*saved[saved_w], *passed) -> param_grads``.
-
-    With several micro-batches and data-parallel weight gradients, ``backward_weight`` runs for
-    the stage's last micro-batch only and takes ``num_deferred`` sums after its inputs (the
-    earlier micro-batches' unreduced gradients, which it adds in before reducing them once);
-    the earlier ones run ``backward_weight_local(*saved[saved_w], *passed) -> (*param_grads,
-    *unreduced)``, whose reduced gradients are ``None`` (``passes.pipeline.defer_reductions``).
-    """
-
-    stage: int
-    forward: GraphModule
-    backward_input: GraphModule
-    backward_weight: GraphModule
-    joint: GraphModule
-    primals: tuple[int, ...]
-    """Indices of the whole program's primals this stage reads."""
-    received: tuple[str, ...]
-    sent: tuple[str, ...]
-    producer: dict[str, int]
-    readers: dict[str, tuple[int, ...]]
-    num_outputs: int
-    num_saved_i: int
-    saved_w: tuple[int, ...]
-    tangent_outputs: tuple[int, ...]
-    received_grads: tuple[int, ...]
-    param_grads: tuple[int, ...]
-    """Positions in ``primals`` whose gradient ``backward_weight`` returns."""
-    received_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
-    """Shape and dtype of each received value (one micro-batch)."""
-    backward_weight_local: GraphModule | None = None
-    num_deferred: int = 0
+__all__ = ["PipelineRunner"]
 
 
 def _storages(values: tuple) -> dict[int, float]:

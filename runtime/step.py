@@ -1,15 +1,13 @@
 """Running a rank's whole training step: the forward and backward programs split from the joint
-program (``autopar.passes.joint``), joined to the user's autograd by one ``autograd.Function``.
+program (a ``StepProgram``, ``autopar.program.records``), joined to the user's autograd by one
+``autograd.Function``.
 
-``StepProgram`` holds the three graphs — the joint program (what ``pm.code`` prints), and the
-forward and backward programs it was partitioned into — and what binds them: which outputs take a
-tangent, which inputs get a gradient. ``run_step(step, primals)`` runs the forward program and
-returns its outputs; when the user calls ``backward()`` on them, the backward program runs with
-the saved values and the incoming gradients, and the parameter gradients it returns flow into
-``.grad`` as autograd's own would (accumulating across calls).
-
-Collectives in these programs are graph nodes, so how many run per step is read off the graphs
-(``collective_tally``) and added to each axis's ``counts`` every time a program runs.
+``bind_step(step, axes, monitor)`` attaches this rank's axes and monitor to the step: its
+collectives are tallied from the graphs (added to each axis's ``counts`` every time a program
+runs) and every wait goes through the monitor. ``run_step(step, primals)`` runs the forward
+program and returns its outputs; when the user calls ``backward()`` on them, the backward program
+runs with the saved values and the incoming gradients, and the parameter gradients it returns flow
+into ``.grad`` as autograd's own would (accumulating across calls).
 """
 
 from __future__ import annotations
@@ -17,72 +15,23 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.program.collectives import AxisGroup
+from autopar.program.records import (
+    FUNCTIONAL_COLLECTIVES,
+    StepProgram,
+    StepTimes,
+    collective_tally,
+    group_names,
+)
 from autopar.runtime.monitor import StepMonitor
 
-__all__ = [
-    "FUNCTIONAL_COLLECTIVES",
-    "StepProgram",
-    "StepTimes",
-    "collective_tally",
-    "group_names",
-    "run_step",
-]
+__all__ = ["bind_step", "run_step"]
 
 _fc = torch.ops._c10d_functional
-FUNCTIONAL_COLLECTIVES = {
-    _fc.all_reduce.default: "all_reduce",
-    _fc.all_gather_into_tensor.default: "all_gather",
-    _fc.reduce_scatter_tensor.default: "reduce_scatter",
-    _fc.all_to_all_single.default: "all_to_all",
-}
-"""Collective ops of a traced program and the kind each is counted as."""
-
-
-@dataclass(frozen=True, slots=True)
-class CollectiveCall:
-    """One collective node of a program: its kind, mesh axis, direction and size."""
-
-    kind: str
-    axis: int
-    direction: str
-    """``fwd`` (forward program) or ``bwd`` (backward program)."""
-    numel: int
-    """Elements of its input (an all-gather: the local piece)."""
-
-
-def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str) -> list[CollectiveCall]:
-    """Every collective node of ``gm`` in program order (one per axis for a collective over a
-    group of several axes, ``AxisGroup.combined``)."""
-    by_group = {ax.group_name: (ax.axis,) for ax in axes}
-    for ax in _combined(axes):
-        by_group[ax.group_name] = tuple(p.axis for p in ax.parts)
-    out = []
-    for n in gm.graph.nodes:
-        kind = FUNCTIONAL_COLLECTIVES.get(n.target) if n.op == "call_function" else None
-        if kind is None:
-            continue
-        group = next((a for a in n.args if isinstance(a, str) and a in by_group), None)
-        inp = n.args[0]
-        val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
-        numel = val.numel() if isinstance(val, torch.Tensor) else 0
-        out.extend(CollectiveCall(kind, a, direction, numel) for a in by_group.get(group, (-1,)))
-    return out
-
-
-def _combined(axes: Sequence[AxisGroup]) -> list[AxisGroup]:
-    """The groups over several of ``axes``' mesh axes (``AxisGroup.combined``)."""
-    return list(axes[0].combined.values()) if axes else []
-
-
-def group_names(axes: Sequence[AxisGroup]) -> dict[str, str]:
-    """Process group name -> axis name, for ``axes`` and the groups over several of them."""
-    return {ax.group_name: ax.name for ax in (*axes, *_combined(axes))}
 
 
 def monitored_wait(x: torch.Tensor, monitor: StepMonitor, label: str) -> torch.Tensor:
@@ -112,68 +61,18 @@ def _monitor_waits(gm: GraphModule, monitor: StepMonitor, axis_names: dict[str, 
     gm.recompile()
 
 
-@dataclass(frozen=True, slots=True)
-class StepTimes:
-    """Measured on one rank for one training step (forward call to the end of backward)."""
-
-    step: float
-    """Seconds from the forward call to the end of the backward program."""
-    exposed_comm: float
-    """Seconds blocked waiting for collectives (communication not hidden behind compute)."""
-
-    @property
-    def compute(self) -> float:
-        """The rest: compute, and Python and launch overhead."""
-        return self.step - self.exposed_comm
-
-
-@dataclass(eq=False)
-class StepProgram:
-    """A rank's training step as programs (see module docstring)."""
-
-    joint: GraphModule
-    """Forward and backward as one graph: ``(primals…, tangents…) -> (outputs…, gradients…)``."""
-    forward: GraphModule
-    """``primals -> (outputs…, saved…)``."""
-    backward: GraphModule
-    """``(saved…, tangents…) -> gradients``."""
-    num_outputs: int
-    grad_primals: tuple[int, ...]
-    """Primal indices that receive the backward program's gradients, in order."""
-    tangent_outputs: tuple[int, ...]
-    """Output indices whose gradients the backward program takes, in order."""
-    passes: tuple[str, ...] = ()
-    """The rank-program passes that ran, in order (with what each changed, in the log)."""
-    calls: dict[str, list[CollectiveCall]] = field(default_factory=dict)
-    """Collectives per direction (filled by ``bind``)."""
-    axes: list[AxisGroup] = field(default_factory=list)
-    monitor: StepMonitor | None = None
-    """Set by ``bind``: every wait goes through it (which collective waits; timing; failures)."""
-    times: list[StepTimes] = field(default_factory=list)
-    """``StepTimes`` of the steps run since ``enable_timing``."""
-
-    def enable_timing(self) -> None:
-        """Time every following step (waits timed: a few microseconds each)."""
-        assert self.monitor is not None, "bind the step first"
-        self.monitor.timing = True
-
-    def bind(self, axes: Sequence[AxisGroup], monitor: StepMonitor) -> None:
-        """Attach this rank's axes (for counting) and monitor (for waits and failures), and tally
-        the programs' collectives."""
-        self.axes = list(axes)
-        self.monitor = monitor
-        self.calls = {
-            "fwd": collective_tally(self.forward, axes, "fwd"),
-            "bwd": collective_tally(self.backward, axes, "bwd"),
-        }
-        names = group_names(axes)
-        _monitor_waits(self.forward, monitor, names, "fwd")
-        _monitor_waits(self.backward, monitor, names, "bwd")
-
-    def count(self, direction: str) -> None:
-        for c in self.calls.get(direction, ()):
-            if 0 <= c.axis < len(self.axes):
-                self.axes[c.axis].counts[f"{c.kind}/{direction}"] += 1
+def bind_step(step: StepProgram, axes: Sequence[AxisGroup], monitor: StepMonitor) -> None:
+    """Attach this rank's axes (for counting) and monitor (for waits and failures) to ``step``, and
+    tally its programs' collectives."""
+    step.axes = list(axes)
+    step.monitor = monitor
+    step.calls = {
+        "fwd": collective_tally(step.forward, axes, "fwd"),
+        "bwd": collective_tally(step.backward, axes, "bwd"),
+    }
+    names = group_names(axes)
+    _monitor_waits(step.forward, monitor, names, "fwd")
+    _monitor_waits(step.backward, monitor, names, "bwd")
 
 
 class _RunStep(torch.autograd.Function):

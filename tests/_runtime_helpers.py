@@ -245,8 +245,8 @@ class CollectiveLog:
         self._patched: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> CollectiveLog:
-        from autopar.runtime import collectives as C
-        from autopar.runtime import step as S
+        from autopar.program import collectives as C
+        from autopar.program import records as S
 
         def count(step: Any, direction: str, _orig=S.StepProgram.count) -> None:
             self.calls.extend([c.kind, c.direction, c.numel] for c in step.calls.get(direction, ()))

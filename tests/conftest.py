@@ -7,7 +7,7 @@ several tests only read are computed once per session.
 
 from __future__ import annotations
 
-# CI has no GPU: the Triton kernels (autopar.runtime.kernels) run under Triton's interpreter, which
+# CI has no GPU: the Triton kernels (autopar.program.kernels) run under Triton's interpreter, which
 # must be in the environment before triton is first imported (the jit decorator reads it when a
 # kernel is defined), so before anything that imports torch. Spawned gloo processes inherit it;
 # a setting already in the environment wins.

@@ -14,12 +14,8 @@ import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.passes.certify import CertificateError, certify
 from autopar.passes.lower import lower
+from autopar.program.collectives import AxisGroup
 from autopar.runtime.launch import spawn
-
-try:
-    from autopar.program.collectives import AxisGroup
-except ImportError:  # before the per-rank program's modules moved out of autopar.runtime
-    from autopar.runtime.collectives import AxisGroup
 
 VOCAB, BATCH, SEQ = 64, 4, 16
 

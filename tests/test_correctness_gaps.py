@@ -27,7 +27,7 @@ from torch import nn
 
 import autopar
 from autopar.passes.lower import LoweringError, lower
-from autopar.runtime.collectives import AxisGroup
+from autopar.program.collectives import AxisGroup
 from autopar.runtime.launch import spawn
 
 V = 64

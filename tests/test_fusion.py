@@ -49,8 +49,8 @@ from autopar.passes.lower import lower
 from autopar.passes.pipeline import propagate_fake
 from autopar.placement import parse_spec
 from autopar.planner import GRAPH_PASSES
-from autopar.runtime import kernels as K
-from autopar.runtime.collectives import AxisGroup
+from autopar.program import kernels as K
+from autopar.program.collectives import AxisGroup
 from autopar.runtime.module import local_shard
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar")
@@ -198,7 +198,7 @@ def test_matcher_finds_the_vocabulary_parallel_loss_of_a_lowered_program() -> No
     (ce,) = [g for g in find_fusions(gm.graph) if g.kind == FusionKind.CROSS_ENTROPY]
     assert ce.lowered and ce.input_shapes[0][1] == 32  # this rank's half of 64 classes
     loss = next(n for n in gm.graph.nodes if n.name == ce.members[0])
-    assert loss.target is autopar.runtime.ops.sharded_cross_entropy and loss.kwargs["class_axes"]
+    assert loss.target is autopar.program.local_ops.sharded_cross_entropy and loss.kwargs["class_axes"]
 
 
 class _Norm(nn.Module):
@@ -310,7 +310,7 @@ def test_fused_program_computes_the_eager_loss_and_gradients(
     assert f"fused {expected}" in caplog.text
     calls = [n for n in fused.graph.nodes if n.op == "call_function" and FUSION in n.meta]
     assert {
-        n.target.__name__ for n in calls if n.target.__module__.startswith("autopar.runtime.kernels")
+        n.target.__name__ for n in calls if n.target.__module__.startswith("autopar.program.kernels")
     } == set(expected)
     assert not [n for n in fused.graph.nodes if op_name(n) in ("layer_norm", "rsqrt", "silu", "tanh", "gelu")]
     loss0, grads0 = _loss_and_grads(eager, _program_inputs(cap, model, inputs))
@@ -440,7 +440,7 @@ def test_fusion_makes_the_planned_gpu_step_cheaper(llama_plans: dict[str, autopa
     times = {n.name: n.compute_time for n in fused.nodes}
     for f in fused.fusions:
         assert times[f.anchor] > 0 and all(times[m] == 0 for m in f.members if m != f.anchor)
-    assert "fused kernels assumed (autopar.runtime.kernels): add_rms_norm ×5, swiglu ×2, rotary ×2" in str(
+    assert "fused kernels assumed (autopar.program.kernels): add_rms_norm ×5, swiglu ×2, rotary ×2" in str(
         fused
     )
     assert "fused kernels" not in str(eager)

@@ -1,4 +1,4 @@
-"""The fused kernels of ``autopar.runtime.kernels`` on one process, under Triton's interpreter.
+"""The fused kernels of ``autopar.program.kernels`` on one process, under Triton's interpreter.
 
 ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports triton, so every kernel
 runs on the CPU block by block; ``test_the_kernels_run_here`` fails (rather than letting the rest
@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.runtime import kernels as K
+from autopar.program import kernels as K
 
 # The interpreter computes in NumPy, which warns where ``exp`` overflows to inf (σ of a large
 # negative value: 1 / (1 + inf) = 0, as on a GPU) and where the side of a ``tl.where`` not taken
@@ -594,7 +594,7 @@ def eager_fallback_errors() -> dict[str, float]:
 
     x, r, w, b = _leaf(5, 37, seed=1), _leaf(5, 37, seed=2), _leaf(37, seed=3), _leaf(37, seed=4)
     errors["backend"] = 0.0 if K.backend(x) == "eager" else 1.0
-    errors["has_triton"] = float(sys.modules["autopar.runtime.kernels._launch"].HAS_TRITON)
+    errors["has_triton"] = float(sys.modules["autopar.program.kernels._launch"].HAS_TRITON)
     record("add_layer_norm", K.add_layer_norm, K.add_layer_norm_reference, [x, r, w, b, 1e-5])
     record("add_rms_norm", K.add_rms_norm, K.add_rms_norm_reference, [x, r, w, 1e-6])
     record("bias_gelu erf", K.bias_gelu, K.bias_gelu_reference, [x, b, "none"])
@@ -649,9 +649,9 @@ def _compile_cases() -> list[tuple[str, object, dict[str, str], dict[str, object
     import sys as _sys
 
     mod = {
-        n: _sys.modules[f"autopar.runtime.kernels.{n}"] for n in ("layer_norm", "rms_norm", "gelu", "swiglu")
+        n: _sys.modules[f"autopar.program.kernels.{n}"] for n in ("layer_norm", "rms_norm", "gelu", "swiglu")
     }
-    mod |= {n: _sys.modules[f"autopar.runtime.kernels.{n}"] for n in ("rotary", "cross_entropy")}
+    mod |= {n: _sys.modules[f"autopar.program.kernels.{n}"] for n in ("rotary", "cross_entropy")}
 
     def sig(spec: str) -> dict[str, str]:
         return dict(item.split(":") for item in spec.split())

@@ -34,9 +34,9 @@ def _problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def vocab_parallel_worker(rank: int, world: int) -> dict[str, object]:
     import torch.distributed as dist
 
-    from autopar.runtime.collectives import AxisGroup
-    from autopar.runtime.kernels import backend, vocab_parallel_cross_entropy
-    from autopar.runtime.ops import _VocabParallelCE
+    from autopar.program.collectives import AxisGroup
+    from autopar.program.kernels import backend, vocab_parallel_cross_entropy
+    from autopar.program.local_ops import _VocabParallelCE
 
     logits, target, weights = _problem()
     part = VOCAB // world

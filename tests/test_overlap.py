@@ -16,14 +16,14 @@ from autopar.config import PlanConfig
 from autopar.passes import PassContext
 from autopar.passes.joint import PHASE, RANK, Phase, PrimalInfo, RankInfo, partition, trace_joint
 from autopar.passes.overlap import bucket_gradients, prefetch_params, regather_zero3_params, sink_waits
-from autopar.runtime.step import FUNCTIONAL_COLLECTIVES
+from autopar.program.records import FUNCTIONAL_COLLECTIVES
 
 fc = torch.ops._c10d_functional
 GROUP = "dp_group"
 
 
 class GradSync(torch.autograd.Function):
-    """Megatron's ``f`` written with functional collectives, as ``autopar.runtime.collectives``."""
+    """Megatron's ``f`` written with functional collectives, as ``autopar.program.collectives``."""
 
     @staticmethod
     def forward(ctx, x):

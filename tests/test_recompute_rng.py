@@ -1,5 +1,5 @@
 """Recomputing random ops: a dropout is recomputed in backward by replaying the generator state
-its forward draw recorded (``autopar.runtime.rng``), so no dropout mask is kept — as Megatron-LM's
+its forward draw recorded (``autopar.program.rng``), so no dropout mask is kept — as Megatron-LM's
 full recomputation does.
 
 * pure: ``run_with_rng_state`` draws what ``run_and_save_rng_state`` drew and leaves the generator
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import autopar
+from autopar.program.rng import run_and_save_rng_state, run_with_rng_state
 from autopar.runtime.launch import spawn
-from autopar.runtime.rng import run_and_save_rng_state, run_with_rng_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar")
 

@@ -1,4 +1,4 @@
-"""The differentiable collectives of ``autopar.runtime.collectives`` on 2 and 4 gloo processes.
+"""The differentiable collectives of ``autopar.program.collectives`` on 2 and 4 gloo processes.
 
 Each collective is checked against what one process computes on the full tensors: the forward
 value, and the gradient its backward (the conjugate collective) gives the input, under the
@@ -90,7 +90,7 @@ class _Checks:
 
     # ------------------------------------------------------------------------------ the collectives
     def all(self) -> dict[str, list[str]]:
-        from autopar.runtime import collectives as C
+        from autopar.program import collectives as C
 
         ax, c = self.ax, self.c
         for dim, blocks in ((0, 1), (2, 1), (1, 3)):
@@ -150,7 +150,7 @@ class _Checks:
 
     def all_gather_param(self) -> None:
         """ZeRO-3: the gathered weight is saved for backward as its shard and gathered again."""
-        from autopar.runtime import collectives as C
+        from autopar.program import collectives as C
 
         ax = self.ax
         w_full = self.glob("w")[0]  # [12, 8]: 12 output features split along dim 0
@@ -229,7 +229,7 @@ def collectives_worker(rank: int, world: int) -> dict[str, list[str]]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.runtime.collectives import AxisGroup
+    from autopar.program.collectives import AxisGroup
 
     problems: dict[str, list[str]] = {}
     ax = AxisGroup(axis=0, name="world", size=world, coord=rank, group=dist.group.WORLD)

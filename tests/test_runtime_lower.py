@@ -1,5 +1,5 @@
 """Codegen without processes: ``local_shard`` (how a rank's piece is cut), the local ops of
-``autopar.runtime.ops``, and ``autopar.passes.lower`` run for each rank of a 2-device Megatron plan
+``autopar.program.local_ops``, and ``autopar.passes.lower`` run for each rank of a 2-device Megatron plan
 of our tiny GPT with hand-made ``AxisGroup``s (lowering never calls a collective, so no process
 group is needed): the program each rank would run, read as code and as a graph."""
 
@@ -17,9 +17,9 @@ import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.passes.lower import LoweringError, lower
 from autopar.placement import Shard, local_shape, parse_spec, shard_slices
-from autopar.runtime import collectives as C
-from autopar.runtime import ops as O
-from autopar.runtime.collectives import AxisGroup
+from autopar.program import collectives as C
+from autopar.program import local_ops as O
+from autopar.program.collectives import AxisGroup
 from autopar.runtime.module import local_shard
 
 aten = torch.ops.aten
@@ -156,11 +156,11 @@ def test_lowered_program_has_each_collective_on_its_own_line(gpt_megatron, coord
     collectives = _calls(gm, C)
     kinds = {n.target.__name__ for n in collectives}
     assert {"all_reduce", "grad_sync"} <= kinds, kinds
-    lines = [line for line in gm.code.splitlines() if "autopar_runtime_collectives_" in line]
+    lines = [line for line in gm.code.splitlines() if "autopar_program_collectives_" in line]
     assert len(lines) == len(collectives)
     for line in lines:
-        assert line.count("autopar_runtime_collectives_") == 1, line
-        assert line.strip().split(" = ", 1)[1].startswith("autopar_runtime_collectives_"), line
+        assert line.count("autopar_program_collectives_") == 1, line
+        assert line.strip().split(" = ", 1)[1].startswith("autopar_program_collectives_"), line
     assert all(not ax.counts for ax in axes), "lowering issued a collective"
 
 
@@ -193,7 +193,7 @@ def test_vocab_parallel_embedding_uses_the_ranks_vocabulary_offset(gpt_megatron,
     (emb,) = [n for n in _calls(gm) if n.target is O.vocab_parallel_embedding]
     assert emb.args[2] == start
     assert emb.args[3] == -1  # nn.Embedding without padding_idx (LLaMA's has one: see training tests)
-    assert f"autopar_runtime_ops_vocab_parallel_embedding(p_wte_weight, idx, {start}" in gm.code
+    assert f"autopar_program_local_ops_vocab_parallel_embedding(p_wte_weight, idx, {start}" in gm.code
     # The table arrives as this rank's half of the rows (no gather), its output is all-reduced.
     assert emb.args[0].op == "placeholder"
     assert any(u.target is C.all_reduce for u in emb.users)

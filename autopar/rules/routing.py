@@ -25,7 +25,7 @@ each mesh axis — its **mode** — chosen once for the whole region (its nodes 
 * ``E`` — expert-parallel (GShard, Lepikhin et al. 2020; DeepSpeed-MoE; Megatron-LM's
   ``MoEAlltoAllTokenDispatcher``): as ``T`` on the token side, but the experts' weights are split by
   expert, and the grouped matmuls' rows are *dispatched* to the devices of their experts before
-  the first one and *combined* back after the last one (``autopar.runtime.moe``: counts exchanged
+  the first one and *combined* back after the last one (``autopar.program.experts``: counts exchanged
   first, then an all-to-all of the rows with uneven splits — dropless). At most one axis runs
   ``E``.
 

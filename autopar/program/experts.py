@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.program.collectives import AxisGroup
 
 __all__ = ["combine", "dispatch", "expert_offsets", "grouped_mm", "route"]
 

@@ -15,7 +15,7 @@ Ops: ``autopar::swiglu`` ``(gate, up, block_size) -> y`` and ``autopar::swiglu_b
 import torch
 from torch import Tensor
 
-from autopar.runtime.kernels._launch import HAS_TRITON, backend, elementwise_block
+from autopar.program.kernels._launch import HAS_TRITON, backend, elementwise_block
 
 if HAS_TRITON:
     import triton

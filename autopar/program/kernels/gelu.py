@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from autopar.runtime.kernels._launch import HAS_TRITON, backend, elementwise_block
+from autopar.program.kernels._launch import HAS_TRITON, backend, elementwise_block
 
 if HAS_TRITON:
     import triton

@@ -35,17 +35,17 @@ use it to exercise the looped paths on small shapes):
 * ``vocab_parallel_cross_entropy(logits, target, class_start, axes, ignore_index=-100)``
 """
 
-from autopar.runtime.kernels._launch import available, backend
-from autopar.runtime.kernels.cross_entropy import (
+from autopar.program.kernels._launch import available, backend
+from autopar.program.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_reference,
     vocab_parallel_cross_entropy,
 )
-from autopar.runtime.kernels.gelu import bias_gelu, bias_gelu_reference
-from autopar.runtime.kernels.layer_norm import add_layer_norm, add_layer_norm_reference
-from autopar.runtime.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
-from autopar.runtime.kernels.rotary import rotary, rotary_reference
-from autopar.runtime.kernels.swiglu import swiglu, swiglu_reference
+from autopar.program.kernels.gelu import bias_gelu, bias_gelu_reference
+from autopar.program.kernels.layer_norm import add_layer_norm, add_layer_norm_reference
+from autopar.program.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
+from autopar.program.kernels.rotary import rotary, rotary_reference
+from autopar.program.kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "add_layer_norm",

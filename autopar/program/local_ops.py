@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.runtime.collectives import AxisGroup, reduce_values
+from autopar.program.collectives import AxisGroup, reduce_values
 
 __all__ = ["mean_partial", "sharded_cross_entropy", "sharded_nll_loss", "vocab_parallel_embedding"]
 
@@ -95,10 +95,10 @@ def sharded_cross_entropy(
     fused: bool = False,
 ) -> torch.Tensor:
     """``aten.cross_entropy_loss`` on local shards (``reduction``: 1 mean, 2 sum; see module doc).
-    ``fused``: the fused kernels of ``autopar.runtime.kernels`` compute the loss (set by the
+    ``fused``: the fused kernels of ``autopar.program.kernels`` compute the loss (set by the
     fusion pass, ``autopar.passes.fusion``), vocabulary-parallel when the classes are split."""
     if fused:
-        from autopar.runtime import kernels as K
+        from autopar.program import kernels as K
 
         if class_axes:
             per_row = K.vocab_parallel_cross_entropy(

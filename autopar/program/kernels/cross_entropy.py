@@ -23,7 +23,7 @@ a ``torch.library`` op that mutates nothing cannot.)
 
 **Vocabulary-parallel.** Each rank holds the columns ``[class_start, class_start + V_local)``.
 ``vocab_parallel_cross_entropy`` computes the same per-row losses as ``_VocabParallelCE`` in
-``autopar.runtime.ops`` (Megatron-LM's vocabulary-parallel cross-entropy, arXiv 1909.08053 §3),
+``autopar.program.local_ops`` (Megatron-LM's vocabulary-parallel cross-entropy, arXiv 1909.08053 §3),
 in three steps whose all-reduces stay outside the kernels (``reduce_values``, so a traced step
 shows them as collective nodes the overlap passes can move):
 
@@ -45,8 +45,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from autopar.runtime.collectives import AxisGroup, reduce_values
-from autopar.runtime.kernels._launch import CROSS_ENTROPY_MAX_BLOCK, HAS_TRITON, backend, num_warps, row_block
+from autopar.program.collectives import AxisGroup, reduce_values
+from autopar.program.kernels._launch import CROSS_ENTROPY_MAX_BLOCK, HAS_TRITON, backend, num_warps, row_block
 
 if HAS_TRITON:
     import triton
@@ -357,7 +357,7 @@ def vocab_parallel_cross_entropy(
     """Per-row cross-entropy (no reduction, fp32) with the classes split over ``axes``: this rank
     holds the columns ``[class_start, class_start + logits.shape[-1])`` of the full logits.
 
-    The semantics of ``autopar.runtime.ops._VocabParallelCE`` (which ``sharded_cross_entropy``
+    The semantics of ``autopar.program.local_ops._VocabParallelCE`` (which ``sharded_cross_entropy``
     calls): ignored rows give 0, the gradient reaches the local logits only, and backward needs
     no communication. Forward issues one max and one sum all-reduce per axis, outside the
     kernels (module docstring). With no axes it is the single-device per-row loss."""

@@ -28,7 +28,7 @@ mean, rstd)`` (``sum`` is empty without a residual: the public function returns 
 import torch
 from torch import Tensor
 
-from autopar.runtime.kernels._launch import (
+from autopar.program.kernels._launch import (
     HAS_TRITON,
     ROW_MAX_BLOCK_BACKWARD,
     backend,
@@ -43,7 +43,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from autopar.runtime.kernels._launch import residual_sum
+    from autopar.program.kernels._launch import residual_sum
 
 __all__ = ["add_layer_norm", "add_layer_norm_reference"]
 

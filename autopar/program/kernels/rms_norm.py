@@ -21,7 +21,7 @@ Ops: ``autopar::add_rms_norm`` ``(x, residual?, weight?, eps, block_size) -> (ou
 import torch
 from torch import Tensor
 
-from autopar.runtime.kernels._launch import (
+from autopar.program.kernels._launch import (
     HAS_TRITON,
     ROW_MAX_BLOCK_BACKWARD,
     backend,
@@ -36,7 +36,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from autopar.runtime.kernels._launch import residual_sum
+    from autopar.program.kernels._launch import residual_sum
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference"]
 

@@ -30,7 +30,7 @@ dk)``.
 import torch
 from torch import Tensor
 
-from autopar.runtime.kernels._launch import HAS_TRITON, backend, num_warps
+from autopar.program.kernels._launch import HAS_TRITON, backend, num_warps
 
 if HAS_TRITON:
     import triton

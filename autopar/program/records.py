@@ -1,0 +1,178 @@
+"""The records the rank-program passes build and the runtime runs: a rank's whole training step
+as programs (``StepProgram``, built by ``autopar.passes.joint``) and one pipeline stage's step
+(``StageStep``, built by ``autopar.passes.pipeline``). They are data: the passes that build them
+never import the runtime, and the runtime (``autopar.runtime.step``, ``autopar.runtime.pipeline``)
+runs them without re-deriving a decision.
+
+``StepProgram`` holds the three graphs — the joint program (what ``pm.code`` prints), and the
+forward and backward programs it was partitioned into — and what binds them: which outputs take a
+tangent, which inputs get a gradient. Collectives in these programs are graph nodes, so how many
+run per step is read off the graphs (``collective_tally``) and added to each axis's ``counts``
+every time a program runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from autopar.program.collectives import AxisGroup
+
+__all__ = [
+    "FUNCTIONAL_COLLECTIVES",
+    "CollectiveCall",
+    "StageStep",
+    "StepProgram",
+    "StepTimes",
+    "collective_tally",
+    "group_names",
+]
+
+_fc = torch.ops._c10d_functional
+FUNCTIONAL_COLLECTIVES = {
+    _fc.all_reduce.default: "all_reduce",
+    _fc.all_gather_into_tensor.default: "all_gather",
+    _fc.reduce_scatter_tensor.default: "reduce_scatter",
+    _fc.all_to_all_single.default: "all_to_all",
+}
+"""Collective ops of a traced program and the kind each is counted as."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCall:
+    """One collective node of a program: its kind, mesh axis, direction and size."""
+
+    kind: str
+    axis: int
+    direction: str
+    """``fwd`` (forward program) or ``bwd`` (backward program)."""
+    numel: int
+    """Elements of its input (an all-gather: the local piece)."""
+
+
+def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str) -> list[CollectiveCall]:
+    """Every collective node of ``gm`` in program order (one per axis for a collective over a
+    group of several axes, ``AxisGroup.combined``)."""
+    by_group = {ax.group_name: (ax.axis,) for ax in axes}
+    for ax in _combined(axes):
+        by_group[ax.group_name] = tuple(p.axis for p in ax.parts)
+    out = []
+    for n in gm.graph.nodes:
+        kind = FUNCTIONAL_COLLECTIVES.get(n.target) if n.op == "call_function" else None
+        if kind is None:
+            continue
+        group = next((a for a in n.args if isinstance(a, str) and a in by_group), None)
+        inp = n.args[0]
+        val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
+        numel = val.numel() if isinstance(val, torch.Tensor) else 0
+        out.extend(CollectiveCall(kind, a, direction, numel) for a in by_group.get(group, (-1,)))
+    return out
+
+
+def _combined(axes: Sequence[AxisGroup]) -> list[AxisGroup]:
+    """The groups over several of ``axes``' mesh axes (``AxisGroup.combined``)."""
+    return list(axes[0].combined.values()) if axes else []
+
+
+def group_names(axes: Sequence[AxisGroup]) -> dict[str, str]:
+    """Process group name -> axis name, for ``axes`` and the groups over several of them."""
+    return {ax.group_name: ax.name for ax in (*axes, *_combined(axes))}
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """Measured on one rank for one training step (forward call to the end of backward)."""
+
+    step: float
+    """Seconds from the forward call to the end of the backward program."""
+    exposed_comm: float
+    """Seconds blocked waiting for collectives (communication not hidden behind compute)."""
+
+    @property
+    def compute(self) -> float:
+        """The rest: compute, and Python and launch overhead."""
+        return self.step - self.exposed_comm
+
+
+@dataclass(eq=False)
+class StepProgram:
+    """A rank's training step as programs (see module docstring), built by
+    ``autopar.passes.joint.build_step``. The runtime binds it to this rank before the first step
+    (``autopar.runtime.step.bind_step``), which fills ``calls``, ``axes`` and ``monitor``."""
+
+    joint: GraphModule
+    """Forward and backward as one graph: ``(primals…, tangents…) -> (outputs…, gradients…)``."""
+    forward: GraphModule
+    """``primals -> (outputs…, saved…)``."""
+    backward: GraphModule
+    """``(saved…, tangents…) -> gradients``."""
+    num_outputs: int
+    grad_primals: tuple[int, ...]
+    """Primal indices that receive the backward program's gradients, in order."""
+    tangent_outputs: tuple[int, ...]
+    """Output indices whose gradients the backward program takes, in order."""
+    passes: tuple[str, ...] = ()
+    """The rank-program passes that ran, in order (with what each changed, in the log)."""
+    calls: dict[str, list[CollectiveCall]] = field(default_factory=dict)
+    """Collectives per direction, read off the programs (``collective_tally``) when bound."""
+    axes: list[AxisGroup] = field(default_factory=list)
+    monitor: Any = None
+    """The runtime's ``StepMonitor``, set when bound: every wait goes through it (which
+    collective waits; timing; failures)."""
+    times: list[StepTimes] = field(default_factory=list)
+    """``StepTimes`` of the steps run since ``enable_timing``."""
+
+    def enable_timing(self) -> None:
+        """Time every following step (waits timed: a few microseconds each)."""
+        assert self.monitor is not None, "bind the step first (autopar.runtime.step.bind_step)"
+        self.monitor.timing = True
+
+    def count(self, direction: str) -> None:
+        """Add one run of the ``direction`` program's collectives to each axis's ``counts``."""
+        for c in self.calls.get(direction, ()):
+            if 0 <= c.axis < len(self.axes):
+                self.axes[c.axis].counts[f"{c.kind}/{direction}"] += 1
+
+
+@dataclass
+class StageStep:
+    """One stage's step as three programs (built by ``passes.pipeline.build_stage_step``; run by
+    ``autopar.runtime.pipeline.PipelineRunner``).
+
+    ``forward(*primals, *received) -> (*sent, *outputs, *saved)``;
+    ``backward_input(*saved[:num_saved_i], *tangents) -> (*received_grads, *passed)``;
+    ``backward_weight(*saved[saved_w], *passed) -> param_grads``.
+
+    With several micro-batches and data-parallel weight gradients, ``backward_weight`` runs for
+    the stage's last micro-batch only and takes ``num_deferred`` sums after its inputs (the
+    earlier micro-batches' unreduced gradients, which it adds in before reducing them once);
+    the earlier ones run ``backward_weight_local(*saved[saved_w], *passed) -> (*param_grads,
+    *unreduced)``, whose reduced gradients are ``None`` (``passes.pipeline.defer_reductions``).
+    """
+
+    stage: int
+    forward: GraphModule
+    backward_input: GraphModule
+    backward_weight: GraphModule
+    joint: GraphModule
+    primals: tuple[int, ...]
+    """Indices of the whole program's primals this stage reads."""
+    received: tuple[str, ...]
+    sent: tuple[str, ...]
+    producer: dict[str, int]
+    readers: dict[str, tuple[int, ...]]
+    num_outputs: int
+    num_saved_i: int
+    saved_w: tuple[int, ...]
+    tangent_outputs: tuple[int, ...]
+    received_grads: tuple[int, ...]
+    param_grads: tuple[int, ...]
+    """Positions in ``primals`` whose gradient ``backward_weight`` returns."""
+    received_meta: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    """Shape and dtype of each received value (one micro-batch)."""
+    backward_weight_local: GraphModule | None = None
+    num_deferred: int = 0
