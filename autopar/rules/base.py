@@ -19,9 +19,11 @@ __all__ = [
     "arg",
     "axis_strategies",
     "has_rule",
+    "has_rule_for",
     "norm_dim",
     "op_key",
     "register",
+    "rule_names",
     "shape_of",
     "with_hints",
 ]
@@ -81,6 +83,26 @@ def _rule_of(node: Node) -> RuleFn | None:
 
 def has_rule(node: Node) -> bool:
     return node.op == "call_function" and _rule_of(node) is not None
+
+
+def has_rule_for(op_name: str) -> bool:
+    """Whether an op, named as a Plan records it (``NodePlan.op``: the aten packet name, e.g.
+    ``"linear"``, or a custom op's packet name), has a sharding rule: ``has_rule`` for a plan that
+    no longer has its graph."""
+    return op_name in rule_names()
+
+
+def rule_names() -> frozenset[str]:
+    """The names of every op with a registered rule, as ``autopar.graph.op_name`` writes them."""
+    names = set()
+    for key in _RULES:
+        if isinstance(key, str):
+            names.add(key)
+        elif isinstance(key, torch._ops.OpOverload):
+            names.add(key.overloadpacket.__name__)
+        else:
+            names.add(getattr(key, "__name__", str(key)))
+    return frozenset(names)
 
 
 def axis_strategies(node: Node, hints: dict[Node, set[tuple[int, int]]] | None = None) -> list[AxisStrategy]:
