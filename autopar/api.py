@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from autopar.audit import audited
 from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
@@ -31,6 +32,7 @@ from autopar.runtime.monitor import DEFAULT_TIMEOUT
 __all__ = ["parallelize", "plan"]
 
 
+@audited
 def plan(
     model: nn.Module,
     example_inputs: Any,
@@ -46,6 +48,9 @@ def plan(
     ``{"lm_head.weight": ("S(0)",)}``), ``optimizer``, ``mixed_precision`` (default: detected from
     the parameters' dtype), ``zero_stage`` (1, 2 or 3; default the solver picks 2 or 3 per
     parameter), ``time_limit``, ``workers``, ``disable`` (pass names).
+
+    The plan is audited (``autopar.audit``): the result in ``plan.info["audit"]``, and one
+    ``AuditWarning`` where the plan wastes its devices or predicts what they cannot do.
     """
     from autopar.search import plan_model
 

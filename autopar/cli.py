@@ -593,6 +593,7 @@ def _figures(plan: Any, directory: str, fmt: str = "png") -> list[Path]:
 
 # ------------------------------------------------------------------------------------ commands
 def _cmd_plan(args: argparse.Namespace, console: _Console) -> int:
+    from autopar.audit import record
     from autopar.search import plan_model
 
     cluster = _cluster(args)
@@ -603,6 +604,7 @@ def _cmd_plan(args: argparse.Namespace, console: _Console) -> int:
     with console.planning():
         plan = plan_model(w.model, w.example_inputs, cluster, config, captured=cap)
     plan.info["workload"] = w.info
+    record(plan, warn=False)  # saved with the plan; print(plan) below shows its findings
     print(f"model: {w.description or w.name}; {fmt_count(w.num_params)} parameters, {w.info['dtype']}; "
           f"batch {w.batch}" + (f" × {w.seq}" if w.seq else ""))  # fmt: skip
     print(plan)

@@ -426,8 +426,9 @@ def plan_summary(plan: Plan) -> str:
         )
     for note in [*info.get("notes", ()), *replication_notes(plan)]:
         lines.append(f"  note: {note}")
-    if info.get("unruled_ops"):
-        lines.append(f"  ops without a sharding rule (run replicated): {', '.join(info['unruled_ops'])}")
+    from autopar.audit import audit  # reads the plan only; the audit names ops without a rule
+
+    lines += [f"  {line}" for line in audit(plan).lines()]
     return "\n".join(lines)
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.fx import Node
 
+from autopar.audit import audited
 from autopar.capture import Captured, MicrobatchCaptures, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
@@ -217,6 +218,7 @@ def megatron_mesh(dp: int, tp: int, ep: int = 1) -> tuple[tuple[int, ...], tuple
     return tuple(n for _, n in kept), names, {name: a for a, name in enumerate(names)}
 
 
+@audited
 def megatron(
     model: nn.Module,
     example_inputs: Any,
@@ -771,6 +773,7 @@ class _Search:
         return fastest, light
 
 
+@audited
 def best_megatron(
     model: nn.Module,
     example_inputs: Any,

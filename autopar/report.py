@@ -261,6 +261,7 @@ def html_report(
     sections.append(("cluster", "Cluster", _table(("", ""), cluster_rows)))
     summary = display.plan_summary(plan) + "\n" + display.LEGEND.format(axes=", ".join(plan.mesh_axes))
     sections.append(("plan", "Plan", f"<pre>{html.escape(summary)}</pre>"))
+    sections.append(("audit", "Audit", _audit_section(plan)))
     with tempfile.TemporaryDirectory() as tmp:
         figs = viz.plan_figures(plan, Path(tmp))
         pics = "".join(_img(f, f.stem.replace("_", " ")) for f in figs)
@@ -318,6 +319,16 @@ def html_report(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(doc, encoding="utf-8")
     return path
+
+
+def _audit_section(plan: Plan) -> str:
+    """The plan audit (``autopar.audit``): its figures, then one row per finding."""
+    from autopar.audit import audit
+
+    a = audit(plan)
+    rows = [(f.severity, f.kind.replace("_", " "), f"{f.share * 100:.1f} %", f.message) for f in a.findings]
+    body = f"<p>{html.escape(a.figures())}</p>"
+    return body + (_table(("severity", "what", "share", "finding"), rows) if rows else "<p>no findings</p>")
 
 
 def _measured(plan: Plan, run: dict[str, Any]) -> str:
