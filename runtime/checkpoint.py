@@ -16,6 +16,13 @@ Words:
 Optimizer state follows the parameters: a state tensor shaped like its parameter is stored in
 the parameter's canonical layout (AdamW's moments), others (AdamW's ``step``) replicated.
 
+A pipelined module (``plan.pipeline``) holds on each rank only the parameters its stages read,
+laid out on its stage's mesh: each rank hands DCP DTensors on that mesh (the stage's devices at
+this rank's pipeline coordinate), keyed by the model's own names, so the ranks of each stage write
+their stage's pieces and nothing is gathered across stages; a weight two stages share (a tied
+embedding and head) is written once (DCP keeps one copy of identical pieces). Loading works the
+same way under any pipeline shape: a rank asks for what its stages hold, wherever it was saved.
+
 Usage::
 
     dcp.save(pm.state_dict(optimizer=opt), checkpoint_id=path)       # or autopar.runtime.checkpoint.save
@@ -57,8 +64,28 @@ def _placements(spec: Spec) -> list[Any]:
     return [DShard(p.dim) if isinstance(p, Shard) else DReplicate() for p in spec]
 
 
-def to_canonical(pm: Any, local: torch.Tensor, shape: tuple[int, ...], spec: Spec) -> Any:
-    """A ``DTensor`` of this rank's canonical piece of a tensor held as ``spec``."""
+def stage_mesh(pm: Any) -> Any:
+    """The ``DeviceMesh`` a checkpoint's DTensors of ``pm`` live on: its mesh, or for a pipelined
+    module its stage's (the stage axes' groups over the ranks at this rank's pipeline coordinate,
+    ranks numbered as ``autopar.runtime.module.mesh_axes`` lays out ``(pp, *stage mesh)``). Made
+    from the existing groups: no collective."""
+    if pm.pipeline is None:
+        return pm.device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    runner = pm.pipeline
+    ranks = torch.arange(runner.pp.size * math.prod(pm._mesh)).reshape(runner.pp.size, *pm._mesh)
+    return DeviceMesh.from_group(
+        [ax.group for ax in pm.axes],
+        pm.device.type,
+        mesh=ranks[runner.pp.coord],
+        mesh_dim_names=tuple(ax.name for ax in pm.axes),
+    )
+
+
+def to_canonical(pm: Any, local: torch.Tensor, shape: tuple[int, ...], spec: Spec, mesh: Any = None) -> Any:
+    """A ``DTensor`` of this rank's canonical piece of a tensor held as ``spec``, on ``mesh``
+    (default ``stage_mesh(pm)``)."""
     from torch.distributed.tensor import DTensor
 
     from autopar.runtime.module import run_reshard
@@ -67,7 +94,12 @@ def to_canonical(pm: Any, local: torch.Tensor, shape: tuple[int, ...], spec: Spe
     piece = run_reshard(local.detach(), shape, spec, canon, pm.axes).contiguous()
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(
-        piece, pm.device_mesh, _placements(canon), run_check=False, shape=torch.Size(shape), stride=stride
+        piece,
+        mesh if mesh is not None else stage_mesh(pm),
+        _placements(canon),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
     )
 
 
@@ -105,10 +137,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def state_dict(pm: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """``pm``'s parameters, persistent buffers and ``optimizer``'s state as canonical DTensors."""
     out: dict[str, Any] = {}
+    mesh = stage_mesh(pm)
     with torch.no_grad():
         for fqn in pm._state_fqns():
             local = pm._local(fqn)
-            out[MODEL + fqn] = to_canonical(pm, local, pm._shapes[fqn], pm._specs[fqn])
+            out[MODEL + fqn] = to_canonical(pm, local, pm._shapes[fqn], pm._specs[fqn], mesh)
         if optimizer is not None:
             init_optimizer_state(optimizer)
             names = {id(p): fqn for fqn, p in pm.named_local_parameters().items()}
@@ -120,7 +153,7 @@ def state_dict(pm: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[
                     for k, v in optimizer.state.get(p, {}).items():
                         key = f"{OPTIM}{fqn}.{k}"
                         if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
-                            out[key] = to_canonical(pm, v, pm._shapes[fqn], pm._specs[fqn])
+                            out[key] = to_canonical(pm, v, pm._shapes[fqn], pm._specs[fqn], mesh)
                         else:
                             out[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
     return out
