@@ -85,7 +85,7 @@ def parallelize(
     gather_outputs: bool = True,
     local_inputs: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
-    check_inputs: str | None = None,
+    check_inputs: str | None = "digest",
     **options: Any,
 ) -> ParallelModule:
     """This rank's module. Call on every rank after ``torch.distributed.init_process_group``.
@@ -96,8 +96,11 @@ def parallelize(
     never import the solver. ``gather_outputs=False`` returns non-scalar outputs as local shards.
     ``local_inputs=True``: each rank passes its own shard of every input (``pm.input_specs``).
     ``timeout``: seconds a collective may wait for its peers before the step fails with an error
-    naming the rank that stopped (``autopar.runtime.monitor``). ``check_inputs="hash"``: verify
-    every call that all ranks were given the same global batch (one small all-gather).
+    naming the rank that stopped (``autopar.runtime.monitor``). ``check_inputs="digest"`` (the
+    default): before any collective of the model, the ranks agree on every call's inputs in one
+    all-gather of three numbers per rank — the same global batch on every rank (a digest of it;
+    not compared with ``local_inputs=True``), and no rank that refused its inputs (a rank that
+    did stops the others at once, its error in theirs); ``None``: no such collective.
     """
     import torch.distributed as dist
 
@@ -115,7 +118,7 @@ def parallelize(
             lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)
         )
     if plan.pipeline is not None:
-        return _parallelize_pipeline(model, cluster, example_inputs, plan, config, timeout)
+        return _parallelize_pipeline(model, cluster, example_inputs, plan, config, timeout, check_inputs)
     check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
     device = device_for_backend(dist.get_backend())
     axes, device_mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
@@ -209,6 +212,7 @@ def _parallelize_pipeline(
     plan: Plan,
     config: PlanConfig,
     timeout: float,
+    check_inputs: str | None = "digest",
 ) -> ParallelModule:
     """This rank's module for a pipelined plan: ``plan``'s mesh is the layout inside a stage (it
     spans ``world / pp`` devices), ``plan.pipeline.stage_of`` maps each captured node to its stage
@@ -247,15 +251,28 @@ def _parallelize_pipeline(
     program = lower(cap, plan, stage_axes, device=device, stage_of=stage_of, certify=False)
     # Which parameters this rank's stages read: from the cut program.
     num_stages = pipe.num_stages
-    mine = {s for s in range(num_stages) if s % pp == pp_axis.coord}
     phs = [n for n in program.graph.nodes if n.op == "placeholder"]
+    params_of = [set() for _ in range(pp)]  # the parameters each pipeline rank's stages read
+    for n in program.graph.nodes:
+        s = n.meta.get("autopar.stage")
+        if s is not None:
+            params_of[s % pp] |= {i.name for i in n.all_input_nodes if i.name in cap.params}
+    empty = [c for c in range(pp) if not params_of[c]]
+    if empty:  # the same on every rank: each raises, none waits
+        raise ValueError(
+            f"pipeline rank(s) {empty} of this plan hold no parameter (their stages read none): "
+            f"torch.optim.AdamW(pm.parameters()) would raise 'optimizer got an empty parameter list' there. "
+            f"autopar's stage cuts never make such a stage (autopar.passes.stages): plan again, or with fewer "
+            f"pipeline stages"
+        )
+    mine = {s for s in range(num_stages) if s % pp == pp_axis.coord}
     read = {
         i.name for n in program.graph.nodes if n.meta.get("autopar.stage") in mine for i in n.all_input_nodes
     }
     held = {cap.params.get(p.name, cap.buffers.get(p.name)) for p in phs if p.name in read} - {None}
     pm = ParallelModule(
         program, plan, cap, stage_axes, model, device, device_mesh=device_mesh, world_group=world_group,
-        timeout=timeout, held=held,
+        timeout=timeout, held=held, check_inputs=check_inputs,
     )  # fmt: skip
     margs, mkwargs = normalize_inputs(micro)
     example = pm.primal_values(margs, mkwargs, local_inputs=False, check=False)

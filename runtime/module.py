@@ -46,7 +46,7 @@ from autopar.program.collectives import AxisGroup
 from autopar.program.records import StepProgram
 from autopar.reshard import reshard_steps
 from autopar.runtime.compat import all_gather_into
-from autopar.runtime.monitor import DEFAULT_TIMEOUT, StepMonitor
+from autopar.runtime.monitor import DEFAULT_TIMEOUT, CollectiveFailure, StepMonitor
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.step import bind_step, run_step
 
@@ -101,6 +101,46 @@ def _set_path(
         mod.register_parameter(last, value)  # type: ignore[arg-type]
 
 
+def _integer_ids(got: torch.dtype, planned: torch.dtype) -> bool:
+    """Whether an input of dtype ``got`` is taken for one planned as ``planned``: both integer
+    (not bool). Ids and targets of any integer dtype are cast to the dtype the program was captured
+    with (int32 ids fed to a plan made with int64 ones), as eager PyTorch's index ops take int32
+    and int64 alike; a narrowing cast is checked to lose nothing."""
+    ints = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    return got in ints and planned in ints
+
+
+_CHUNK = 256
+"""Words summed together by ``batch_digest`` before the position-weighted sum."""
+
+
+def batch_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Three int64 words that differ, but for a vanishing chance, between batches that differ:
+    each tensor's bytes read as 32-bit integers (zero-padded to whole chunks of ``_CHUNK``); the
+    sum of every word, of every chunk's sum weighted by the chunk's position, and of every word
+    weighted by its position in its chunk (so reordered rows or tokens differ too), folded over
+    the tensors in order. Integer sums wrap exactly whatever the order of summation, so the
+    digest of one batch is the same on every rank whatever its threads or kernels; it is
+    computed where the tensors lie (two reductions over the batch: about 90 ms for a 150 MB image
+    batch on one CPU core, well under a millisecond on a GPU)."""
+    acc: torch.Tensor | None = None
+    for x in tensors:
+        raw = x.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = raw.numel()
+        pad = -n % (4 * _CHUNK)
+        if pad:  # a copy: only where the bytes are not whole chunks (a few KB of ids, say)
+            raw = torch.cat([raw, raw.new_zeros(pad)])
+        chunks = raw.view(torch.int32).view(-1, _CHUNK)
+        rows = chunks.sum(1, dtype=torch.int32).to(torch.int64)
+        columns = chunks.sum(0, dtype=torch.int32).to(torch.int64)
+        where = torch.arange(1, rows.numel() + _CHUNK + 1, device=raw.device)
+        d = torch.stack(
+            [rows.sum() + n, (rows * where[: rows.numel()]).sum(), (columns * where[:_CHUNK]).sum()]
+        )
+        acc = d if acc is None else acc * 1_000_003 + d.to(acc.device)
+    return acc if acc is not None else torch.zeros(3, dtype=torch.int64)
+
+
 def _get_path(root: nn.Module, fqn: str) -> torch.Tensor:
     *path, last = fqn.split(".")
     mod = root
@@ -125,13 +165,15 @@ class ParallelModule(nn.Module):
         device_mesh: Any = None,
         world_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
-        check_inputs: str | None = None,
+        check_inputs: str | None = "digest",
         held: set[str] | None = None,
     ) -> None:
         super().__init__()
         self._held = held
-        if check_inputs not in (None, "hash"):
-            raise ValueError(f"check_inputs must be None or 'hash', got {check_inputs!r}")
+        if check_inputs == "hash":  # its former name
+            check_inputs = "digest"
+        if check_inputs not in (None, "digest"):
+            raise ValueError(f"check_inputs must be 'digest' (the default) or None, got {check_inputs!r}")
         self.program = program
         self.plan = plan
         self.captured = cap
@@ -152,7 +194,10 @@ class ParallelModule(nn.Module):
         self.index_inputs = dict(cap.index_inputs)
         """User input path -> the ranges its values must lie in (checked every call)."""
         self.check_inputs = check_inputs
-        """``"hash"``: check every rank got the same global batch (one small all-gather per call)."""
+        """``"digest"`` (default): before running, the ranks agree on every call's inputs in one small
+        all-gather — a digest of the global batch must be the same on every rank, and a rank that
+        refused its inputs stops the others at once (``_agree``); ``None``: each rank checks only
+        its own inputs, no collective."""
         self.input_specs: dict[str, tuple[str, ...]] = {}
         """User input path -> spec each rank's input shard has (for ``local_inputs=True``)."""
         full_params = dict(model.named_parameters())
@@ -260,33 +305,45 @@ class ParallelModule(nn.Module):
     ) -> list[Any]:
         """The program's inputs for one call: this rank's parameters and buffers, constants, and
         each user input (cut to this rank's shard unless ``local_inputs``), checked against the plan
-        (dtype, shape, index ranges; with ``check_inputs="hash"``, the same batch on every rank)."""
+        (dtype, shape, index ranges) and, with ``check_inputs`` on, agreed between the ranks
+        (``_agree``: the same global batch everywhere, and no rank refused its inputs)."""
         local_inputs = self.local_inputs if local_inputs is None else local_inputs
         leaves = _leaves_by_path(args, kwargs)
         values = []
-        for kind, key in self._bindings:
-            if kind in ("param", "buffer"):
-                values.append(_get_path(self, "m." + key) if self._holds(key) else None)
-            elif kind == "const":
-                values.append(self._constants[key])
-            else:
-                if key not in leaves:
-                    raise TypeError(
-                        f"this module was built for inputs {sorted(self.input_specs)}; input {key!r} is missing "
-                        f"(got {sorted(leaves)})"
-                    )
-                x = leaves[key]
-                if isinstance(x, torch.Tensor):
-                    self._check_input(key, x, local_inputs)
-                    if not local_inputs:
-                        x = self._input_shard(x, self._specs["input:" + key])
-                    x = x.to(self.device)
-                values.append(x)
-        if check and self.index_inputs:
-            self._check_indices(leaves, local_inputs)
-        if check and self.check_inputs == "hash":
-            self._check_same_batch(leaves)
+        problem: Exception | None = None
+        try:
+            for kind, key in self._bindings:
+                if kind in ("param", "buffer"):
+                    values.append(_get_path(self, "m." + key) if self._holds(key) else None)
+                elif kind == "const":
+                    values.append(self._constants[key])
+                else:
+                    if key not in leaves:
+                        raise TypeError(
+                            f"this module was built for inputs {sorted(self.input_specs)}; input {key!r} is "
+                            f"missing (got {sorted(leaves)})"
+                        )
+                    x = leaves[key]
+                    if isinstance(x, torch.Tensor):
+                        self._check_input(key, x, local_inputs)
+                        if not local_inputs:
+                            x = self._input_shard(x, self._specs["input:" + key])
+                        x = x.to(self.device, self._dtypes.get("input:" + key, x.dtype))
+                    values.append(x)
+            if check and self.index_inputs:
+                self._check_indices(leaves)
+        except Exception as exc:  # agreed with the other ranks first, then raised here
+            if not (check and self._agreeing()):
+                raise
+            problem = exc
+        if check and self._agreeing():
+            self._agree(leaves, problem, local_inputs)
+        if problem is not None:
+            raise problem
         return values
+
+    def _agreeing(self) -> bool:
+        return self.check_inputs is not None and dist.is_initialized() and dist.get_world_size() > 1
 
     def _check_input(self, key: str, x: torch.Tensor, local_inputs: bool) -> None:
         """dtype and shape against the plan (the global batch, or this rank's shard of it; a
@@ -295,10 +352,23 @@ class ParallelModule(nn.Module):
         if self.microbatches > 1 and shape:
             shape = (shape[0] * self.microbatches, *shape[1:])
         dtype = self._dtypes.get("input:" + key)
-        if dtype is not None and x.dtype != dtype:
+        if dtype is not None and x.dtype != dtype and not _integer_ids(x.dtype, dtype):
             raise TypeError(
                 f"input {key!r} has dtype {x.dtype} but the plan was made for {dtype}; convert it, or plan again"
             )
+        if (
+            dtype is not None
+            and x.dtype != dtype
+            and x.numel()
+            and torch.iinfo(dtype).bits < torch.iinfo(x.dtype).bits
+        ):
+            lo, hi = int(x.min()), int(x.max())
+            info = torch.iinfo(dtype)
+            if lo < info.min or hi > info.max:
+                raise TypeError(
+                    f"input {key!r} ({x.dtype}) holds values in [{lo}, {hi}], outside {dtype}'s range "
+                    f"[{info.min}, {info.max}] that the program was captured with; plan with {x.dtype} inputs"
+                )
         if local_inputs:
             want = local_shape(shape, spec, self._mesh)
             if tuple(x.shape) != want:
@@ -312,11 +382,9 @@ class ParallelModule(nn.Module):
                 f"batch shape {shape}; plan again for this shape, or pass local_inputs=True with shards"
             )
 
-    def _check_indices(self, leaves: dict[str, Any], local_inputs: bool) -> None:
+    def _check_indices(self, leaves: dict[str, Any]) -> None:
         """Ids and targets in range, as the single-device model requires (a sharded lookup or loss
-        would mask them silently). With local inputs every rank learns whether any rank's shard
-        is out of range (one small all-gather), so all of them raise."""
-        problem = ""
+        would mask them silently). This rank's inputs only: ``_agree`` tells the others."""
         for key, bounds in self.index_inputs.items():
             x = leaves.get(key)
             if not isinstance(x, torch.Tensor) or x.numel() == 0:
@@ -330,47 +398,59 @@ class ParallelModule(nn.Module):
                     allowed = f"0 ≤ id < {b.bound}" + (
                         f" (or {b.ignore}, ignored)" if b.ignore is not None else ""
                     )
-                    problem = (
+                    raise IndexError(
                         f"input {key!r} holds {v}, out of range for {b.what}: {allowed}; the single-device model "
                         f"raises IndexError here"
                     )
-                    break
-            if problem:
-                break
-        if local_inputs and dist.is_initialized() and dist.get_world_size() > 1:
-            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
-            mine = torch.tensor([1 if problem else 0], dtype=torch.int32)
-            all_gather_into(flags, mine, self.world_group)
-            bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
-            if bad_ranks and not problem:
-                problem = (
-                    f"rank(s) {bad_ranks} received ids out of range (see their errors); every rank stops"
-                )
-        if problem:
-            raise IndexError(problem)
 
-    def _check_same_batch(self, leaves: dict[str, Any]) -> None:
-        """``check_inputs="hash"``: every rank got the same global batch (a fingerprint of each
-        input, all-gathered), else an error on every rank naming the ranks that differ."""
-        if not dist.is_initialized() or dist.get_world_size() == 1 or self.local_inputs:
-            return
-        prints = []
-        for key in sorted(k for k in leaves if "input:" + k in self._specs):
-            x = leaves[key]
-            if isinstance(x, torch.Tensor):
-                v = x.detach().reshape(-1).to(torch.float64).cpu()
-                w = torch.arange(1, v.numel() + 1, dtype=torch.float64)
-                prints += [float(v.sum()), float((v * w).sum()), float((v * v).sum())]
-        mine = torch.tensor(prints, dtype=torch.float64)
-        every = torch.zeros(dist.get_world_size() * mine.numel(), dtype=torch.float64)
+    def _agree(self, leaves: dict[str, Any], problem: Exception | None, local_inputs: bool) -> None:
+        """The ranks agree on this call's inputs before any collective of the model: one
+        all-gather of four int64 words per rank — whether this rank refused its inputs, and a
+        digest of its global batch (``batch_digest``; zeros with ``local_inputs``, where each rank
+        has its own shard). A rank that refused its inputs published its error first
+        (``StepMonitor.note``), so every other rank raises at once naming it
+        (:class:`CollectiveFailure`) instead of waiting in the model's first collective for a peer
+        that never comes; where the digests differ, every rank raises naming the ranks that were
+        given another batch than rank 0 (each rank its own loader, the DDP habit, without
+        ``local_inputs=True``, would otherwise train on a silent mixture)."""
+        if problem is not None:
+            self.monitor.note(problem, "checking the inputs")
+        keys = sorted(
+            k for k in leaves if "input:" + k in self._specs and isinstance(leaves[k], torch.Tensor)
+        )
+        digest = (
+            batch_digest([leaves[k] for k in keys]).to(self.device)
+            if problem is None and not local_inputs
+            else torch.zeros(3, dtype=torch.int64, device=self.device)
+        )
+        mine = torch.cat(
+            [torch.tensor([int(problem is not None)], dtype=torch.int64, device=self.device), digest]
+        )
+        world = dist.get_world_size()
+        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=self.device)
         all_gather_into(every, mine, self.world_group)
-        every = every.view(dist.get_world_size(), -1)
-        differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
-        if differ:
-            raise ValueError(
-                f"ranks {differ} were given a different global batch than rank 0 (check_inputs='hash'): every rank "
-                f"must pass the same global batch, or pass local_inputs=True with each rank's shard"
+        every = every.view(world, -1).cpu()
+        if problem is not None:
+            return  # this rank raises its own error
+        refused = [r for r in range(world) if every[r, 0]]
+        if refused:
+            errors = self.monitor.peer_errors(refused)
+            named = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+            raise CollectiveFailure(
+                f"rank {dist.get_rank()} stops before any collective of the model: rank(s) {refused} refused "
+                f"their inputs ({named}). Every rank checks its inputs and agrees before running, so no rank "
+                f"waits for a peer that raised"
             )
+        if not local_inputs:
+            differ = [r for r in range(world) if not torch.equal(every[r, 1:], every[0, 1:])]
+            if differ:
+                raise ValueError(
+                    f"ranks {differ} were given a different global batch than rank 0 (their digests differ): every "
+                    f"rank must pass the same global batch, or pass local_inputs=True to parallelize with each "
+                    f"rank's own shard (pm.input_specs says how each input is split; pm.shard_inputs cuts a global "
+                    f"batch); check_inputs=None turns this check off"
+                )
+        self.monitor.clear_note()
 
     def primal_roles(self) -> list[tuple[str, str]]:
         """``(kind, name)`` of every program input: ``param``/``buffer`` with its FQN, ``input``
@@ -388,6 +468,8 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             values = self.primal_values(args, kwargs)
+        except CollectiveFailure:  # another rank refused its inputs: its note names it, not this rank
+            raise
         except Exception as exc:  # a bad input here: noted, so the other ranks name it
             err = self.monitor.fail(exc, "checking the inputs")
             if err is None:
@@ -424,31 +506,31 @@ class ParallelModule(nn.Module):
         """This rank's last step as measured, beside the plan's prediction for the same rank: the
         step, the compute (stage programs with their collectives), the time spent waiting for
         pipeline transfers, the idle rest, and the micro-batches in flight. A pipelined module
-        only (the prediction is the plan's schedule played by ``autopar.cost.timeline``)."""
-        from autopar.cost.timeline import StageCost, play
-        from autopar.schedule import max_in_flight
-
+        only (the prediction, ``PipelineRunner.predicted``, is the plan's schedule played by
+        ``autopar.cost.timeline`` when the module was built)."""
         if self.pipeline is None or self.plan.pipeline is None:
             raise RuntimeError("report() describes a pipelined module; this module runs one stage")
         m = self.pipeline.last
         if not m:
             raise RuntimeError("report(): run a training step first")
+        pred = self.pipeline.predicted
+        if not pred:
+            raise RuntimeError(
+                "report(): the plan has no per-stage costs (plan.pipeline.stage_costs) to predict from"
+            )
         pipe = self.plan.pipeline
         r = self.pipeline.pp.coord
-        actions = pipe.actions()
-        overlap = Cluster.from_dict(self.plan.cluster).overlap_comm
-        tl = play(actions, [StageCost(**c) for c in pipe.stage_costs], overlap=overlap)
         rows = [
-            ("step", tl.step_time, m["step"]),
-            ("compute", tl.busy[r], m["compute"]),
-            ("waiting for transfers + idle", tl.step_time - tl.busy[r], m["p2p"] + m["idle"]),
+            ("step", pred["step"], m["step"]),
+            ("compute", pred["compute"], m["compute"]),
+            ("waiting for transfers + idle", pred["step"] - pred["compute"], m["p2p"] + m["idle"]),
         ]
         lines = [f"pipeline rank {r} of {pipe.pp}, {pipe.schedule}, {pipe.microbatches} micro-batches"]
         lines += [
             f"  {name:<30} predicted {p * 1e3:9.3f} ms   measured {q * 1e3:9.3f} ms" for name, p, q in rows
         ]
         lines.append(
-            f"  {'micro-batches in flight':<30} predicted {max_in_flight(actions[r]):9d}      measured {int(m['in_flight']):9d}"
+            f"  {'micro-batches in flight':<30} predicted {int(pred['in_flight']):9d}      measured {int(m['in_flight']):9d}"
         )
         return "\n".join(lines)
 

@@ -53,6 +53,8 @@ class StepMonitor:
     """Seconds blocked in waits since ``start_step`` (counted when ``timing`` is on)."""
     started: float = 0.0
     timing: bool = False
+    noted: bool = False
+    """A note of this rank's failure is in the store (``note``; removed by ``clear_note``)."""
 
     def start_step(self) -> None:
         self.waiting = 0.0
@@ -91,6 +93,7 @@ class StepMonitor:
             return None
         try:
             store.set(f"autopar/failed/{self.rank}", json.dumps(note))
+            self.noted = True
         except Exception:  # the store may be gone with rank 0: report what we know
             if not caused_by_peer:
                 return None
@@ -120,12 +123,39 @@ class StepMonitor:
             f"(this rank saw: {note['error']})"
         )
 
-    def _collect(self, store: dist.Store) -> dict[int, dict]:
-        """Every rank's note, waiting up to ``GRACE`` seconds for those still missing."""
+    def note(self, exc: BaseException, where: str) -> None:
+        """Publish this rank's own failure now, as it is raised (before user code can catch it):
+        the ranks that learn of it in the same collective (``ParallelModule``'s input agreement)
+        read it at once, with ``peer_errors``."""
+        self.fail(exc, where)
+
+    def clear_note(self) -> None:
+        """Remove this rank's note once every rank agreed on a call again (a caught error is
+        over), so a later failure is not blamed on it."""
+        if not self.noted:
+            return
+        self.noted = False
+        store = self._store()
+        try:
+            if store is not None:
+                store.delete_key(f"autopar/failed/{self.rank}")
+        except Exception:  # nothing to clear where the store is gone
+            pass
+
+    def peer_errors(self, ranks: list[int]) -> dict[int, str]:
+        """``{rank: "ValueError: ..."}``: the notes ``ranks`` published (``note``), waiting up to
+        ``GRACE`` seconds for one not there yet; a rank with none reads "no note"."""
+        store = self._store()
+        notes = self._collect(store, ranks) if store is not None else {}
+        return {r: (f"{notes[r]['error']}" if r in notes else "no note") for r in ranks}
+
+    def _collect(self, store: dist.Store, ranks: list[int] | None = None) -> dict[int, dict]:
+        """Every rank's note (of ``ranks``), waiting up to ``GRACE`` seconds for those still missing."""
         notes: dict[int, dict] = {}
+        want = list(range(self.world)) if ranks is None else list(ranks)
         deadline = time.monotonic() + GRACE
         while True:
-            for r in range(self.world):
+            for r in want:
                 if r in notes:
                     continue
                 key = f"autopar/failed/{r}"
@@ -134,7 +164,7 @@ class StepMonitor:
                         notes[r] = json.loads(store.get(key))
                 except Exception:
                     return notes
-            if len(notes) == self.world or time.monotonic() > deadline:
+            if len(notes) == len(want) or time.monotonic() > deadline:
                 return notes
             time.sleep(0.1)
 

@@ -9,6 +9,7 @@ timeouts are set short (``TIMEOUT`` seconds) so a frozen peer costs little.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -56,13 +57,22 @@ def input_faults_worker(rank: int, world: int) -> dict[str, tuple[str, float]]:
     bad_t = targets.clone()
     bad_t[0, 0] = H.VOCAB
     out["target out of range"] = _catch(lambda: _step(pm, (ids, bad_t)))
-    out["wrong dtype"] = _catch(lambda: _step(pm, (ids.to(torch.int32), targets)))
-    # Different batches on different ranks: caught with check_inputs="hash".
-    pm_hash = autopar.parallelize(
-        model, cluster, (ids, targets), plan=plan, timeout=TIMEOUT, check_inputs="hash"
+    out["wrong dtype"] = _catch(lambda: _step(pm, (ids.to(torch.float32), targets)))
+    # Ids and targets of another integer dtype are cast to the plan's, as eager takes int32 ids.
+    out["int32 ids"] = (
+        str(H.loss_of(H.call(pm, (ids.to(torch.int32), targets.to(torch.int16)))).item()),
+        0.0,
     )
+    # Different batches on different ranks (each rank its own loader): caught by default.
     mine = (ids + rank) % H.VOCAB
-    out["different batches"] = _catch(lambda: _step(pm_hash, (mine, targets)))
+    out["different batches"] = _catch(lambda: _step(pm, (mine, targets)))
+    # ... and the same batch shuffled differently on each rank.
+    rows = torch.arange(ids.shape[0]).roll(rank)
+    out["shuffled batches"] = _catch(lambda: _step(pm, (ids[rows], targets[rows])))
+    pm_off = autopar.parallelize(
+        model, cluster, (ids, targets), plan=plan, timeout=TIMEOUT, check_inputs=None
+    )
+    out["check off"] = _catch(lambda: pm_off(mine, targets))
     # Local shards: only rank 1's shard is out of range; every rank stops.
     pm_local = autopar.parallelize(
         model, cluster, (ids, targets), plan=plan, timeout=TIMEOUT, local_inputs=True
@@ -88,17 +98,25 @@ def test_bad_inputs_raise_the_same_clear_error_on_every_rank():
         )
         msg = r["target out of range"][0]
         assert msg.startswith("IndexError") and "classes" in msg and str(H.VOCAB) in msg, (rank, msg)
-        assert r["wrong dtype"][0].startswith("TypeError") and "int32" in r["wrong dtype"][0]
-        msg = r["different batches"][0]
-        assert msg.startswith("ValueError") and "ranks [1]" in msg, (rank, msg)
+        assert r["wrong dtype"][0].startswith("TypeError") and "float32" in r["wrong dtype"][0]
+        for case in ("different batches", "shuffled batches"):
+            msg = r[case][0]
+            assert msg.startswith("ValueError") and "ranks [1]" in msg and "local_inputs=True" in msg, (
+                rank,
+                msg,
+            )
+        assert r["check off"][0] == "", r["check off"]  # opted out: a silent mixture, as documented
         msg = r["one rank's shard out of range"][0]
-        assert msg.startswith("IndexError"), (rank, msg)
-        assert ("-3" in msg) if rank == 1 else ("rank(s) [1]" in msg), (rank, msg)
+        if rank == 1:
+            assert msg.startswith("IndexError") and "-3" in msg, (rank, msg)
+        else:  # rank 0 names rank 1 and its error
+            assert msg.startswith("CollectiveFailure") and "rank(s) [1]" in msg and "-3" in msg, (rank, msg)
         for case, (_, took) in r.items():
             assert took < TIMEOUT, (case, took)  # refused before any collective could wait
     model, (ids, targets) = H.build("gpt")
     ref = H.loss_of(H.call(model, (ids, targets))).item()
     assert abs(float(runs[0]["after"][0]) - ref) <= 1e-5 * abs(ref)
+    assert abs(float(runs[0]["int32 ids"][0]) - ref) <= 1e-5 * abs(ref)
 
 
 def peer_faults_worker(rank: int, world: int, fault: str) -> tuple[str, float]:
@@ -153,7 +171,9 @@ def test_one_ranks_shape_error_caught_and_carried_on_does_not_hang_the_others():
     with pytest.raises(RuntimeError) as info:
         spawn(peer_faults_worker, 2, "bad shape, caught", timeout=90, pg_timeout=20, settle=TIMEOUT + 10)
     text = str(info.value)
-    # Rank 0 waited in a collective rank 1 never joined; it stops after the timeout naming rank 1's
-    # own error (the shape), not a bare "connection closed".
-    assert "rank 1 failed first, in checking the inputs: ValueError" in text, text
+    # Rank 1 published its error as it raised it, in the input agreement rank 0 takes part in: rank 0
+    # stops at once naming rank 1's own error (the shape), not a bare "connection closed".
+    assert "rank(s) [1] refused their inputs (rank 1: ValueError" in text, text
     assert "shape" in text
+    took = float(re.search(r"\[stopped ([0-9.]+) s into", text).group(1))
+    assert took < TIMEOUT / 2, took

@@ -4,6 +4,7 @@ group still works (a barrier and a training step)."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -86,3 +87,50 @@ def test_errors_are_raised_on_every_rank_before_any_collective():
         assert f"({H.BATCH}, {H.SEQ // 2})" in msg and f"({H.BATCH}, {H.SEQ})" in msg, (where, msg)
         assert out["collectives during the bad call"] == {}, where
         assert abs(out["loss after errors"] - ref_loss) <= 1e-5 * ref_loss, where
+
+
+# ------------------------------------------------------------------ one rank's error, caught
+
+
+CAUGHT_TIMEOUT = 60.0
+"""Collective timeout of the module in the caught-error test: a peer left waiting in a collective
+would wait this long, far past the bound the test asserts."""
+
+
+def caught_error_worker(rank: int, world: int, local: bool) -> tuple[str, float]:
+    """Rank 1 is given a batch of the wrong shape, catches autopar's error and blocks (as user code
+    that carries on into its own barrier or sleep would); rank 0 steps on and must be stopped at
+    once with rank 1's error."""
+    H.quiet()
+    cluster = autopar.Cluster.local(world)
+    model, inputs = H.build("gpt")
+    fixed = {n: ("R",) for n, _ in model.named_parameters()}
+    plan = autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
+    pm = autopar.parallelize(model, cluster, inputs, plan=plan, timeout=CAUGHT_TIMEOUT, local_inputs=local)
+    batch = tuple(pm.shard_inputs(*inputs).values()) if local else inputs
+    H.loss_of(H.call(pm, batch)).backward()  # one good step
+    t0 = time.perf_counter()
+    try:
+        if rank == 1:
+            H.loss_of(H.call(pm, (batch[0][:, :-1], batch[1]))).backward()
+        else:
+            for _ in range(20):
+                H.loss_of(H.call(pm, batch)).backward()
+    except Exception as exc:  # the test reads each rank's error and how long it took
+        msg, took = f"{type(exc).__name__}: {exc}", time.perf_counter() - t0
+    else:
+        msg, took = "no error", time.perf_counter() - t0
+    if rank == 1:
+        time.sleep(8)  # caught, and blocked elsewhere: rank 0 must not wait for it
+    return msg, took
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("local", [False, True], ids=["global batch", "local shards"])
+def test_an_error_caught_on_one_rank_releases_the_other_at_once(local):
+    (msg0, took0), (msg1, _) = spawn(caught_error_worker, WORLD, local, timeout=120)
+    assert msg1.startswith("ValueError") and "shape" in msg1, msg1
+    assert msg0.startswith("CollectiveFailure"), msg0
+    assert "rank(s) [1] refused their inputs (rank 1: ValueError" in msg0 and "shape" in msg0, msg0
+    assert took0 < 5.0, took0  # not the collective timeout (60 s): rank 1's error reached rank 0 at once
