@@ -39,7 +39,8 @@ such place into one form (the values are the same) and the fingerprint is taken 
   with a symbolic batch it is kept on the batch dimension, with concrete sizes it is not. It is
   the identity, yet a slice rule may not split the dimension it slices, so a micro-batch graph
   would run everything after it replicated over data parallelism. ``drop_identity_slices``
-  removes every ``slice`` whose output is its input's size.
+  removes every ``slice`` whose output is its input's size, and every ``alias`` (what export
+  writes for the same slice where it sees it whole).
 * Node names are numbered again in graph order (``linear``, ``linear_1``, …), so a node removed or
   added above does not rename every node of its op below it.
 """
@@ -735,17 +736,19 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
 
 
 def drop_identity_slices(gm: torch.fx.GraphModule) -> int:
-    """Remove each ``slice`` (step 1) whose output has its input's shape: the identity (module
-    docstring: canonical graph). A slice something writes into stays (its writes reach the source
+    """Remove each ``slice`` (step 1) whose output has its input's shape, and each ``alias``: the
+    identity (module docstring: canonical graph; export writes ``x[:, 0:]`` as ``alias`` where it
+    sees the slice whole, as ``slice`` where the size is a symbol). A slice something writes into stays (its writes reach the source
     through the view; the copy that replaces it would not be the same tensor). Returns how many
     were removed."""
     aten = torch.ops.aten
     dropped = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.slice.Tensor:
+        if node.op != "call_function" or node.target not in (aten.slice.Tensor, aten.alias.default):
             continue
         src = node.args[0]
         step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+        step = 1 if node.target is aten.alias.default else step
         out, inp = _val(node), _val(src) if isinstance(src, torch.fx.Node) else None
         if step != 1 or out is None or inp is None or tuple(out.shape) != tuple(inp.shape):
             continue

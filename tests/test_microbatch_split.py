@@ -22,7 +22,9 @@ H, V, SEQ, BATCH = 256, 32000, 512, 32
 def _decoder(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
-    small = dict(num_hidden_layers=2, hidden_size=H, num_attention_heads=4, intermediate_size=4 * H, vocab_size=V)
+    small = dict(
+        num_hidden_layers=2, hidden_size=H, num_attention_heads=4, intermediate_size=4 * H, vocab_size=V
+    )
     cfgs = {
         "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, **small)),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, **small)),
@@ -48,7 +50,11 @@ def _decoder(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 def _split_over_dp(plan: autopar.Plan) -> dict[str, bool]:
     """Whether the LM head's output and the loss's logits input are split over the dp axis."""
     dp = plan.mesh_axes.index("dp")
-    head = [n for n in plan.nodes if n.kind == "op" and n.module == "lm_head" and n.op in ("linear", "addmm", "mm")]
+    head = [
+        n
+        for n in plan.nodes
+        if n.kind == "op" and n.module == "lm_head" and n.op in ("linear", "addmm", "mm")
+    ]
     loss = [n for n in plan.nodes if n.kind == "op" and ("cross_entropy" in n.op or "nll_loss" in n.op)]
     assert head and loss, "the LM head and the loss are found"
 
@@ -66,7 +72,9 @@ def test_lm_head_and_loss_split_over_dp_under_microbatches(name: str, pp: int) -
     which divides dp=4 or 8): the LM head and the loss are split over dp."""
     model, batch = _decoder(name)
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=2)
-    plan = autopar.layouts.megatron(model, batch, cluster, tp=2, pp=pp, microbatches=2, sequence_parallel=True)
+    plan = autopar.layouts.megatron(
+        model, batch, cluster, tp=2, pp=pp, microbatches=2, sequence_parallel=True
+    )
     assert plan.pipeline is not None and plan.pipeline.microbatches == 2
     assert _split_over_dp(plan) == {"lm_head": True, "loss": True}
 
