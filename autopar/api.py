@@ -227,6 +227,7 @@ def _parallelize_pipeline(
     from autopar.passes.joint import PrimalInfo, RankInfo
     from autopar.passes.lower import check_plan, lower, program_difference
     from autopar.passes.pipeline import build_pipeline, propagate_fake
+    from autopar.runtime.pipeline import build_runner
 
     pipe = plan.pipeline
     assert pipe is not None
@@ -293,17 +294,42 @@ def _parallelize_pipeline(
     for ax in axes:
         ax.counting = False
     try:
-        runner = build_pipeline(
-            program, example, pm.primal_roles(), pm.grad_primals(), info, ctx,
-            num_stages=num_stages, pp_axis=pp_axis, pp_groups=_pp_groups(pp, world), actions=actions[pp_axis.coord],
-            microbatches=microbatches, timeout=timeout, trainable_anywhere=trainable_anywhere,
+        rank_stages = build_pipeline(
+            program, example, pm.primal_roles(), pm.grad_primals(), info, ctx, num_stages=num_stages, pp=pp,
+            coord=pp_axis.coord, microbatches=microbatches, trainable_anywhere=trainable_anywhere,
+        )  # fmt: skip
+        runner = build_runner(
+            rank_stages, roles=pm.primal_roles(), trainable=pm.grad_primals(), pp_axis=pp_axis,
+            pp_groups=_pp_groups(pp, world), actions=actions[pp_axis.coord], microbatches=microbatches,
+            timeout=timeout,
         )  # fmt: skip
     finally:
         for ax in axes:
             ax.counting = True
+    runner.predicted = _predicted_rank(plan, pp_axis.coord)
     pm.pipeline = runner
     pm.microbatches = microbatches
     return pm
+
+
+def _predicted_rank(plan: Plan, coord: int) -> dict[str, float]:
+    """What ``plan`` predicts for pipeline rank ``coord``'s step, its schedule played by
+    ``autopar.cost.timeline`` (``PipelineRunner.predicted``, which ``ParallelModule.report`` prints
+    beside the measurement); empty where the plan has no per-stage costs."""
+    from autopar.cost.timeline import StageCost, play
+    from autopar.schedule import max_in_flight
+
+    pipe = plan.pipeline
+    if pipe is None or not pipe.stage_costs:
+        return {}
+    actions = pipe.actions()
+    overlap = Cluster.from_dict(plan.cluster).overlap_comm
+    tl = play(actions, [StageCost(**c) for c in pipe.stage_costs], overlap=overlap)
+    return {
+        "step": tl.step_time,
+        "compute": tl.busy[coord],
+        "in_flight": float(max_in_flight(actions[coord])),
+    }
 
 
 def _pp_groups(pp: int, world: int) -> list[list[int]]:

@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.program.records import StageStep
+from autopar.program.records import RankStages, StageStep
 
 __all__ = [
     "STAGE",
+    "RankStages",
     "StageProgram",
     "StageStep",
+    "build_pipeline",
     "build_stage_step",
     "cut_stages",
     "defer_reductions",
@@ -461,29 +463,19 @@ def build_pipeline(
     ctx: object,
     *,
     num_stages: int,
-    pp_axis: object,
-    pp_groups: Sequence[Sequence[int]],
-    actions: Sequence[tuple[str, int, int]],
+    pp: int,
+    coord: int,
     microbatches: int,
-    timeout: float = 300.0,
     trainable_anywhere: Sequence[int] | None = None,
-) -> object:
-    """This rank's ``PipelineRunner``: the program (lowered with ``stage_of``) cut into stages, the
-    stages this rank holds traced into stage steps, and the groups that sum tied weights' gradients
-    across pipeline ranks. ``primals``: example values of one micro-batch (shapes only; parameters
-    this rank does not hold may be None); ``roles``: ``(kind, name)`` of each primal; ``pp_groups``:
-    the global ranks of every pipeline group (each rank's, by coordinate; every rank creates the
-    tied-weight groups of all of them, in the same order); ``actions``: this rank's schedule;
-    ``trainable_anywhere``: the trainable parameters of every stage, held here or not (which
-    boundary values carry gradients must be decided alike on every rank)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from autopar.runtime.pipeline import PipelineRunner
-
-    pp = pp_axis.size
-    coord = assign_stages(num_stages, pp)
+) -> RankStages:
+    """This rank's stages (the runtime runs them: ``autopar.runtime.pipeline.build_runner``): the
+    program (lowered with ``stage_of``) cut into stages, the stages pipeline coordinate ``coord``
+    of ``pp`` holds traced into stage steps, and which coordinates hold each weight.
+    ``primals``: example values of one micro-batch (shapes only; parameters this rank does not
+    hold may be None); ``roles``: ``(kind, name)`` of each primal; ``trainable_anywhere``: the
+    trainable parameters of every stage, held here or not (which boundary values carry gradients
+    must be decided alike on every rank)."""
+    stage_coord = assign_stages(num_stages, pp)
     stages = cut_stages(program, num_stages)
     holders: dict[str, list[int]] = {}
     for sp in stages:
@@ -491,39 +483,14 @@ def build_pipeline(
             kind, name = roles[i]
             if kind in ("param", "buffer"):
                 holders.setdefault(name, [])
-                if coord[sp.stage] not in holders[name]:
-                    holders[name].append(coord[sp.stage])
+                if stage_coord[sp.stage] not in holders[name]:
+                    holders[name].append(stage_coord[sp.stage])
     rg = differentiable_values(program, trainable_anywhere if trainable_anywhere is not None else trainable)
     steps = {
         sp.stage: build_stage_step(
             sp, primals, trainable, info, ctx, differentiable=rg, microbatches=microbatches
         )
         for sp in stages
-        if coord[sp.stage] == pp_axis.coord
+        if stage_coord[sp.stage] == coord
     }
-    # Weights held on several pipeline ranks (tied): one group per distinct set of coordinates in
-    # each pipeline group; every rank creates all of them, in the same order.
-    me = dist.get_rank()
-    pp_ranks = next(list(g) for g in pp_groups if me in g)
-    shared = []
-    groups: dict[tuple[int, ...], object] = {}
-    for key in sorted({tuple(sorted(c)) for c in holders.values() if len(c) > 1}):
-        for g in pp_groups:
-            group = dist.new_group([g[c] for c in key], timeout=datetime.timedelta(seconds=timeout))
-            if me in g:
-                groups[key] = group
-    for i, (kind, name) in enumerate(roles):
-        if kind == "param" and i in set(trainable) and len(holders.get(name, ())) > 1:
-            shared.append((i, groups[tuple(sorted(holders[name]))]))
-    return PipelineRunner(
-        steps=steps,
-        stage_coord=coord,
-        pp=pp_axis,
-        pp_ranks=list(pp_ranks),
-        actions=[a for a in actions if coord[a[1]] == pp_axis.coord],
-        microbatches=microbatches,
-        primal_kinds=[k for k, _ in roles],
-        trainable=list(trainable),
-        shared=shared,
-        holders=holders,
-    )
+    return RankStages(steps=steps, stage_coord=stage_coord, holders=holders)

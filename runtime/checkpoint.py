@@ -8,7 +8,7 @@ Words:
   plan that trained the model; block-sharded weights (a fused QKV's ``S(0)x3``, which no DTensor
   placement expresses) are stored the same way.
 * **save** — each rank reshards its parameters, buffers and optimizer state from the plan's
-  layout to the canonical one with the runtime's collectives (``run_reshard``) and hands DCP
+  layout to the canonical one with the program's collectives (``run_reshard``) and hands DCP
   ``DTensor`` views of its piece: every rank writes only its piece, nothing is gathered whole.
 * **load** — the module (under any plan, mesh or world size) asks DCP for its own canonical
   pieces (DCP reads the overlapping parts of what was saved) and reshards them to its plan.
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.placement import Replicate, Shard, Spec
+from autopar.program.collectives import run_reshard
 
 __all__ = ["canonical_spec", "load", "save"]
 
@@ -88,8 +89,6 @@ def to_canonical(pm: Any, local: torch.Tensor, shape: tuple[int, ...], spec: Spe
     (default ``stage_mesh(pm)``)."""
     from torch.distributed.tensor import DTensor
 
-    from autopar.runtime.module import run_reshard
-
     canon = canonical_spec(shape, pm._mesh)
     piece = run_reshard(local.detach(), shape, spec, canon, pm.axes).contiguous()
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
@@ -105,8 +104,6 @@ def to_canonical(pm: Any, local: torch.Tensor, shape: tuple[int, ...], spec: Spe
 
 def from_canonical(pm: Any, dt: Any, shape: tuple[int, ...], spec: Spec) -> torch.Tensor:
     """This rank's local tensor under ``spec``, from its canonical piece ``dt``."""
-    from autopar.runtime.module import run_reshard
-
     canon = canonical_spec(shape, pm._mesh)
     return run_reshard(dt.to_local(), shape, canon, spec, pm.axes)
 

@@ -42,9 +42,8 @@ from autopar.cluster import Cluster, mesh_arithmetic
 from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import Plan
 from autopar.program import collectives as C
-from autopar.program.collectives import AxisGroup
+from autopar.program.collectives import AxisGroup, run_reshard
 from autopar.program.records import StepProgram
-from autopar.reshard import reshard_steps
 from autopar.runtime.compat import all_gather_into
 from autopar.runtime.monitor import DEFAULT_TIMEOUT, CollectiveFailure, StepMonitor
 from autopar.runtime.pipeline import PipelineRunner
@@ -74,16 +73,6 @@ def local_shard(
             continue
         out = torch.cat([out.narrow(d, lo, hi - lo) for lo, hi in rs], dim=d)
     return out.contiguous()
-
-
-def run_reshard(
-    x: torch.Tensor, shape: Sequence[int], src: Spec, dst: Spec, axes: Sequence[AxisGroup]
-) -> torch.Tensor:
-    """Apply ``reshard_steps`` directly (not in a graph), e.g. to gather a full state dict."""
-    mesh = tuple(ax.size for ax in axes)
-    for st in reshard_steps(tuple(shape), src, dst, mesh):
-        x = C.apply_step(x, axes[st.axis], st)
-    return x
 
 
 def _set_path(

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.program.collectives import AxisGroup
-from autopar.program.records import StageStep
+from autopar.program.records import RankStages, StageStep
 from autopar.runtime.monitor import StepMonitor
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "build_runner"]
 
 
 def _storages(values: tuple) -> dict[int, float]:
@@ -95,6 +95,10 @@ class PipelineRunner:
     rest), ``in_flight`` (the most micro-batches whose activations were kept at once) and
     ``saved_peak`` (the most bytes of them kept at once, distinct storages counted once)."""
     timing: bool = False
+    predicted: dict[str, float] = field(default_factory=dict)
+    """What the plan predicts for this rank's step, as ``last`` measures it: ``step``, ``compute``,
+    ``in_flight`` (set by ``autopar.parallelize``, the plan's schedule played by
+    ``autopar.cost.timeline``; empty where the plan has no per-stage costs)."""
 
     def __post_init__(self) -> None:
         names = sorted({v for s in self.steps.values() for v in (*s.sent, *s.received)})
@@ -295,3 +299,51 @@ class PipelineRunner:
         if not grad:
             return loss
         return _Loss.apply(self, loss, *params)
+
+
+def build_runner(
+    stages: RankStages,
+    *,
+    roles: Sequence[tuple[str, str]],
+    trainable: Sequence[int],
+    pp_axis: AxisGroup,
+    pp_groups: Sequence[Sequence[int]],
+    actions: Sequence[tuple[str, int, int]],
+    microbatches: int,
+    timeout: float = 300.0,
+) -> PipelineRunner:
+    """This rank's ``PipelineRunner`` for ``stages`` (``autopar.passes.pipeline.build_pipeline``),
+    with the groups that sum tied weights' gradients across pipeline ranks. ``roles``: ``(kind,
+    name)`` of each primal; ``pp_groups``: the global ranks of every pipeline group (each rank's,
+    by coordinate; every rank creates the tied-weight groups of all of them, in the same order);
+    ``actions``: this rank's schedule."""
+    import datetime
+
+    # Weights held on several pipeline ranks (tied): one group per distinct set of coordinates in
+    # each pipeline group; every rank creates all of them, in the same order.
+    me = dist.get_rank()
+    pp_ranks = next(list(g) for g in pp_groups if me in g)
+    holders = stages.holders
+    shared = []
+    groups: dict[tuple[int, ...], object] = {}
+    for key in sorted({tuple(sorted(c)) for c in holders.values() if len(c) > 1}):
+        for g in pp_groups:
+            group = dist.new_group([g[c] for c in key], timeout=datetime.timedelta(seconds=timeout))
+            if me in g:
+                groups[key] = group
+    for i, (kind, name) in enumerate(roles):
+        if kind == "param" and i in set(trainable) and len(holders.get(name, ())) > 1:
+            shared.append((i, groups[tuple(sorted(holders[name]))]))
+    coord = stages.stage_coord
+    return PipelineRunner(
+        steps=stages.steps,
+        stage_coord=coord,
+        pp=pp_axis,
+        pp_ranks=list(pp_ranks),
+        actions=[a for a in actions if coord[a[1]] == pp_axis.coord],
+        microbatches=microbatches,
+        primal_kinds=[k for k, _ in roles],
+        trainable=list(trainable),
+        shared=shared,
+        holders=holders,
+    )

@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # registers torch.ops._c10d_functional
 
-from autopar.reshard import ReshardStep, StepKind
+from autopar.placement import Spec
+from autopar.reshard import ReshardStep, StepKind, reshard_steps
 
 __all__ = [
     "STEP_OPS",
@@ -52,6 +53,7 @@ __all__ = [
     "grad_sync",
     "reduce_scatter",
     "reduce_values",
+    "run_reshard",
     "shard_slice",
     "step_call",
     "to_partial",
@@ -406,3 +408,13 @@ def apply_step(x: torch.Tensor, ax: AxisGroup, step: ReshardStep, grad_partial: 
     """Run one reshard step on ``x`` along ``ax``."""
     fn, kwargs = step_call(step, grad_partial)
     return fn(x, ax, **kwargs)
+
+
+def run_reshard(
+    x: torch.Tensor, shape: Sequence[int], src: Spec, dst: Spec, axes: Sequence[AxisGroup]
+) -> torch.Tensor:
+    """Apply ``reshard_steps`` directly (not in a graph), e.g. to gather a full state dict."""
+    mesh = tuple(ax.size for ax in axes)
+    for st in reshard_steps(tuple(shape), src, dst, mesh):
+        x = apply_step(x, axes[st.axis], st)
+    return x

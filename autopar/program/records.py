@@ -1,6 +1,6 @@
 """The records the rank-program passes build and the runtime runs: a rank's whole training step
 as programs (``StepProgram``, built by ``autopar.passes.joint``) and one pipeline stage's step
-(``StageStep``, built by ``autopar.passes.pipeline``). They are data: the passes that build them
+(``StageStep``, built by ``autopar.passes.pipeline`` with the others of its rank: ``RankStages``). They are data: the passes that build them
 never import the runtime, and the runtime (``autopar.runtime.step``, ``autopar.runtime.pipeline``)
 runs them without re-deriving a decision.
 
@@ -25,6 +25,7 @@ from autopar.program.collectives import AxisGroup
 __all__ = [
     "FUNCTIONAL_COLLECTIVES",
     "CollectiveCall",
+    "RankStages",
     "StageStep",
     "StepProgram",
     "StepTimes",
@@ -176,3 +177,17 @@ class StageStep:
     """Shape and dtype of each received value (one micro-batch)."""
     backward_weight_local: GraphModule | None = None
     num_deferred: int = 0
+
+
+@dataclass
+class RankStages:
+    """The pipeline stages one rank holds, and where every stage and weight lives (built by
+    ``passes.pipeline.build_pipeline``; run by ``autopar.runtime.pipeline.PipelineRunner``)."""
+
+    steps: dict[int, StageStep]
+    """The stages this rank holds, by stage."""
+    stage_coord: dict[int, int]
+    """Stage -> the pipeline coordinate holding it (``passes.pipeline.assign_stages``)."""
+    holders: dict[str, list[int]]
+    """Parameter or buffer name -> the pipeline coordinates holding it (several: a tied weight,
+    whose gradients the runtime sums between them)."""
