@@ -12,7 +12,7 @@ tensors, costs, strategies) → ``solver`` (CP-SAT) → ``Plan`` → lowering to
 """
 
 from autopar import layouts
-from autopar.api import parallelize, plan
+from autopar.api import measure_local, parallelize, plan
 from autopar.capture import CaptureError, capture
 from autopar.cluster import Cluster, DeviceSpec, Link
 from autopar.config import PlanConfig
@@ -36,6 +36,7 @@ __all__ = [
     "capture",
     "explain",
     "layouts",
+    "measure_local",
     "parallelize",
     "plan",
     "simulate",

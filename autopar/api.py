@@ -1,5 +1,6 @@
-"""The user's entry points, composing the layers below: ``plan`` (capture → planner) and
-``parallelize`` (capture → plan or broadcast → lowering → ``ParallelModule``).
+"""The user's entry points, composing the layers below: ``plan`` (capture → planner),
+``parallelize`` (capture → plan or broadcast → lowering → ``ParallelModule``) and
+``measure_local`` (the runtime measures this machine, the cost model is fitted to it).
 
 Every planning option travels as one ``PlanConfig`` (``config=``, or its fields as keyword
 arguments), so ``plan`` and ``parallelize`` honor the same options the same way.
@@ -29,7 +30,7 @@ from autopar.runtime.module import (
 )
 from autopar.runtime.monitor import DEFAULT_TIMEOUT
 
-__all__ = ["parallelize", "plan"]
+__all__ = ["measure_local", "parallelize", "plan"]
 
 
 @audited
@@ -330,6 +331,18 @@ def _predicted_rank(plan: Plan, coord: int) -> dict[str, float]:
         "compute": tl.busy[coord],
         "in_flight": float(max_in_flight(actions[coord])),
     }
+
+
+def measure_local(world_size: int, **options: Any) -> Cluster:
+    """A ``Cluster.local(world_size)`` whose compute and collective costs were measured here:
+    ``world_size`` local gloo processes probe this machine (``autopar.runtime.calibrate.measure``,
+    which takes ``options``: ``sizes``, ``repeats``, ``rounds``, ``timeout``) and the cost model
+    is fitted to what they measured (``autopar.cost.calibration.fit_local``). About 12 s for 2
+    processes on a 2-core machine; ``autopar calibrate`` writes the result as a profile."""
+    from autopar.cost.calibration import fit_local
+    from autopar.runtime.calibrate import measure
+
+    return fit_local(measure(world_size, **options))
 
 
 def _pp_groups(pp: int, world: int) -> list[list[int]]:

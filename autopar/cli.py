@@ -727,7 +727,7 @@ def _cmd_memory(args: argparse.Namespace, console: _Console) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace, console: _Console) -> int:
-    from autopar.runtime.calibrate import measure_local
+    from autopar.api import measure_local
 
     with console.step(f"measuring {args.local} local processes"):
         cluster = measure_local(args.local)

@@ -9,7 +9,7 @@ which link an axis of a given mesh uses.
 Presets carry the vendors' published figures (dense tensor-core peaks, HBM bandwidth, NVLink
 per-direction bandwidth, one InfiniBand HCA per GPU as in DGX systems). ``Cluster.local`` describes
 processes on this machine talking through gloo; its figures are defaults until measured with
-``autopar.runtime.calibrate.measure_local`` (gloo's costs are not NCCL-shaped and must be measured).
+``autopar.measure_local`` (gloo's costs are not NCCL-shaped and must be measured).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class Link:
     measured: tuple[tuple[str, int, float, float], ...] = ()
     """Measured costs that replace the ring formulas: ``(collective, n, α, β)`` rows meaning a
     ``collective`` over ``n`` devices on an ``S``-byte buffer (sized as in ``autopar.cost.comm``)
-    takes ``α + β·S`` seconds. ``autopar.runtime.calibrate.measure_local`` fills it for gloo."""
+    takes ``α + β·S`` seconds. ``autopar.measure_local`` fills it for gloo."""
 
     def measured_cost(self, collective: str, n: int) -> tuple[float, float] | None:
         """``(α, β)`` measured for ``collective`` over ``n`` devices, if any."""
@@ -475,7 +475,7 @@ class Cluster:
     ) -> Cluster:
         """``world_size`` processes on this machine, talking through gloo over shared memory/loopback.
 
-        The defaults are rough figures for one CPU core; ``autopar.runtime.calibrate.measure_local``
+        The defaults are rough figures for one CPU core; ``autopar.measure_local``
         measures them (matmul throughput, gloo all-reduce α and β) and returns a Cluster built
         with the measured numbers. ``overlap_comm`` (default: when the machine has a spare core for
         each process's gloo thread, ``2 · world_size <= os.cpu_count()``): see ``Cluster``.

@@ -136,7 +136,7 @@ def _train_worker(rank: int, world: int, cluster: autopar.Cluster) -> dict[str, 
 
 def train_demo(world: int = 4) -> None:
     """Train a small GPT on ``world`` local processes and compare its losses with one process."""
-    from autopar.runtime.calibrate import measure_local
+    from autopar.api import measure_local
     from autopar.runtime.launch import spawn
 
     print(f"training a {TRAIN_CONFIG.n_layer}-layer GPT on {world} local processes (gloo, one thread each)")

@@ -4,7 +4,7 @@ processes, each predicted from the measured local cluster and then run.
     python examples/local_fidelity.py                    # 2 and 4 processes, every layout
     python examples/local_fidelity.py --world 2 --steps 30
 
-For each world size the machine is measured first (``autopar.runtime.calibrate.measure_local``:
+For each world size the machine is measured first (``autopar.measure_local``:
 matmul rate, memory bandwidth, per-op overhead and every gloo collective's α-β, with all ranks
 running at once as they will in training); then five plans are made on that cluster —
 
@@ -92,7 +92,7 @@ def worker(rank: int, world: int, plans: dict[str, str], cluster: dict, shape: t
 
 
 def run(world: int, layouts: list[str], steps: int, shape: tuple) -> list[tuple[str, float, float, str]]:
-    from autopar.runtime.calibrate import measure_local
+    from autopar.api import measure_local
     from autopar.runtime.launch import spawn
 
     cluster = measure_local(world)

@@ -1,4 +1,6 @@
-"""Measure this machine's cost profile for ``Cluster.local``: compute and gloo collectives.
+"""Measure this machine for ``Cluster.local``: compute and gloo collectives (the runtime measures;
+``autopar.cost.calibration`` fits the cost model to the measurements; ``autopar.measure_local``
+does both and returns the ``Cluster``).
 
 Processes on one machine talking through gloo are nothing like GPUs on NVLink: gloo's
 reduce-scatter is an all-reduce plus a local chunk (about twice a ring reduce-scatter's traffic),
@@ -6,39 +8,29 @@ latencies are tens of microseconds, and one core's matmul rate is a few tens of 
 the local cluster we measure rather than assume:
 
 * compute — fp32 matmul FLOP/s of one process with one thread (the roofline's compute roof) and
-  copy bandwidth (its memory roof); then, so that the device model's kernels cost what they cost
-  here, the efficiencies the model charges them at, each the ratio of the model's own time for a
-  probe (``autopar.cost.compute.op_kernels`` at efficiency 1) to the measured time: a linear
-  layer forward and backward (``compute_efficiency``), causal attention forward and backward
-  (``attention_efficiency``, ``attention_bwd_efficiency``), the memory-bound ops of a
-  transformer layer — GeLU, LayerNorm, softmax, an add — forward and backward
-  (``memory_efficiency``: a CPU core reaches far less than its copy bandwidth on ``erf`` or a
-  row reduction), the per-op cost of running a program node (``kernel_overhead``) and AdamW's
-  per-tensor cost (``optimizer_overhead``);
+  copy bandwidth (its memory roof); then the probes the device model's efficiencies are fitted
+  to, each timed forward and backward: a linear layer, causal attention, the memory-bound ops of
+  a transformer layer — GeLU, LayerNorm, softmax, an add —, one node of a generated program (the
+  per-op cost of running a program node) and AdamW over many small tensors and one large one;
+  every rank probes at once, ``ROUNDS`` times;
 * collectives — for each of all-reduce, all-gather, reduce-scatter and all-to-all, and for every
   group size a mesh axis can have (the divisors of ``world_size``, all groups of that size
   measured concurrently, as a mesh's axes run), the time per call of a burst of calls issued back
-  to back (as a training step issues them) at several buffer sizes, fitted
-  by least squares to ``α + β·S`` with ``S`` sized as in ``autopar.cost.comm``; the fits go into
-  ``Link.measured``.
+  to back (as a training step issues them) at several buffer sizes.
 
-``measure_local(world_size)`` spawns the processes (``autopar.runtime.launch.spawn``), measures,
-and returns a ``Cluster`` ready for ``autopar.plan``. It takes about 12 s (2 processes on a
-2-core machine). The α-β fits are ``autopar.cost.fit``'s.
+``measure(world_size)`` spawns the processes (``autopar.runtime.launch.spawn``) and returns what
+each rank measured. Measuring and fitting take about 12 s (2 processes on a 2-core machine).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from autopar.cluster import Cluster, Link
-from autopar.cost.fit import fit_alpha_beta
-
-__all__ = ["measure_local"]
+__all__ = ["measure"]
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
 
@@ -102,6 +94,7 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, rounds: in
     from autopar.runtime.compat import all_gather_into, all_to_all_into, reduce_scatter_into
 
     out: dict[str, object] = {"rounds": [_roofs() | _kernel_probes() for _ in range(rounds)]}
+    out["probe_shapes"] = {"rows": PROBE_ROWS, "hidden": PROBE_HIDDEN, "attention": PROBE_ATTENTION}
     # Every group size a mesh axis can have: groups of `g` consecutive ranks, all measured at once
     # (as the axes of a mesh run concurrently).
     out["rows"] = {}
@@ -188,145 +181,21 @@ PROBE_ATTENTION = (4, 4, 128, 64)
 """(batch, heads, sequence, head dim) of the attention probe."""
 
 
-def _device_fit(base: Cluster, probes: dict[str, float]) -> dict[str, float]:
-    """The ``DeviceSpec`` efficiencies and overheads that make the device model's time for each
-    probe its measured time (module docstring)."""
-    from dataclasses import replace
-
-    from autopar.cost.compute import KernelKind, TensorArg, kernel_time, op_kernels
-    from autopar.cost.optimizer import optimizer_step_time
-
-    ideal = replace(
-        base.device,
-        compute_efficiency=1.0,
-        memory_efficiency=1.0,
-        attention_efficiency=1.0,
-        attention_bwd_efficiency=1.0,
-        kernel_overhead=0.0,
-        optimizer_overhead=0.0,
-    )
-    node = probes["node"]
-
-    def arg(*shape: int, grad: bool = True) -> TensorArg:
-        return TensorArg(tuple(shape), "float32", grad)
-
-    def model(op: str, ins: list[TensorArg], outs: list[TensorArg], **kw: bool) -> tuple[list, list]:
-        ks = op_kernels(op, ins, outs, requires_grad=True, **kw)
-        return ks.fwd, ks.bwd
-
-    def ratio(kernels: list, measured: float, kind: KernelKind | None = None) -> float:
-        """Model time at efficiency 1 over the measured time less the per-kernel overhead."""
-        mine = [k for k in kernels if kind is None or k.kind is kind]
-        t = sum(kernel_time(k, ideal) for k in mine)
-        return max(1e-3, min(1.0, t / max(measured - node * len(kernels), 1e-9)))
-
-    rows, hidden = PROBE_ROWS, PROBE_HIDDEN
-    f, b = model(
-        "linear", [arg(rows, hidden), arg(3 * hidden, hidden), arg(3 * hidden)], [arg(rows, 3 * hidden)]
-    )
-    out = {"compute_efficiency": ratio(f + b, probes["linear"], KernelKind.GEMM)}
-    bh, heads, s, d = PROBE_ATTENTION
-    q = arg(bh, heads, s, d)
-    f, b = model("scaled_dot_product_attention", [q, q, q], [q], causal=True)
-    out["attention_efficiency"] = ratio(f, probes["attention_fwd"])
-    out["attention_bwd_efficiency"] = ratio(b, probes["attention_bwd"])
-    memory_bound = []
-    for op, ins, outs in (
-        ("gelu", [arg(rows, 4 * hidden)], [arg(rows, 4 * hidden)]),
-        ("layer_norm", [arg(rows, hidden), arg(hidden), arg(hidden)], [arg(rows, hidden)]),
-        ("softmax", [arg(rows, 4 * hidden)], [arg(rows, 4 * hidden)]),
-        ("add", [arg(rows, 4 * hidden), arg(rows, 4 * hidden)], [arg(rows, 4 * hidden)]),
-    ):
-        fk, bk = model(op, ins, outs)
-        memory_bound += [(fk + bk, probes[op])]
-    t_model = sum(kernel_time(k, ideal) for ks, _ in memory_bound for k in ks)
-    t_meas = sum(m - node * len(ks) for ks, m in memory_bound)
-    out["memory_efficiency"] = max(1e-3, min(1.0, t_model / max(t_meas, 1e-9)))
-    out["kernel_overhead"] = node
-    # AdamW's per-tensor cost: its step over many small tensors less the bytes it moves.
-    moved = optimizer_step_time(64 * 64, 64, 4, replace(ideal, memory_efficiency=out["memory_efficiency"]))
-    out["optimizer_overhead"] = max(0.0, probes["adamw_small"] - moved) / 64
-    return out
-
-
-def _fit_or_bound(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
-    """``fit_alpha_beta``; where the times do not grow with size (scheduling noise larger than the
-    transfer, common with more processes than cores), a conservative bound instead: α the fastest
-    time, and the largest buffer's time beyond α (at least 5 % of it) charged per byte."""
-    try:
-        return fit_alpha_beta(sizes, times)
-    except ValueError:
-        alpha = min(times)
-        return alpha, max(times[-1] - alpha, 0.05 * times[-1]) / sizes[-1]
-
-
-def _across_rounds(results: Sequence[dict], key: str, slowest: bool) -> float:
-    """One compute figure from every rank's rounds: per round the slowest rank's (``slowest``:
-    a time) or the median rank's (a rate), then the median over rounds (``ROUNDS``)."""
-    per_round = []
-    for i in range(len(results[0]["rounds"])):
-        values = [r["rounds"][i][key] for r in results]
-        per_round.append(max(values) if slowest else statistics.median(values))
-    return statistics.median(per_round)
-
-
-def measure_local(
+def measure(
     world_size: int,
     *,
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 7,
     rounds: int = ROUNDS,
     timeout: float = 300.0,
-) -> Cluster:
-    """A ``Cluster.local(world_size)`` whose compute and collective costs were measured here
-    (the compute probes ``rounds`` times: ``ROUNDS``)."""
+) -> list[dict[str, Any]]:
+    """What ``world_size`` local gloo processes measure here, one dict per rank: ``rounds`` (the
+    compute figures of each round: ``flops``, ``memory_bandwidth`` and each probe's seconds,
+    ``ROUNDS`` of them), ``rows`` (group size -> collective kind -> ``(bytes, seconds per call)``
+    at each of ``sizes``) and ``probe_shapes`` (the probes' sizes). ``autopar.cost.calibration``
+    fits the cost model to them (``autopar.measure_local`` does both)."""
     from autopar.runtime.launch import spawn
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    results = spawn(_probe, world_size, tuple(sizes), repeats, rounds, timeout=timeout)
-    r0 = results[0]
-    # A collective is as slow as its slowest rank: take the max over ranks per size.
-    measured = []
-    fits = {}
-    for g, rows in r0["rows"].items():
-        for kind, pts0 in rows.items():
-            pts = [(s, max(r["rows"][g][kind][i][1] for r in results)) for i, (s, _) in enumerate(pts0)]
-            alpha, beta = _fit_or_bound([s for s, _ in pts], [t for _, t in pts])
-            measured.append((kind, g, alpha, beta))
-            if g == world_size:
-                fits[kind] = (alpha, beta)
-    flops = _across_rounds(results, "flops", slowest=False)
-    bw = _across_rounds(results, "memory_bandwidth", slowest=False)
-    # A kernel is as slow as the slowest rank runs it (all ranks probed at once, as they train).
-    kernels = [k for k in r0["rounds"][0] if k not in ("flops", "memory_bandwidth")]
-    probes = {k: _across_rounds(results, k, slowest=True) for k in kernels}
-    ar_alpha, ar_beta = fits.get("all_reduce", (60e-6, 1e-9))
-    base = Cluster.local(
-        world_size,
-        flops=flops,
-        memory_bandwidth=bw,
-        # The ring-formula fallback (other group sizes) uses the all-reduce fit.
-        link_bandwidth=2 * (world_size - 1) / world_size / ar_beta if world_size > 1 else 1e9,
-        link_latency=ar_alpha / max(2 * (world_size - 1), 1),
-    )
-    base = base.with_device(**_device_fit(base, probes))
-    link = Link(
-        name="gloo(measured)",
-        bandwidth=base.intra_node.bandwidth,
-        latency=base.intra_node.latency,
-        measured=tuple(measured),
-    )
-    return Cluster(
-        device=base.device,
-        gpus_per_node=world_size,
-        nodes=1,
-        intra_node=link,
-        inter_node=link,
-        backend="gloo",
-        overlap_comm=base.overlap_comm,
-        extra={
-            "measured": {k: {"alpha_s": a, "beta_s_per_byte": b} for k, (a, b) in fits.items()},
-            "kernel_probes_s": probes,
-        },
-    )
+    return spawn(_probe, world_size, tuple(sizes), repeats, rounds, timeout=timeout)

@@ -64,8 +64,8 @@ def test_alpha_beta_fit_and_its_bound_for_noisy_local_measurements():
     """A clean line is recovered; times that do not grow with size (scheduling noise larger than
     the transfer, as with 4 gloo processes on 2 cores) raise in the fit, and the local
     measurement falls back to a conservative bound instead of failing the demo."""
+    from autopar.cost.calibration import _fit_or_bound
     from autopar.cost.fit import fit_alpha_beta
-    from autopar.runtime.calibrate import _fit_or_bound
 
     sizes = [4096, 65536, 524288, 2097152]
     alpha, beta = fit_alpha_beta(sizes, [50e-6 + s * 1e-9 for s in sizes])
@@ -81,7 +81,7 @@ def test_compute_probes_take_the_median_round_of_the_slowest_rank():
     """Per round the slowest rank's time (a kernel is as slow as its slowest rank) or the median
     rank's rate, then the median over rounds: one round that landed on a bad share of the cores
     (here round 1, 40 % slower) moves nothing."""
-    from autopar.runtime.calibrate import _across_rounds
+    from autopar.cost.calibration import _across_rounds
 
     ranks = [
         {"rounds": [{"t": 1.0, "flops": 10.0}, {"t": 1.4, "flops": 6.0}, {"t": 1.1, "flops": 9.0}]},
@@ -92,6 +92,6 @@ def test_compute_probes_take_the_median_round_of_the_slowest_rank():
     assert _across_rounds(ranks, "t", slowest=True) == 1.2
     assert _across_rounds(ranks, "flops", slowest=False) == 9.0
     with pytest.raises(ValueError, match="rounds"):
-        from autopar.runtime.calibrate import measure_local
+        from autopar.api import measure_local
 
         measure_local(2, rounds=0)
