@@ -1,12 +1,18 @@
-"""The runtime: execute a Plan on torch.distributed (gloo on CPU, NCCL on CUDA).
+"""The runtime: run what the passes built from a Plan on torch.distributed (gloo on CPU, NCCL on
+CUDA).
 
-* ``collectives`` — differentiable collectives per mesh axis (the reshard steps, Megatron f/g);
-* ``ops`` — local forms of ops whose inputs are sharded (vocab-parallel embedding and loss);
-* ``module`` — ``parallelize`` and ``ParallelModule`` (parameters, state dicts, grad clipping);
+* ``module`` — ``ParallelModule`` (parameters, state dicts, grad clipping) and the process groups
+  of the mesh axes;
+* ``step`` — runs a rank's ``StepProgram`` (``bind_step``, ``run_step``) under the user's autograd;
+* ``pipeline`` — runs this rank's pipeline stages (``PipelineRunner``, ``build_runner``);
+* ``checkpoint`` — sharded DCP save and load under any plan;
+* ``monitor`` — every wait of a step through one monitor: timing, timeouts, a peer's failure;
 * ``launch`` — ``spawn`` N local processes with a gloo group (tests, demo, benchmarks);
-* ``compat`` — the torch-version differences in collective names;
-* ``rng`` — random ops that recomputation runs twice: the generator's state recorded before the
-  forward draw and replayed in backward.
+* ``calibrate`` — measure this machine (``autopar.cost.calibration`` fits the model to it);
+* ``compat`` — the torch-version differences in collective names.
 
-Nothing here imports the solver (OR-Tools): a Plan saved as JSON runs without it.
+What a rank's program calls (collectives, local ops, expert dispatch, the RNG replay, the fused
+kernels) and the records the passes build are ``autopar.program``'s. The runtime imports only
+those and the data layer: never the planner, the solver (OR-Tools: a Plan saved as JSON runs
+without it), the rules, the passes or the cost model (``tests/test_layers.py``).
 """
