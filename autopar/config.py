@@ -40,6 +40,15 @@ class PlanConfig:
     ``{"lm_head.weight": ("S(0)",)}``."""
     optimizer: str = "adamw"
     """Optimizer whose state is counted per parameter (``autopar.cost.memory``)."""
+    state_split: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """``{parameter name: mesh axes}``: the parameter's optimizer state (moments and fp32 master
+    weight) is split evenly over those of these axes its placement leaves whole, as one flat
+    buffer whatever the tensor's shape: Megatron-LM's distributed optimizer shards a contiguous
+    buffer of every weight's state over the data-parallel ranks, padded to a multiple of them
+    (``docs/source/api-guide/dist_optimizer.md``), so no dimension need divide.
+    ``layouts.megatron(distributed_optimizer=True)`` sets it for weights whose dimensions do not
+    divide those axes. Counted by the memory model and the optimizer step; autopar's runtime
+    keeps such a weight's state whole."""
     pp: int | str = "auto"
     """Pipeline ranks (``autopar.schedule``; the search is ``autopar.search``): ``k`` plans ``k``
     stages (1: one stage over all devices); ``"auto"`` plans one stage and, where the cluster spans
@@ -169,6 +178,12 @@ class PlanConfig:
                 fail(f"fixed[{name!r}]: {e}")
             fixed[name] = texts
         object.__setattr__(self, "fixed", fixed)
+        split = {}
+        for name, axes in dict(self.state_split or {}).items():
+            if not all(isinstance(a, int) and a >= 0 for a in axes):
+                fail(f"state_split[{name!r}] must be mesh axis indices (integers >= 0), got {axes!r}")
+            split[name] = tuple(axes)
+        object.__setattr__(self, "state_split", split)
         object.__setattr__(self, "disable", tuple(self.disable))
 
     def budget(self, device_memory: float) -> float:

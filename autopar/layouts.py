@@ -336,6 +336,7 @@ def megatron(
     # Data-parallel axes of each parameter: what its optimizer state is split over under the
     # distributed optimizer, and where it is read whole.
     data_axes: dict[str, tuple[int, ...]] = {}
+    flat_state: dict[str, tuple[int, ...]] = {}
     if distributed_optimizer:
         for n in cap.gm.graph.nodes:
             info = n.meta.get(TENSOR)
@@ -347,7 +348,11 @@ def megatron(
             fixed[info.fqn] = _distributed_optimizer_spec(
                 info.shape, spec, split_dims.get(info.fqn, set()), data_axes[info.fqn], mesh
             )
-        config = config.replace(zero_stage=1)
+            # Axes no dimension divides: Megatron shards the flat buffer there all the same.
+            whole = tuple(a for a in data_axes[info.fqn] if fixed[info.fqn][a] == "R")
+            if whole:
+                flat_state[info.fqn] = whole
+        config = config.replace(zero_stage=1, state_split=flat_state)
     used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
     # Grouped matmuls read their experts' weights through views (transformers transposes them):
@@ -399,6 +404,8 @@ def megatron(
         layout=f"megatron({', '.join(knobs)})",
     )
     plan.mesh_axes = axis_names
+    if flat_state:
+        plan.info["state_split"] = {fqn: math.prod(mesh[a] for a in axes) for fqn, axes in flat_state.items()}
     return plan
 
 

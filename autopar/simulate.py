@@ -195,6 +195,7 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
     tensors = 0
     pp_stage = plan.pipeline.stage_of if plan.pipeline is not None else None
     first = plan.info.get("first_reader", {})
+    split = plan.info.get("state_split", {})
     for n in plan.nodes:
         if n.kind != "param" or not n.shape:
             continue
@@ -204,7 +205,8 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
             and pp_stage.get(first.get(n.name, ""), 0) not in stages
         ):
             continue
-        numel += math.prod(local_shape(tuple(n.shape), parse_spec(n.outputs[0]), tuple(plan.mesh_shape)))
+        local = math.prod(local_shape(tuple(n.shape), parse_spec(n.outputs[0]), tuple(plan.mesh_shape)))
+        numel += local / split.get(n.fqn, 1)  # a flat-sharded state (PlanConfig.state_split)
         tensors += 1
     opt = plan.info.get("optimizer", "adamw")
     pbytes = int(plan.info.get("param_bytes", 4))

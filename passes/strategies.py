@@ -42,7 +42,7 @@ from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strate
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
-from autopar.placement import Shard, Spec, divides, local_shape
+from autopar.placement import Partial, Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.routing import MoERegion, moe_regions, region_strategies
 
@@ -147,6 +147,13 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         if info.kind == "param":
             numel = float(math.prod(local))
             state = ctx.config.optimizer_state_dtype
+            # A flat-sharded optimizer state (PlanConfig.state_split) is split over the axes the
+            # placement leaves whole.
+            flat = math.prod(
+                mesh[a]
+                for a in ctx.config.state_split.get(info.fqn, ())
+                if a < len(mesh) and not isinstance(s.outputs[0][a], (Shard, Partial))
+            )
             mem = (
                 training_state_bytes(
                     numel,
@@ -154,6 +161,7 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
                     optimizer=ctx.config.optimizer,
                     mixed_precision=ctx.mixed_precision,
                     state_bytes=itemsize(state) if state is not None else None,
+                    optimizer_shards=flat,
                 )
                 if info.requires_grad
                 else numel * val.element_size()
