@@ -30,7 +30,7 @@ step "pip wheel (no deps)"
 python -m pip wheel "$WORK/src" --no-deps -w "$WORK/dist" -q
 WHEEL=$(ls "$WORK"/dist/autopar-*.whl)
 echo "$WHEEL"
-python -m zipfile -l "$WHEEL" | awk 'NR > 1 {print $1}' | grep -E '(^autopar/(rules|runtime/kernels)/__init__\.py|\.csv)$'
+python -m zipfile -l "$WHEEL" | awk 'NR > 1 {print $1}' | grep -E '(^autopar/(rules|program/kernels)/__init__\.py|\.csv)$'
 
 step "fresh venv, wheel installed with the solver extra"
 python -m venv --system-site-packages --without-pip "$WORK/venv"  # its pip: the system's
@@ -41,24 +41,25 @@ mkdir "$WORK/run"
 cd "$WORK/run"
 export PYTHONPATH=
 
-step "import from the installed package (cwd $PWD)"
+step "import every module from the installed package (cwd $PWD)"
 "$VPY" - "$WORK/venv" <<'EOF'
+import importlib
+import pkgutil
 import sys
 from pathlib import Path
 
 import autopar
-import autopar.cost.compute
-import autopar.passes.lower
-import autopar.rules
-import autopar.runtime.kernels
 from autopar.reference import REFERENCE_DIR, read_matmul_rows, read_step_rows
 
+# Every module of the installed package (autopar.__main__ would run the command line).
 venv = Path(sys.argv[1]).resolve()
-for mod in (autopar, autopar.rules, autopar.passes.lower, autopar.cost.compute, autopar.runtime.kernels):
-    where = Path(mod.__file__).resolve()
-    assert venv in where.parents, f"{mod.__name__} imported from {where}, not from the venv {venv}"
+names = [m.name for m in pkgutil.walk_packages(autopar.__path__, "autopar.") if m.name != "autopar.__main__"]
+for name in ["autopar", *names]:
+    where = Path(importlib.import_module(name).__file__).resolve()
+    assert venv in where.parents, f"{name} imported from {where}, not from the venv {venv}"
+assert {"autopar.rules", "autopar.program.kernels", "autopar.passes.lower", "autopar.runtime.module"} <= set(names)
 assert venv in REFERENCE_DIR.parents, REFERENCE_DIR
-print(f"autopar from {Path(autopar.__file__).parent}")
+print(f"{len(names) + 1} modules imported from {Path(autopar.__file__).parent}")
 print(f"reference data: {sorted(p.name for p in REFERENCE_DIR.glob('*.csv'))}")
 print(f"{len(read_matmul_rows())} matmul rows, {len(read_step_rows())} training-step rows")
 EOF
