@@ -26,7 +26,7 @@ against a mask of one byte per element of the activation.
 ``run_and_save_rng_state`` is registered as side-effecting (``torch.fx.node.has_side_effect``):
 it advances the generator, so dead-code elimination must keep it even where its outputs go
 unused. ``run_with_rng_state`` leaves the generator as it found it and may be removed where unused.
-Both are ordinary functions of this runtime package, so a program calling them runs without the
+Both are ordinary functions of ``autopar.program``, so a program calling them runs without the
 planner (a plan saved as JSON).
 """
 
