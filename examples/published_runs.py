@@ -33,15 +33,15 @@ import argparse
 import csv
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig
+from autopar.reference import data_path
 
-CSV = Path(__file__).resolve().parents[1] / "reference" / "published_runs.csv"
+CSV = data_path("published_runs.csv")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -92,7 +92,9 @@ def flops_per_token(model: torch.nn.Module, r: dict[str, str]) -> float:
     if r["source"] == "mcore_gpt":
         kv = int(r["kv_heads"]) / int(r["heads"])
         ffn, vocab = int(r["ffn"]), int(r["vocab"])
-        return 12.0 * layers * hidden**2 * (1 + kv + seq / hidden + ffn / hidden + vocab / (2 * layers * hidden))
+        return (
+            12.0 * layers * hidden**2 * (1 + kv + seq / hidden + ffn / hidden + vocab / (2 * layers * hidden))
+        )
     params = sum(p.numel() for p in model.parameters())
     return 6.0 * params + 12.0 * layers * seq * hidden
 
