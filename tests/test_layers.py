@@ -31,6 +31,7 @@ that check (they still count for the layers).
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -91,6 +92,11 @@ def modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _type_checking_only(tree: ast.AST) -> set[int]:
     """ids of the import nodes under ``if TYPE_CHECKING:`` (they never run)."""
     skip: set[int] = set()
@@ -113,7 +119,7 @@ def imports(path: Path, module: str, *, run_only: bool = False) -> list[tuple[st
     """``(name, line)`` of every ``autopar`` import of the file, module-level and inside functions
     (``run_only``: not those under ``if TYPE_CHECKING:``). ``from a.b import c`` names ``a.b.c``,
     which ``resolve`` shortens to the module it is in (``a.b`` unless ``c`` is itself a module)."""
-    tree = ast.parse(path.read_text())
+    tree = _parse(path)
     skip = _type_checking_only(tree) if run_only else set()
     found = []
     is_pkg = path.name == "__init__.py"
