@@ -5,7 +5,9 @@ the meta device unless asked otherwise, so a 70B model costs no memory) and one 
 batch that makes it return its training loss. A MODEL argument of the command line is one of:
 
 * a **built-in name** (``autopar.zoo.names()``): ``gpt-tiny``, ``gpt2``, ``gpt2-xl``,
-  ``gpt3-175b`` (autopar's own GPT-2-style model, ``autopar.models.GPT``, no extra dependency);
+  ``gpt3-175b``, and Megatron-Core's weak-scaling GPTs ``mcore-gpt-1.7b`` … ``mcore-gpt-462b``
+  (the rows of ``reference/published_runs.csv``) (autopar's own GPT-2-style model,
+  ``autopar.models.GPT``, no extra dependency);
   ``llama3-8b``, ``llama3-70b``, ``mixtral-8x7b``, ``t5-base``, ``vit-base`` (built with
   transformers' model classes from the configurations their papers and model cards publish:
   ``pip install 'autopar[models]'``);
@@ -94,6 +96,22 @@ def _hf(
     )  # fmt: skip
 
 
+def _mcore_gpt(size: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """One GPT of Megatron-Core's weak-scaling table (NVIDIA/Megatron-LM README, r0.8.0): a GeLU
+    MLP of 4·h, vocabulary 131072, sequence 4096, untied input and output embeddings."""
+    return _gpt(
+        f"mcore-gpt-{size.lower()}",
+        f"GPT {size} of Megatron-Core's weak-scaling table on H100 (Megatron-LM README, 2024)",
+        vocab_size=131072, block_size=4096, n_layer=layers, n_head=heads, n_embd=hidden, tie_embeddings=False,
+    )  # fmt: skip
+
+
+_MCORE_GPT = (
+    ("1.7B", 24, 2048, 16), ("7.1B", 30, 4096, 32), ("16B", 32, 6144, 48), ("32B", 48, 7168, 56),
+    ("70B", 84, 8192, 64), ("119B", 92, 10240, 80), ("177B", 96, 12288, 96), ("314B", 96, 16384, 128),
+    ("462B", 112, 18432, 144),
+)  # fmt: skip
+
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                tie_word_embeddings=False, use_cache=False, bos_token_id=128000, eos_token_id=128001)  # fmt: skip
 
@@ -137,6 +155,7 @@ ZOO: Mapping[str, ModelSpec] = MappingProxyType(
                 n_head=96,
                 n_embd=12288,
             ),
+            *(_mcore_gpt(*row) for row in _MCORE_GPT),
             _hf(
                 "llama3-8b",
                 "Llama 3 8B (Meta, model card)",
