@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import autopar
+import autopar.audit
 from autopar.models import GPT, GPTConfig
 from autopar.reference import data_path
 
@@ -156,7 +157,8 @@ def main() -> None:
     picked = args.rows or list(range(1, len(table) + 1))
     print(f"{'row':>3} {'source':<13} {'model':<14} {'gpus':>5} {'tp':>2} {'pp':>2} {'vp':>2} {'m':>4} "
           f"{'recompute':<9} {'step s':>7} {'pred TF/s':>9} {'published':>9} {'error':>7} {'plan s':>6}")  # fmt: skip
-    errors = []
+    errors: list[float] = []
+    audits: list[bool] = []
     for i in picked:
         r = table[i - 1]
         if args.source and r["source"] != args.source:
@@ -184,12 +186,22 @@ def main() -> None:
         m = plan.pipeline.microbatches if plan.pipeline else 1
         print(f"{head} {m:>4} {plan.recompute:<9} {plan.predicted.step_time:>7.3f} {pred:>9.1f} {pub:>9.1f} "
               f"{err * 100:>+6.1f}% {took:>6.1f}", flush=True)  # fmt: skip
+        found = autopar.audit.audit(plan)
+        flags = sorted({f.kind for f in found.warnings})
+        mfu = f"MFU {found.mfu * 100:.1f} %" if found.mfu is not None else "MFU ?"
+        print(
+            f"      audit: {mfu}, {'no warning' if not flags else 'warnings: ' + ', '.join(flags)}",
+            flush=True,
+        )
+        audits.append(not flags)
         if args.verbose:
             print(f"      {_breakdown(plan)}", flush=True)
+            for f in found.warnings:
+                print(f"      {f}", flush=True)
     if errors:
         within = sum(e <= 0.15 for e in errors)
         print(f"\n{within}/{len(errors)} rows within ±15 %, {sum(e <= 0.10 for e in errors)} within ±10 %; "
-              f"largest error {max(errors) * 100:.1f} %")  # fmt: skip
+              f"largest error {max(errors) * 100:.1f} %; audit clean on {sum(audits)}/{len(audits)}")  # fmt: skip
 
 
 if __name__ == "__main__":
