@@ -553,6 +553,7 @@ def _megatron_pipelined(
     out: list[tuple[str, int, Plan | str]] = []
     for schedule, virtual in schedules:
         label = f"pp={pp}, m={microbatches}, {schedule}{f', v={virtual}' if virtual > 1 else ''}"
+        why: list[str] = []
         found = pipelined_candidates(
             stage,
             captured.gm,
@@ -562,16 +563,11 @@ def _megatron_pipelined(
             microbatches,
             budget,
             by_layers=True,
+            why=why,
         )
         if not found:
-            out.append(
-                (
-                    schedule,
-                    virtual,
-                    f"megatron(tp={tp}, {label}): the stages do not fit the memory budget, or the model's "
-                    f"repeated layers do not divide into {pp * virtual} stages of equal layer counts",
-                )
-            )
+            reasons = "; ".join(w.split(": ", 1)[-1] for w in why) or "no candidate"
+            out.append((schedule, virtual, f"megatron(tp={tp}, {label}): {reasons}"))
             continue
         plan = found[0].plan
         plan.info["layout"] = stage.info.get("layout", "megatron").replace(

@@ -117,10 +117,13 @@ def pipelined_candidates(
     m: int,
     budget: float,
     by_layers: bool = False,
+    why: list[str] | None = None,
 ) -> list[Scored]:
     """Every schedule for one ``(pp, m)`` around the stage plan ``spmd`` (module docstring).
     ``by_layers``: cut at equal layer counts as Megatron-LM does (``passes.stages.layer_cuts``)
-    instead of balancing the stages' cost."""
+    instead of balancing the stages' cost. ``why``: where given, each schedule that gives no
+    candidate appends its reason (the cut's error, or the peak memory against the budget)."""
+    why = why if why is not None else []
     facts = graph_facts(gm)
     by_name = {n.name: n for n in spmd.nodes}
     vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
@@ -228,7 +231,11 @@ def pipelined_candidates(
     for schedule in schedules:
         vs = [config.virtual] if config.virtual else ([2] if schedule == "interleaved" else [1])
         for v in vs:
+            label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
             if schedule == "interleaved" and (m % pp or pp * v - 1 > n_seams):
+                why.append(
+                    f"{label}: needs m a multiple of pp and {pp * v - 1} seams (the model has {n_seams})"
+                )
                 continue
             if v > 1 and schedule != "interleaved":
                 continue
@@ -236,16 +243,21 @@ def pipelined_candidates(
             try:
                 actions = make_schedule(schedule, pp, m, v)
                 stage_of = layer_cuts(gm, S) if by_layers else stage_cuts(gm, S, node_time)
-            except ValueError:
+            except ValueError as e:
+                why.append(f"{label}: {e}")
                 continue
             costs, tl = play_cut(stage_of, S, actions)
             if max(tl.peak_memory) > budget and not by_layers:
                 stage_of, costs, tl = fit_cut(stage_of, costs, tl, S, actions)
             peak = max(tl.peak_memory)
-            label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
             if peak > budget:
                 log.info(
                     "%s: peak memory %.2f GiB over the budget %.2f GiB", label, peak / 2**30, budget / 2**30
+                )
+                rank = max(range(len(tl.peak_memory)), key=lambda r: tl.peak_memory[r])
+                why.append(
+                    f"{label}: pipeline rank {rank} peaks at {fmt_bytes(peak)}, over the memory budget of "
+                    f"{fmt_bytes(budget)} per device"
                 )
                 continue
             pipe = PipelinePlan(
