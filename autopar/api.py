@@ -99,7 +99,7 @@ def parallelize(
     ``timeout``: seconds a collective may wait for its peers before the step fails with an error
     naming the rank that stopped (``autopar.runtime.monitor``). ``check_inputs="digest"`` (the
     default): before any collective of the model, the ranks agree on every call's inputs in one
-    all-gather of three numbers per rank — the same global batch on every rank (a digest of it;
+    all-gather of four numbers per rank — the same global batch on every rank (a digest of it;
     not compared with ``local_inputs=True``), and no rank that refused its inputs (a rank that
     did stops the others at once, its error in theirs); ``None``: no such collective.
     """

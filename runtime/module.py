@@ -101,20 +101,26 @@ def _integer_ids(got: torch.dtype, planned: torch.dtype) -> bool:
 
 _CHUNK = 256
 """Words summed together by ``batch_digest`` before the position-weighted sum."""
+_SMALL = 1 << 20
+"""Bytes up to which ``batch_digest`` concatenates tensors and digests them as one."""
 
 
 def batch_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Three int64 words that differ, but for a vanishing chance, between batches that differ:
-    each tensor's bytes read as 32-bit integers (zero-padded to whole chunks of ``_CHUNK``); the
-    sum of every word, of every chunk's sum weighted by the chunk's position, and of every word
-    weighted by its position in its chunk (so reordered rows or tokens differ too), folded over
-    the tensors in order. Integer sums wrap exactly whatever the order of summation, so the
-    digest of one batch is the same on every rank whatever its threads or kernels; it is
-    computed where the tensors lie (two reductions over the batch: about 90 ms for a 150 MB image
-    batch on one CPU core, well under a millisecond on a GPU)."""
+    the tensors' bytes (small ones concatenated, each large one by itself) read as 32-bit
+    integers, zero-padded to whole chunks of ``_CHUNK``; the sum of every word, of every chunk's
+    sum weighted by the chunk's position, and of every word weighted by its position in its chunk
+    (so reordered rows or tokens differ too), folded over the pieces in order. Integer sums wrap
+    exactly whatever the order of summation, so the digest of one batch is the same on every
+    rank whatever its threads or kernels; it is computed where the tensors lie (two reductions
+    over the batch: about 90 ms for a 150 MB image batch on one CPU core, well under a
+    millisecond on a GPU, some 20 small ops for a batch of token ids)."""
+    raws = [x.detach().contiguous().reshape(-1).view(torch.uint8) for x in tensors]
+    small = [r for r in raws if r.numel() <= _SMALL]
+    if len(small) > 1 and len({r.device for r in small}) == 1:  # one digest for the small ones
+        raws = [torch.cat(small)] + [r for r in raws if r.numel() > _SMALL]
     acc: torch.Tensor | None = None
-    for x in tensors:
-        raw = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    for raw in raws:
         n = raw.numel()
         pad = -n % (4 * _CHUNK)
         if pad:  # a copy: only where the bytes are not whole chunks (a few KB of ids, say)
@@ -412,9 +418,9 @@ class ParallelModule(nn.Module):
             if problem is None and not local_inputs
             else torch.zeros(3, dtype=torch.int64, device=self.device)
         )
-        mine = torch.cat(
-            [torch.tensor([int(problem is not None)], dtype=torch.int64, device=self.device), digest]
-        )
+        mine = torch.empty(1 + digest.numel(), dtype=torch.int64, device=self.device)
+        mine[0] = int(problem is not None)
+        mine[1:] = digest
         world = dist.get_world_size()
         every = torch.empty(world * mine.numel(), dtype=torch.int64, device=self.device)
         all_gather_into(every, mine, self.world_group)

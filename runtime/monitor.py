@@ -11,7 +11,10 @@ Words:
   before raising. A rank that fails afterwards because a peer stopped (a timeout, or gloo's
   "Connection closed by peer") reads the notes, waits a short grace period for the others', and
   raises an error that names the rank that failed first — or, when a rank wrote nothing, the rank
-  that stopped without reporting (killed, or frozen).
+  that stopped without reporting (killed, or frozen). A rank that refuses its inputs writes its
+  note as it raises, before user code can catch the error, and says so in the input agreement
+  every rank takes part in before running (``ParallelModule._agree``): the others read the note
+  at once (``peer_errors``) and raise, instead of waiting in a collective it will never join.
 * **waiting** — every wait of a step program goes through :meth:`StepMonitor.wait`, which records
   which collective the rank is blocked in (and, when timing is on, for how long).
 """
