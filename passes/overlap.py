@@ -286,7 +286,17 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     Not on gloo (``ctx.cluster.backend``): with a layer's gathers in flight at once on one gloo
     group, processes intermittently died of heap corruption (``malloc(): unaligned tcache chunk``,
     about one run in four of two successive ZeRO-3 modules on 4 CPU processes; none in 14 runs
-    without this pass), so CPU processes gather each parameter where it is used."""
+    without this pass), so CPU processes gather each parameter where it is used.
+
+    Not yet explained (issue 22, item 1). Ruled out so far: the per-rank programs keep every
+    collective's output referenced until its wait, its input is a view of a parameter shard
+    (alive, and held by gloo's work too), and they contain no in-place op at all, so nothing
+    is written while in flight; every issue has its wait within the same program. With the pass
+    forced on (``examples/stress_zero3_prefetch.py``, ``MALLOC_CHECK_=3``) the abort did not
+    come back in 8 runs of two small ZeRO-3 GPTs on 4 processes (torch 2.13), nor in plain-torch
+    gloo replays of its pattern (a layer of all-gathers in flight on each of two groups, with
+    reduce-scatters), which is not enough to call gloo safe; ``tests/test_zero3_prefetch_stress.py``
+    (``AUTOPAR_STRESS=1``) is the check to run before turning it on here."""
     cluster = getattr(ctx, "cluster", None)
     if cluster is not None and cluster.backend == "gloo":
         log.info(
