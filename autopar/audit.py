@@ -224,6 +224,7 @@ class Audit:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data (lists, no tuples, no NaN), so a plan that stores it round-trips exactly."""
         return {
+            "lines": self.lines(),
             "findings": [
                 {"severity": f.severity, "kind": f.kind, "message": f.message, "share": f.share}
                 for f in self.findings

@@ -622,7 +622,10 @@ def _cmd_plan(args: argparse.Namespace, console: _Console) -> int:
 
 
 def _cmd_show(args: argparse.Namespace, console: _Console) -> int:
+    from autopar.audit import record
+
     plan = _load_plan(args.plan, args)
+    record(plan, warn=False)  # audited again: the file may have been edited since it was planned
     if args.nodes:
         from autopar.report import explain
 

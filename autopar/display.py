@@ -426,9 +426,11 @@ def plan_summary(plan: Plan) -> str:
         )
     for note in [*info.get("notes", ()), *replication_notes(plan)]:
         lines.append(f"  note: {note}")
-    from autopar.audit import audit  # reads the plan only; the audit names ops without a rule
-
-    lines += [f"  {line}" for line in audit(plan).lines()]
+    # The plan audit (``autopar.audit``, a layer above this one) as the planner stored it: its
+    # figures and findings, one line each (``autopar show`` audits a loaded plan again first).
+    stored = info.get("audit")
+    if isinstance(stored, dict):
+        lines += [f"  {line}" for line in stored.get("lines", ())]
     return "\n".join(lines)
 
 

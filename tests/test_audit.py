@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.audit import REPLICATED_WARN, Audit, AuditWarning, audit
+from autopar.audit import REPLICATED_WARN, Audit, AuditWarning, audit, record
 from autopar.models import GPT, GPTConfig
 from autopar.planfile import NodePlan, PipelinePlan, Plan, Predicted, ReshardPlan
 from autopar.rules.base import has_rule_for
@@ -139,7 +139,9 @@ def test_ops_without_a_rule_are_listed_with_their_share():
     assert a.unruled_share == pytest.approx(1e-3 / sum(n.compute_time for n in nodes))
     (f,) = [f for f in a.findings if f.kind == "unruled_ops"]
     assert f.severity == "warning" and "searchsorted" in f.message
-    assert "ops without a sharding rule (run replicated): searchsorted" in str(_plan(nodes))
+    plan = _plan(nodes)
+    record(plan, warn=False)  # print(plan) shows the audit recorded with the plan
+    assert "ops without a sharding rule (run replicated): searchsorted" in str(plan)
 
 
 def test_model_flops_count_matmuls_and_attention_three_times_per_microbatch():
@@ -160,11 +162,14 @@ def test_model_flops_count_matmuls_and_attention_three_times_per_microbatch():
 def test_mfu_above_the_peak_is_an_error(gpt_plan):
     a = audit(gpt_plan)
     assert a.mfu is not None and 0 < a.mfu < 0.9 and not any(f.severity == "error" for f in a.findings)
-    fast = dataclasses.replace(gpt_plan, predicted=dataclasses.replace(gpt_plan.predicted, step_time=1e-7))
+    fast = dataclasses.replace(
+        gpt_plan, predicted=dataclasses.replace(gpt_plan.predicted, step_time=1e-7), info=dict(gpt_plan.info)
+    )
     b = audit(fast)
     assert b.mfu > 1 and b.worst == "error"
     (f,) = [f for f in b.findings if f.kind == "utilization"]
     assert f.severity == "error" and "a bug, not a result" in f.message and f.share == b.mfu
+    record(fast, warn=False)
     assert "error: predicted MFU" in str(fast)
 
 

@@ -15,7 +15,7 @@ and two groups of one layer never import each other:
 2. rules (``autopar.rules``) | runtime (``autopar.runtime``: runs what the passes built);
 3. passes (``autopar.passes``: planning passes and rank-program passes);
 4. the solver (a pure function of the strategy graph);
-5. the planner, the layouts and the simulator;
+5. the planner, the layouts, the simulator and the plan audit;
 6. the API (``autopar.api``, the package root, the command line, reports).
 
 Two arrows the layers alone would allow are forbidden (``APART``): a pass never imports the
@@ -52,7 +52,7 @@ APART = {
 DATA = {"placement", "graph", "ir", "cluster", "capture", "reshard", "planfile", "strategy_graph", "display",
         "schedule", "models", "reference_data"}  # fmt: skip
 COST = {"mesh", "config"}
-PLANNER = {"planner", "layouts", "simulate", "search"}
+PLANNER = {"planner", "layouts", "simulate", "search", "audit"}
 
 
 def group_of(module: str) -> str:
