@@ -738,9 +738,9 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
 def drop_identity_slices(gm: torch.fx.GraphModule) -> int:
     """Remove each ``slice`` (step 1) whose output has its input's shape, and each ``alias``: the
     identity (module docstring: canonical graph; export writes ``x[:, 0:]`` as ``alias`` where it
-    sees the slice whole, as ``slice`` where the size is a symbol). A slice something writes into stays (its writes reach the source
-    through the view; the copy that replaces it would not be the same tensor). Returns how many
-    were removed."""
+    sees the slice whole, as ``slice`` where the size is a symbol). One that something writes
+    into stays, as ``drop_layout_copies`` keeps a written copy (the two are read alike only where
+    nothing writes). Returns how many were removed."""
     aten = torch.ops.aten
     dropped = 0
     for node in list(gm.graph.nodes):
