@@ -606,8 +606,10 @@ def _model_flops(plan: Plan, by_name: dict[str, NodePlan]) -> float:
 
 def _peak_flops(plan: Plan) -> float:
     peaks = ((plan.cluster or {}).get("device") or {}).get("peak_flops") or {}
-    dtype = "bfloat16" if int(plan.info.get("param_bytes", 4)) == 2 else "float32"
-    return float(peaks.get(dtype, peaks.get("float32", 0.0)))
+    if int(plan.info.get("param_bytes", 4)) == 2:
+        return float(peaks.get("bfloat16", peaks.get("float32", 0.0)))
+    # float32: the fastest rate it may run at (TF32 tensor cores where the device has them)
+    return float(max(peaks.get("float32", 0.0), peaks.get("tfloat32", 0.0)))
 
 
 # ------------------------------------------------------------------------------------ the hooks

@@ -111,6 +111,14 @@ class DeviceSpec:
     optimizer_overhead: float = 0.0
     """Host seconds per parameter tensor of one ``optimizer.step()`` (grouping the tensors,
     per-tensor bookkeeping) on top of its memory-bound update."""
+    optimizer_efficiency: float = 0.0
+    """Fraction of ``memory_bandwidth`` the optimizer's update passes reach (0: ``memory_efficiency``,
+    as other memory-bound kernels)."""
+
+    @property
+    def optimizer_bandwidth(self) -> float:
+        """Bytes/s an ``optimizer.step()`` streams (``optimizer_efficiency``)."""
+        return self.memory_bandwidth * (self.optimizer_efficiency or self.memory_efficiency)
 
     def __post_init__(self) -> None:
         owner = f"DeviceSpec {self.name!r}"
@@ -141,6 +149,7 @@ class DeviceSpec:
         for what, v in (
             ("attention_efficiency", self.attention_efficiency),
             ("attention_bwd_efficiency", self.attention_bwd_efficiency),
+            ("optimizer_efficiency", self.optimizer_efficiency),
         ):
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v <= 1:
                 raise ValueError(f"{owner}: {what} must be in [0, 1] (0: default), got {v!r}; {measure}")
@@ -245,7 +254,11 @@ _H100_KERNELS: dict[str, float] = {
     "attention_causal_seq_half": 300.0,
     "kernel_overhead": 2e-6,
     "host_overhead": 10e-6,
-    "optimizer_overhead": 17.5e-6,
+    # AdamW(fused=True) on one H100 SXM: six whole-model steps of h100_training_steps.csv (0.36 to
+    # 2.7 B parameters, 75 to 293 tensors) fit 2.0 TB/s and 8.7 µs per tensor within ±8 %
+    # (relative least squares, 2026-11-26; examples/gpu_checks.py --optimizer sweeps synthetic lists)
+    "optimizer_overhead": 8.7e-6,
+    "optimizer_efficiency": 0.6,
 }
 _A100_KERNELS: dict[str, float] = {
     **_H100_KERNELS,
@@ -255,11 +268,14 @@ _A100_KERNELS: dict[str, float] = {
 
 
 def _gpu(
-    name: str, bf16: float, fp32: float, bw: float, mem: int, sms: int, kernels: dict[str, float]
+    name: str, bf16: float, tf32: float, fp32: float, bw: float, mem: int, sms: int, kernels: dict[str, float]
 ) -> DeviceSpec:
+    peak = {"bfloat16": bf16, "float16": bf16, "float32": fp32}
+    if tf32:
+        peak["tfloat32"] = tf32
     return DeviceSpec(
         name=name,
-        peak_flops={"bfloat16": bf16, "float16": bf16, "float32": fp32},
+        peak_flops=peak,
         memory_bandwidth=bw,
         memory=mem,
         sm_count=sms,
@@ -267,35 +283,39 @@ def _gpu(
     )
 
 
-# Published figures: NVIDIA V100/A100/H100/H200 datasheets (dense, no sparsity). fp32 is the TF32
-# tensor-core rate on Ampere and later (PyTorch's default for convolutions; matmuls with
-# `torch.backends.cuda.matmul.allow_tf32`), plain FP32 on Volta. NVLink: per-direction bandwidth
+# Published figures: NVIDIA V100/A100/H100/H200 datasheets (dense, no sparsity). float32 is the
+# plain FP32 rate (CUDA cores): what an fp32 matmul runs at under PyTorch's default
+# `torch.get_float32_matmul_precision() == "highest"` (measured on one H100 SXM, 2026-11-26:
+# `examples/gpu_checks.py`'s 4-layer fp32 GPT step takes 13.1 ms, 2.5× the TF32-rate prediction);
+# tfloat32 is the TF32 tensor-core rate on Ampere and later (convolutions by default,
+# `torch.backends.cudnn.allow_tf32`; matmuls under precision "high" or "medium").
+# NVLink: per-direction bandwidth
 # per GPU (half the datasheet's bidirectional figure). Inter-node: one InfiniBand NIC per GPU, as
 # in DGX systems (Megatron-LM, arXiv 2104.04473, Table 1 note: 8 × 200 Gb/s HDR per DGX A100;
 # DGX H100: 8 × 400 Gb/s NDR), bandwidth per NIC and direction.
 _PRESETS: dict[str, tuple[DeviceSpec, Link, Link]] = {
     "V100-32GB": (
-        _gpu("V100-32GB", 125 * TB, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS),
+        _gpu("V100-32GB", 125 * TB, 0, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS),
         Link(name="NVLink2", bandwidth=150 * GB, latency=5e-6),
         Link(name="IB-EDR", bandwidth=12.5 * GB, latency=10e-6),
     ),
     "A100-40GB": (
-        _gpu("A100-40GB", 312 * TB, 156 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS),
+        _gpu("A100-40GB", 312 * TB, 156 * TB, 19.5 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS),
         Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6),
         Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6),
     ),
     "A100-80GB": (
-        _gpu("A100-80GB", 312 * TB, 156 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS),
+        _gpu("A100-80GB", 312 * TB, 156 * TB, 19.5 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS),
         Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6),
         Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6),
     ),
     "H100-SXM": (
-        _gpu("H100-SXM", 989 * TB, 494 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS),
+        _gpu("H100-SXM", 989 * TB, 494 * TB, 67 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS),
         Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6),
         Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6),
     ),
     "H200": (
-        _gpu("H200", 989 * TB, 494 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS),
+        _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS),
         Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6),
         Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6),
     ),

@@ -103,6 +103,19 @@ class PlanConfig:
     """Fuse a CPU rank's program too, its Triton kernels run by Triton's interpreter (slow: for
     tests; ``TRITON_INTERPRET=1`` must be set before triton is imported). Off: on the CPU the
     eager ops stay; on a GPU the kernels always run (``autopar.passes.fusion``)."""
+    float32_matmul_precision: str | None = None
+    """What float32 matmuls run at, as ``torch.set_float32_matmul_precision`` names it:
+    ``"highest"`` (PyTorch's default: the device's plain FP32 rate), ``"high"`` or ``"medium"``
+    (TF32 tensor cores where the device has them); ``None``: this process's
+    ``torch.get_float32_matmul_precision()`` when planning (set it before planning as before
+    training). bf16 and fp16 models are unaffected."""
+
+    @property
+    def matmul_tf32(self) -> bool:
+        """float32 matmuls run on TF32 tensor cores (``float32_matmul_precision``)."""
+        import torch
+
+        return (self.float32_matmul_precision or torch.get_float32_matmul_precision()) != "highest"
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -169,6 +182,11 @@ class PlanConfig:
             fail(f"workers must be a positive integer or None, got {self.workers!r}")
         if self.max_strategies < 2:
             fail(f"max_strategies must be at least 2, got {self.max_strategies}")
+        if self.float32_matmul_precision not in (None, "highest", "high", "medium"):
+            fail(
+                f"float32_matmul_precision is one of 'highest', 'high', 'medium' (torch's names) or None, "
+                f"got {self.float32_matmul_precision!r}"
+            )
         fixed = {}
         for name, spec in dict(self.fixed or {}).items():
             texts = (spec,) if isinstance(spec, str) else tuple(spec)

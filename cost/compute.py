@@ -78,7 +78,7 @@ arXiv 2407.08608, Figs. 5-7: forward 324 / 370 TFLOP/s at d = 64 / 128, backward
 d = 256)."""
 
 _ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "float64": 8, "float32": 4, "tfloat32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
     "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }  # fmt: skip
@@ -274,6 +274,12 @@ def _mem(nbytes: float) -> Kernel:
     return Kernel(KernelKind.MEMORY, nbytes)
 
 
+def _gemm_dtype(dtype: str, tf32: bool) -> str:
+    """The rate a GEMM on ``dtype`` operands runs at: ``"tfloat32"`` for float32 on TF32 tensor
+    cores (``op_kernels``), else ``dtype``."""
+    return "tfloat32" if tf32 and dtype == "float32" else dtype
+
+
 def _gemm(m: int, n: int, k: int, batch: int, dtype: str) -> Kernel:
     size = itemsize(dtype)
     nbytes = float(batch) * (m * k + k * n + m * n) * size
@@ -383,6 +389,7 @@ def op_kernels(
     masked: bool = False,
     groups: int = 1,
     grad_contributions: int = 1,
+    tf32: bool = False,
 ) -> OpKernels:
     """The kernels eager PyTorch runs for aten op ``op`` (packet name) forward and backward.
 
@@ -392,7 +399,10 @@ def op_kernels(
     dtype, ``contiguous`` of a contiguous tensor): no kernel. ``causal``/``masked``: attention under
     a causal mask / under another explicit mask (read by the kernel, no skipping).
     ``grad_contributions``: how many consumers send this op's output a gradient; autograd adds them
-    (one addition kernel per extra contribution).
+    (one addition kernel per extra contribution). ``tf32``: float32 matmuls run on the TF32 tensor
+    cores (``torch.get_float32_matmul_precision()`` "high" or "medium"); float32 convolutions always
+    do (cuDNN's default, ``torch.backends.cudnn.allow_tf32``). Otherwise a float32 GEMM runs at the
+    device's plain FP32 rate (``DeviceSpec.peak_flops["float32"]``).
     """
     info = op_info(op)
     fam = info.family
@@ -407,7 +417,7 @@ def op_kernels(
         return OpKernels()
     if fam is OpFamily.MATMUL and len(ins) >= 2:
         m, n, k, batch, a_i, b_i = _gemm_dims(op, ins, out)
-        dtype = ins[a_i].dtype
+        dtype = _gemm_dtype(ins[a_i].dtype, tf32)
         fwd.append(_gemm(m, n, k, batch, dtype))  # a bias is added in the GEMM's epilogue
         if requires_grad:
             if ins[a_i].grad:  # dA = dC · Bᵀ: rows m, columns k, reduction n
@@ -418,7 +428,7 @@ def op_kernels(
             bwd.extend(_mem(out.nbytes + b.nbytes) for b in bias)  # bias gradient: a sum over rows
     elif fam is OpFamily.CONV and len(ins) >= 2:
         m, n, k, g = _conv_dims(ins, out, groups)
-        dtype = ins[0].dtype
+        dtype = _gemm_dtype(ins[0].dtype, True)
         fwd.append(_gemm(m, n, k, g, dtype))
         if requires_grad:
             if ins[0].grad:

@@ -446,11 +446,13 @@ def node_kernels(
     outs: list[TensorArg] | None = None,
     *,
     fused: bool = False,
+    tf32: bool = False,
 ) -> OpKernels:
     """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
     global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
     of ``ordered_tensor_args`` and ``tensor_outputs``). ``fused``: a member of a fusion group runs
-    its group's fused kernel (at the group's anchor) or nothing (``autopar.passes.fusion``)."""
+    its group's fused kernel (at the group's anchor) or nothing (``autopar.passes.fusion``).
+    ``tf32``: float32 matmuls on TF32 tensor cores (``PlanConfig.matmul_tf32``)."""
     if node.op != "call_function":
         return OpKernels()
     if args is None:
@@ -470,6 +472,7 @@ def node_kernels(
         masked=f.masked,
         groups=f.groups,
         grad_contributions=f.grad_contributions,
+        tf32=tf32,
     )
 
 
@@ -478,6 +481,7 @@ def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
     group (``annotate_fusions``, when ``fusion_assumed``) are charged its fused kernel."""
     device = ctx.cluster.device
     fused = fusion_assumed(ctx)
+    tf32 = ctx.config.matmul_tf32
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
@@ -492,7 +496,7 @@ def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 bwd = extra * (device.kernel_overhead + 3 * out_bytes / device.achieved_bandwidth)
             node.meta[COST] = NodeCost(0.0, 0.0, 0.0, out_bytes, 0.0, 0.0, bwd)
             continue
-        ks = node_kernels(node, fused=fused)
+        ks = node_kernels(node, fused=fused, tf32=tf32)
         fwd = sum(kernel_time(k, device) for k in ks.fwd)
         bwd = sum(kernel_time(k, device) for k in ks.bwd)
         saved = (out_bytes if value_is_saved(node) else 0.0) + extra_saved_bytes(node, fused)
@@ -618,7 +622,7 @@ def single_device_step(gm: GraphModule, ctx: PassContext, options: StepOptions |
     for n in nodes:
         if n.op != "call_function":
             continue
-        ks = node_kernels(n)
+        ks = node_kernels(n, tf32=ctx.config.matmul_tf32)
         bwd_kernels[n] = ks
         dev = sum(kernel_time(k, device) for k in ks.fwd)
         fwd_dev += dev

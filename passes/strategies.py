@@ -191,7 +191,7 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         for o, spec in zip(outs, s.outputs)
     ]
     fused = fusion_assumed(ctx)
-    ks = node_kernels(node, args, local_outs, fused=fused)
+    ks = node_kernels(node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32)
     dev = ctx.cluster.device
     fwd = sum(kernel_time(k, dev) for k in ks.fwd)
     bwd = sum(kernel_time(k, dev) for k in ks.bwd)
