@@ -85,10 +85,13 @@ class StepRow:
     fwd_bwd_ms: float
     optimizer_ms: float
     peak_memory_bytes: float
+    vocab: int = 0
+    """GPT only: the vocabulary, untied from the input embedding (0: the file's tied 50304)."""
 
     @property
     def name(self) -> str:
-        return f"{self.model} L{self.layers} h{self.hidden} a{self.heads} b{self.batch} s{self.seq}"
+        v = f" V{self.vocab}" if self.vocab else ""
+        return f"{self.model} L{self.layers} h{self.hidden} a{self.heads} b{self.batch} s{self.seq}{v}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +135,7 @@ def read_step_rows(path: str | os.PathLike[str] | None = None) -> list[StepRow]:
                 fwd_bwd_ms=float(r["fwd_bwd_ms"]),
                 optimizer_ms=float(r["optimizer_ms"]),
                 peak_memory_bytes=float(r["peak_memory_bytes"]),
+                vocab=int(r["vocab"]) if (r.get("vocab") or "").strip() else 0,
             )
         )
     return out
@@ -145,8 +149,11 @@ def build_step_model(row: StepRow) -> tuple[torch.nn.Module, Any]:
         from autopar.models import GPT, GPTConfig
 
         with torch.device("meta"):
+            vocab = {"vocab_size": row.vocab, "tie_embeddings": False} if row.vocab else {}
             model = GPT(
-                GPTConfig(n_layer=row.layers, n_head=row.heads, n_embd=row.hidden, block_size=row.seq)
+                GPTConfig(
+                    n_layer=row.layers, n_head=row.heads, n_embd=row.hidden, block_size=row.seq, **vocab
+                )
             )
         return model.to(torch.bfloat16), (ids, ids.clone())
     if row.model == "llama":

@@ -94,6 +94,7 @@ def _device_fit(base: Cluster, probes: dict[str, float], shapes: dict[str, Any])
         attention_bwd_efficiency=1.0,
         kernel_overhead=0.0,
         optimizer_overhead=0.0,
+        optimizer_efficiency=0.0,
     )
     node = probes["node"]
 

@@ -17,9 +17,11 @@ arXiv 1710.03740). PyTorch runs this as
 SGD with momentum: one pass reading weight, gradient and momentum, writing weight and momentum;
 plain SGD reads weight and gradient and writes the weight.
 
-Time: ``bytes / (bandwidth · memory_efficiency) + tensors · optimizer_overhead`` on the device's
-figures (``DeviceSpec.optimizer_overhead``: Python's per-tensor work in ``_init_group`` and the
-step's bookkeeping, exposed because a step is timed between synchronisations).
+Time: ``bytes / optimizer_bandwidth + tensors · optimizer_overhead`` on the device's figures
+(``DeviceSpec.optimizer_bandwidth``: ``memory_bandwidth · optimizer_efficiency``, measured whole
+steps: the update reaches less of the bandwidth than a plain elementwise kernel;
+``DeviceSpec.optimizer_overhead``: Python's per-tensor work in ``_init_group`` and the step's
+bookkeeping, exposed because a step is timed between synchronisations).
 """
 
 from __future__ import annotations
@@ -67,4 +69,4 @@ def optimizer_step_time(
     per = optimizer_bytes_per_param(
         param_bytes, optimizer=optimizer, state_bytes=state_bytes, master_weights=master_weights, fused=fused
     )
-    return numel * per / device.achieved_bandwidth + tensors * device.optimizer_overhead
+    return numel * per / device.optimizer_bandwidth + tensors * device.optimizer_overhead

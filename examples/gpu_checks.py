@@ -29,12 +29,30 @@ import torch
 import autopar
 from autopar.reference import StepRow, build_step_model, predict_step
 
-SHAPES = [  # (model, layers, heads, hidden, batch, seq): the two reference rows and two more
-    ("gpt", 12, 16, 2048, 8, 1024),
-    ("llama", 16, 32, 2048, 4, 2048),
-    ("gpt", 24, 16, 1024, 16, 2048),
-    ("llama", 8, 32, 4096, 2, 4096),
+SHAPES = [  # (model, layers, heads, hidden, batch, seq, vocab): the two reference rows and two more
+    ("gpt", 12, 16, 2048, 8, 1024, 0),
+    ("llama", 16, 32, 2048, 4, 2048, 0),
+    ("gpt", 24, 16, 1024, 16, 2048, 0),
+    ("llama", 8, 32, 4096, 2, 4096, 0),
 ]
+MCORE_SHAPES = [  # Megatron-Core's weak-scaling GPTs at their sequence and vocabulary (published_runs.csv):
+    ("gpt", 24, 16, 2048, 1, 4096, 131072),  # GPT 1.7B whole, micro-batch 1 and 2
+    ("gpt", 24, 16, 2048, 2, 4096, 131072),
+    ("gpt", 8, 32, 4096, 1, 4096, 131072),  # GPT 7.1B's width, 8 of its 30 layers, no tp
+]
+MATMULS = [  # (M, N, K): the GEMMs of the GPT 1.7B and 7.1B (tp 2) rows at micro-batch 1, forward and weight grads
+    (4096, 6144, 2048), (4096, 2048, 2048), (4096, 8192, 2048), (4096, 2048, 8192), (4096, 131072, 2048),
+    (2048, 8192, 4096), (8192, 2048, 4096), (4096, 6144, 4096), (4096, 4096, 2048), (4096, 65536, 4096),
+]  # fmt: skip
+REF_MATMULS = [  # h100_matmul.csv's shapes, measured again the same way
+    (8192, 8192, 8192), (8192, 2048, 2048), (2048, 6144, 2048), (4096, 4096, 1024), (16384, 50304, 2048),
+]  # fmt: skip
+FP32_MATMULS = [  # float32, at "highest" (plain FP32) and "high" (TF32): the --plan check's GEMMs and one large
+    (8192, 8192, 8192), (4096, 1536, 512), (4096, 512, 512), (4096, 2048, 512), (4096, 512, 2048), (4096, 8192, 512),
+]  # fmt: skip
+ATTENTION = [  # (batch, heads, seq, head_dim): causal SDPA forward + backward
+    (1, 16, 4096, 128), (1, 32, 4096, 128), (2, 16, 2048, 128), (1, 8, 8192, 128),
+]  # fmt: skip
 
 
 def _loss(out) -> torch.Tensor:
@@ -44,11 +62,16 @@ def _loss(out) -> torch.Tensor:
     return out[1] if isinstance(out, tuple) else out.loss
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t
 
 
@@ -57,7 +80,7 @@ def measure(row: StepRow) -> tuple[float, float, float]:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    ids = torch.randint(0, 32000, (row.batch, row.seq), device="cuda")
+    ids = torch.randint(0, 32000, (row.batch, row.seq), device="cuda")  # every vocabulary here is larger
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def fwd_bwd() -> None:
@@ -78,22 +101,156 @@ def measure(row: StepRow) -> tuple[float, float, float]:
     return statistics.median(fb), statistics.median(op), peak
 
 
-def steps(preset: str) -> None:
+def _per_call(fn, reps: int = 50) -> float:
+    """Seconds per call of ``fn`` issued ``reps`` times back to back, between CUDA events (no
+    host synchronisation inside: the launch gaps of a real step, not of a timed single call)."""
+    for _ in range(3):
+        fn()
+    if not torch.cuda.is_available():
+        return _timed(lambda: [fn() for _ in range(reps)]) / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def kernels(preset: str, device: str = "cuda") -> None:
+    """GEMMs (bf16; float32 at both of PyTorch's matmul precisions) and causal attention at the
+    published rows' shapes, predicted against measured."""
+    import torch.nn.functional as F
+
+    from autopar.cost.compute import BACKWARD_FLOP_RATIO, Kernel, KernelKind, gemm_efficiency, kernel_time
+
+    dev = autopar.Cluster.preset(preset, gpus_per_node=1).device
+    print(f"{'matmul M×N×K':<24} {'dtype':<16} {'pred TFLOP/s':>12} {'meas':>8} {'ratio':>6}")
+    rows = [(*mnk, torch.bfloat16, "highest") for mnk in MATMULS + REF_MATMULS]
+    rows += [(*mnk, torch.float32, p) for p in ("highest", "high") for mnk in FP32_MATMULS]
+    before = torch.get_float32_matmul_precision()
+    for m, n, k, dtype, precision in rows:
+        torch.set_float32_matmul_precision(precision)
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+
+        def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            a @ b
+
+        meas = 2 * m * n * k / _per_call(mm) / 1e12
+        key = "bfloat16" if dtype == torch.bfloat16 else ("float32" if precision == "highest" else "tfloat32")
+        pred = gemm_efficiency(m, n, k, dev) * dev.flops_for(key) / 1e12
+        what = key if dtype == torch.bfloat16 else f"fp32 {precision}"
+        print(f"{f'{m}×{n}×{k}':<24} {what:<16} {pred:>12.1f} {meas:>8.1f} {pred / meas:>6.3f}", flush=True)
+    torch.set_float32_matmul_precision(before)
+    print(f"{'causal SDPA b,h,s,d':<24} {'pred fwd/bwd ms':>16} {'meas fwd/bwd ms':>16} {'ratios':>12}")
+    for bsz, h, s, d in ATTENTION:
+        q, k, v = (
+            torch.randn(bsz, h, s, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv"
+        )
+        flops = 2.0 * bsz * h * s * s * 2 * d * (s + 1) / (2 * s)
+        io = 4 * q.numel() * 2
+        fk = Kernel(KernelKind.ATTENTION, io, flops, "bfloat16", seq=s, head_dim=d, causal=True)
+        bk = Kernel(KernelKind.ATTENTION, 2 * io, BACKWARD_FLOP_RATIO["attention"] * flops, "bfloat16", seq=s,
+                    head_dim=d, causal=True, backward=True)  # fmt: skip
+        pf, pb = kernel_time(fk, dev), kernel_time(bk, dev)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        g = torch.randn_like(out)
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+        def fwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def fwd_bwd(fwd=fwd, g: torch.Tensor = g) -> None:
+            fwd().backward(g)
+
+        mf = [_per_call(fwd, 20)]
+        mb = [_per_call(fwd_bwd, 20) - mf[0]]
+        mf_, mb_ = statistics.median(mf), statistics.median(mb)
+        print(f"{f'{bsz},{h},{s},{d}':<24} {pf * 1e3:>7.3f}/{pb * 1e3:<8.3f} {mf_ * 1e3:>7.3f}/{mb_ * 1e3:<8.3f} "
+              f"{pf / mf_:>5.2f}/{pb / mb_:<5.2f}", flush=True)  # fmt: skip
+
+
+OPT_SWEEP = [  # (tensors, elements each, dtype, fused): one optimizer.step() over them
+    (1, 2**30, torch.bfloat16, True), (64, 2**24, torch.bfloat16, True), (1024, 2**20, torch.bfloat16, True),
+    (8192, 2**17, torch.bfloat16, True), (1024, 2**20, torch.bfloat16, False), (256, 2**22, torch.float32, True),
+    (256, 2**22, torch.float32, False), (64, 2**18, torch.float32, False),
+]  # fmt: skip
+
+
+def optimizer_sweep(preset: str) -> None:
+    """AdamW steps over tensors of several counts and sizes (bandwidth and per-tensor cost apart)."""
+    from autopar.cost.optimizer import optimizer_step_time
+
+    dev = autopar.Cluster.preset(preset, gpus_per_node=1).device
+    print(
+        f"{'AdamW tensors × elements':<30} {'dtype':<9} {'impl':<8} {'pred ms':>8} {'meas ms':>8} {'ratio':>6}"
+    )
+    for count, numel, dtype, fused in OPT_SWEEP:
+        params = [torch.zeros(numel, device="cuda", dtype=dtype, requires_grad=True) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=fused, foreach=None if fused else True)
+        for _ in range(2):
+            opt.step()
+        meas = statistics.median(_timed(opt.step) for _ in range(5))
+        size = torch.empty((), dtype=dtype).element_size()
+        pred = optimizer_step_time(count * numel, count, size, dev, fused=fused)
+        print(f"{f'{count} × {numel}':<30} {str(dtype)[6:]:<9} {'fused' if fused else 'foreach':<8} "
+              f"{pred * 1e3:>8.2f} {meas * 1e3:>8.2f} {pred / meas:>6.3f}", flush=True)  # fmt: skip
+        del opt, params
+        torch.cuda.empty_cache()
+
+
+def profile(shape: tuple[str, int, int, int, int, int, int]) -> None:
+    """The CUDA kernels of one forward + backward of ``shape``, by total time (where a step goes)."""
+    kind, layers, heads, hidden, batch, seq, vocab = shape
+    row = StepRow(model=kind, layers=layers, heads=heads, hidden=hidden, batch=batch, seq=seq,
+                  params=0, fwd_bwd_ms=0.0, optimizer_ms=0.0, peak_memory_bytes=0, vocab=vocab)  # fmt: skip
+    model = build_step_model(row)[0].to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+
+    def fwd_bwd() -> None:
+        out = model(ids, ids) if kind == "gpt" else model(input_ids=ids, labels=ids)
+        _loss(out).backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        fwd_bwd()
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    print(f"profile of {row.name}, one forward + backward:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    model.to_empty(device="meta")
+    torch.cuda.empty_cache()
+
+
+def steps(preset: str, shapes: list[tuple[str, int, int, int, int, int, int]]) -> None:
     cluster = autopar.Cluster.preset(preset, gpus_per_node=1)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | predicted on {preset}")
-    print(f"{'shape':<32} {'fwd+bwd pred/meas ms':>22} {'ratio':>6} {'opt pred/meas ms':>18} {'ratio':>6} "
+    print(f"{'shape':<40} {'fwd+bwd pred/meas ms':>22} {'ratio':>6} {'opt pred/meas ms':>18} {'ratio':>6} "
           f"{'peak pred/meas GiB':>20} {'ratio':>6}")  # fmt: skip
-    for kind, layers, heads, hidden, batch, seq in SHAPES:
+    for kind, layers, heads, hidden, batch, seq, vocab in shapes:
         row = StepRow(model=kind, layers=layers, heads=heads, hidden=hidden, batch=batch, seq=seq,
-                      params=0, fwd_bwd_ms=0.0, optimizer_ms=0.0, peak_memory_bytes=0)  # fmt: skip
+                      params=0, fwd_bwd_ms=0.0, optimizer_ms=0.0, peak_memory_bytes=0, vocab=vocab)  # fmt: skip
         est = predict_step(*build_step_model(row), cluster)
         try:
             fb, op, peak = measure(row)
         except torch.cuda.OutOfMemoryError:
-            print(f"{row.name:<32} out of memory")
+            print(f"{row.name:<40} out of memory")
             continue
         g = 2**30
-        print(f"{row.name:<32} {est.fwd_bwd * 1e3:>10.2f}/{fb * 1e3:<10.2f} {est.fwd_bwd / fb:>6.3f} "
+        torch.cuda.empty_cache()
+        print(f"{row.name:<40} {est.fwd_bwd * 1e3:>10.2f}/{fb * 1e3:<10.2f} {est.fwd_bwd / fb:>6.3f} "
               f"{est.optimizer * 1e3:>8.2f}/{op * 1e3:<8.2f} {est.optimizer / op:>6.3f} "
               f"{est.peak_memory / g:>9.2f}/{peak / g:<9.2f} {est.peak_memory / peak:>6.3f}", flush=True)  # fmt: skip
 
@@ -174,8 +331,17 @@ def main() -> None:
     ap.add_argument("--make-plan", metavar="FILE", help="plan the --plan check's model here and save it")
     ap.add_argument("--recompute", default="full", help="with --make-plan: none, selective, full")
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--precision", help="torch.set_float32_matmul_precision first (highest, high, medium)")
+    ap.add_argument(
+        "--optimizer", action="store_true", help="also an AdamW sweep over tensor counts and sizes"
+    )
+    ap.add_argument(
+        "--mcore", action="store_true", help="also the published rows' shapes: steps, GEMMs, attention"
+    )
     ap.add_argument("--cpu", action="store_true", help="with --plan: a dry run on the CPU (losses only)")
     args = ap.parse_args()
+    if args.precision:
+        torch.set_float32_matmul_precision(args.precision)
     if args.make_plan:
         make_plan(args.make_plan, args.preset, args.recompute)
         return
@@ -186,8 +352,12 @@ def main() -> None:
         raise SystemExit("gpu_checks: no CUDA device here; run it on a GPU machine")
     if args.plan:
         runtime(args.plan)
+    if args.mcore:
+        kernels(args.preset)
+    if args.optimizer:
+        optimizer_sweep(args.preset)
     if not args.skip_steps:
-        steps(args.preset)
+        steps(args.preset, SHAPES + (MCORE_SHAPES if args.mcore else []))
 
 
 if __name__ == "__main__":

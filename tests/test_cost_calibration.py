@@ -95,3 +95,37 @@ def test_compute_probes_take_the_median_round_of_the_slowest_rank():
         from autopar.api import measure_local
 
         measure_local(2, rounds=0)
+
+
+def test_float32_matmuls_run_at_the_precision_torch_is_set_to():
+    """PyTorch's default float32 matmul precision ("highest") runs on the plain FP32 units, not the
+    TF32 tensor cores: on one H100 an fp32 4-layer GPT's per-rank program (full recomputation)
+    measured 21.15 ms against 22.52 predicted, where the TF32 rate had predicted 5.28
+    (``examples/gpu_checks.py --plan``, 2026-11-26). Convolutions use TF32 (cuDNN's default)."""
+    from autopar.config import PlanConfig
+    from autopar.cost.compute import TensorArg, kernel_time, op_kernels
+
+    dev = Cluster.preset("H100-SXM", gpus_per_node=1).device
+    assert dev.flops_for("float32") == pytest.approx(67e12) and dev.flops_for("tfloat32") == pytest.approx(
+        494e12
+    )
+    assert Cluster.preset("V100-32GB", gpus_per_node=1).device.flops_for("tfloat32") == pytest.approx(15.7e12)
+    x, w = TensorArg((8192, 8192), "float32", True), TensorArg((8192, 8192), "float32", True)
+    out = [TensorArg((8192, 8192), "float32")]
+    plain = op_kernels("mm", [x, w], out, requires_grad=True)
+    tf32 = op_kernels("mm", [x, w], out, requires_grad=True, tf32=True)
+    assert {k.dtype for k in plain.fwd + plain.bwd} == {"float32"}
+    assert {k.dtype for k in tf32.fwd + tf32.bwd} == {"tfloat32"}
+    ratio = kernel_time(plain.fwd[0], dev) / kernel_time(tf32.fwd[0], dev)
+    assert ratio == pytest.approx(494 / 67, rel=0.01)
+    bf16 = [TensorArg((8192, 8192), "bfloat16", True)] * 2
+    assert op_kernels("mm", bf16, out, requires_grad=False, tf32=True).fwd[0].dtype == "bfloat16"
+    img, kern = TensorArg((8, 64, 56, 56), "float32", True), TensorArg((64, 64, 3, 3), "float32", True)
+    conv = op_kernels(
+        "convolution", [img, kern], [TensorArg((8, 64, 56, 56), "float32")], requires_grad=False
+    )
+    assert conv.fwd[0].dtype == "tfloat32"
+    assert PlanConfig(float32_matmul_precision="high").matmul_tf32
+    assert not PlanConfig(float32_matmul_precision="highest").matmul_tf32
+    with pytest.raises(ValueError, match="float32_matmul_precision is one of 'highest', 'high', 'medium'"):
+        PlanConfig(float32_matmul_precision="tf32")
