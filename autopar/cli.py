@@ -3,6 +3,7 @@
     autopar plan llama3-8b --cluster H100-SXM --nodes 8 --batch 64 --seq 8192 -o plan.json
     autopar show plan.json
     autopar compare plan.json megatron:tp=8
+    autopar export plan.json --to megatron
     autopar memory llama3-8b --gpus-per-node 8 --batch 8 --seq 8192
     autopar report plan.json -o report.html
     autopar train gpt-tiny --local 4
@@ -296,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  autopar plan llama3-8b --cluster H100-SXM --nodes 8 --batch 64 --seq 8192 -o plan.json\n"
             "  autopar show plan.json\n"
             "  autopar compare plan.json megatron:tp=8\n"
+            "  autopar export plan.json --to torchtitan\n"
             "  autopar memory llama3-8b --batch 8 --seq 8192\n"
             "  autopar report plan.json -o report.html\n"
             "  autopar train gpt-tiny --local 4\n"
@@ -349,6 +351,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write B's plan to this JSON file")
     p.add_argument("--no-verify", action="store_true", help="load plan files edited by hand")
     p.set_defaults(func=_cmd_compare)
+
+    p = _sub(subs, "export", "write a plan as Megatron-LM, torchtitan or DeepSpeed configuration",
+             "  autopar export plan.json --to megatron\n"
+             "  autopar export plan.json --to torchtitan -o parallelism.toml\n"
+             "  autopar export plan.json --to deepspeed -o ds_config.json",
+             "The engine's configuration for the nearest layout it can express (autopar.export): Megatron-LM\n"
+             "arguments, a torchtitan TOML job file's sections or a DeepSpeed JSON; then what autopar's plan\n"
+             "does that the engine cannot, and both predicted steps: the plan's, and the exported layout's,\n"
+             "planned with autopar.layouts.megatron for the model the plan records (or --model).")  # fmt: skip
+    p.add_argument("plan", metavar="PLAN", help="a plan file")
+    p.add_argument("--to", required=True, choices=("megatron", "torchtitan", "deepspeed"), help="the engine")
+    p.add_argument("-o", "--output", help="write the configuration to this file (else it is printed)")
+    p.add_argument("--model", help="MODEL to plan the exported layout with (default: the one PLAN records)")
+    _model_args(p, required=False)
+    p.add_argument("--no-predict", action="store_true", help="do not plan the exported layout")
+    p.add_argument("--no-verify", action="store_true", help="load a plan file edited by hand")
+    p.set_defaults(func=_cmd_export)
 
     p = _sub(subs, "simulate", "simulate a plan's training step event by event",
              "  autopar simulate plan.json\n  autopar simulate plan.json --gantt step.png")  # fmt: skip
@@ -511,29 +530,10 @@ def _capture(console: _Console, w: Any) -> Any:
 def _baseline(spec: str, a: Any, args: argparse.Namespace, console: _Console) -> Any:
     """Plan B of a comparison: a plan file, ``megatron:k=v,...`` or ``best-megatron``."""
     from autopar import layouts
-    from autopar.cluster import Cluster
 
     if spec not in ("best-megatron",) and not spec.startswith("megatron:") and spec != "megatron":
         return _load_plan(spec, args)
-    model = getattr(args, "model", None)
-    recorded = a.info.get("workload")
-    if model is None and recorded is None:
-        raise UsageError(
-            f"{spec} needs the model: {args.a if hasattr(args, 'a') else 'the plan'} does not record how it was built "
-            f"(plans written by autopar plan do); name it with --model MODEL and its --batch/--seq"
-        )
-    if model is None:
-        w_args = argparse.Namespace(**{**vars(args), "batch": recorded["batch"], "seq": recorded["seq"],
-                                       "dtype": _dtype_name(recorded["dtype"]), "layers": recorded["layers"],
-                                       "set": [f"{k}={json.dumps(v)}" for k, v in recorded["overrides"].items()]})  # fmt: skip
-        model = recorded["model"]
-    else:
-        w_args = args
-    cluster = Cluster.from_dict(a.cluster)
-    w = _workload(w_args, model, devices=cluster.world_size)
-    cap = _capture(console, w)
-    budget = a.info.get("memory_budget")
-    options = {"memory_budget": budget} if budget else {}
+    w, cluster, options = _rebuild(spec, a, args)
     if spec == "best-megatron":
         best = getattr(layouts, "best_megatron", None)
         if best is None:
@@ -545,8 +545,49 @@ def _baseline(spec: str, a: Any, args: argparse.Namespace, console: _Console) ->
         with console.planning():
             return best(w.model, w.example_inputs, cluster, config=PlanConfig.build(None, **options))
     knobs = _megatron_knobs(spec.partition(":")[2], cluster)
-    with console.planning(), console.step(f"planning {spec}"):
-        return layouts.megatron(w.model, w.example_inputs, cluster, captured=cap, **knobs, **options)
+    return _plan_megatron(spec, knobs, w, cluster, options, console)
+
+
+def _rebuild(what: str, a: Any, args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """What a layout planned beside plan ``a`` needs: the model ``a`` was made for (rebuilt from
+    its record, or ``--model`` and its options), ``a``'s cluster and its planning options (the
+    memory budget). ``what`` names the layout in the error when neither names the model."""
+    from autopar.cluster import Cluster
+
+    model = getattr(args, "model", None)
+    recorded = a.info.get("workload")
+    if model is None and recorded is None:
+        raise UsageError(
+            f"{what} needs the model: {args.a if hasattr(args, 'a') else 'the plan'} does not record how it was built "
+            f"(plans written by autopar plan do); name it with --model MODEL and its --batch/--seq"
+        )
+    if model is None:
+        w_args = argparse.Namespace(**{**vars(args), "batch": recorded["batch"], "seq": recorded["seq"],
+                                       "dtype": _dtype_name(recorded["dtype"]), "layers": recorded["layers"],
+                                       "set": [f"{k}={json.dumps(v)}" for k, v in recorded["overrides"].items()]})  # fmt: skip
+        model = recorded["model"]
+    else:
+        w_args = args
+    cluster = Cluster.from_dict(a.cluster)
+    w = _workload(w_args, model, devices=cluster.world_size)
+    budget = a.info.get("memory_budget")
+    return w, cluster, ({"memory_budget": budget} if budget else {})
+
+
+def _plan_megatron(
+    label: str, knobs: dict[str, Any], w: Any, cluster: Any, options: dict[str, Any], console: _Console
+) -> Any:
+    """``autopar.layouts.megatron(**knobs)`` for workload ``w``, recording ``w`` in the plan. A
+    pipelined or accumulated layout is captured per micro-batch by ``megatron`` itself: the whole
+    batch's capture would make every micro-batch the whole batch."""
+    from autopar import layouts
+
+    pipelined = int(knobs.get("pp") or 1) > 1 or int(knobs.get("microbatches") or 1) > 1
+    cap = None if pipelined else _capture(console, w)
+    with console.planning(), console.step(f"planning {label}"):
+        plan = layouts.megatron(w.model, w.example_inputs, cluster, captured=cap, **knobs, **options)
+    plan.info["workload"] = w.info
+    return plan
 
 
 _KNOB_ALIASES = {"sp": "sequence_parallel", "m": "microbatches", "vp": "virtual", "v": "virtual"}
@@ -659,6 +700,47 @@ def _cmd_compare(args: argparse.Namespace, console: _Console) -> int:
         from autopar import viz
 
         print(f"wrote {viz.compare_plans(a, b, Path(args.figure), names=(Path(args.a).stem, args.b))}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, console: _Console) -> int:
+    from autopar.export import ENGINE_NAMES, export, prediction_text, weight_differences
+    from autopar.solver import InfeasibleError
+
+    plan = _load_plan(args.plan, args)
+    ex = export(plan, args.to)
+    if args.output:
+        Path(args.output).write_text(ex.text)
+        print(f"wrote {args.output}")
+    else:
+        print(ex.text)
+    notes = list(ex.notes)
+    exported: Any = "--no-predict"
+    if not args.no_predict:
+        if args.model is None and "workload" not in plan.info:
+            exported = (
+                "the plan does not record its model (plans written by autopar plan do); name it with --model"
+            )
+        else:
+            knobs = ex.layout.megatron_knobs()
+            w, cluster, options = _rebuild(f"export --to {args.to}", plan, args)
+            try:
+                exported = _plan_megatron(f"the exported layout ({ex.layout.describe()})", knobs, w, cluster,
+                                          options, console)  # fmt: skip
+            except (InfeasibleError, ValueError) as e:  # the layout's answer, not a failure of the command
+                exported = _one_line(e)
+            else:
+                differ = weight_differences(plan, exported)
+                notes += [differ] if differ else []
+    engine = ENGINE_NAMES[args.to]
+    print(f"{engine} layout: {ex.layout.describe()}")
+    if notes:
+        print(
+            "notes (what autopar's plan does that the layout does not, and what the configuration leaves out):"
+        )
+    for note in notes:
+        print(f"  - {note}")
+    print(prediction_text(plan, exported))
     return 0
 
 
