@@ -324,6 +324,95 @@ def make_plan(path: str, preset: str, recompute: str) -> None:
           f"on {preset}, fingerprint {plan.fingerprint}")  # fmt: skip
 
 
+LLAMA_1B = {  # LLaMA-3.2-1B's shape (transformers' LlamaForCausalLM, tied embeddings), random weights
+    "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+    "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+}  # fmt: skip
+LLAMA_BATCH, LLAMA_SEQ = 4, 2048
+
+
+def _llama(device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, attn_implementation="sdpa")).to(torch.bfloat16)
+    make = torch.empty if device == "meta" else torch.randint
+    shape = (LLAMA_BATCH, LLAMA_SEQ)
+    if device == "meta":
+        ids, labels = (torch.empty(shape, dtype=torch.long, device="meta") for _ in "il")
+    else:
+        ids, labels = (make(0, LLAMA_1B["vocab_size"], shape, device=device) for _ in "il")
+    return model, {"input_ids": ids, "labels": labels}
+
+
+def make_llama_plans(prefix: str, preset: str) -> None:
+    """World-size-1 plans of the 1B LLaMA: with the fused kernels (as a GPU plan assumes) and
+    without (``disable=("fuse_kernels",)``), saved as ``PREFIX.fused.plan.json`` and
+    ``PREFIX.eager.plan.json``."""
+    cluster = autopar.Cluster.preset(preset, gpus_per_node=1)
+    for name, disable in (("fused", ()), ("eager", ("fuse_kernels",))):
+        model, inputs = _llama("meta")
+        plan = autopar.plan(model, inputs, cluster, mesh_shape=(1,), recompute="none", disable=disable)
+        plan.save(f"{prefix}.{name}.plan.json")
+        print(f"{prefix}.{name}.plan.json: predicted step {plan.predicted.step_time * 1e3:.2f} ms, "
+              f"peak {plan.predicted.memory_per_device / 2**30:.2f} GiB on {preset}")  # fmt: skip
+
+
+def llama_steps(prefix: str, steps: int = 20, device: str = "cuda") -> None:
+    """The 1B LLaMA's training step on one GPU (AdamW fused, bf16): the model eager, the model
+    under ``torch.compile``, and autopar's per-rank program (world size 1, NCCL) with and without
+    the fused kernels, against each plan's prediction; losses of 3 steps first, same weights."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    cuda = device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    base, inputs = _llama(device)
+    runs: list[tuple[str, torch.nn.Module, float | None]] = [("model eager", base, None)]
+    runs.append(("torch.compile(model)", torch.compile(copy.deepcopy(base)), None))
+    for name in ("eager", "fused"):
+        plan = autopar.Plan.load(f"{prefix}.{name}.plan.json")
+        cluster = autopar.Cluster.from_dict(plan.cluster)
+        extra = {"disable": ("fuse_kernels",)} if name == "eager" else {}
+        pm = autopar.parallelize(copy.deepcopy(base), cluster, inputs, plan=plan, **extra)
+        runs.append(
+            (
+                f"per-rank program, {'kernels' if name == 'fused' else 'no kernels'}",
+                pm,
+                plan.predicted.step_time,
+            )
+        )
+    for name, m, pred in runs:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=cuda)
+
+        def one(m=m, opt=opt) -> float:
+            loss = _loss(m(**inputs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        t0 = time.perf_counter()
+        losses = [one() for _ in range(3)]
+        first = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        ts = [_timed(one) for _ in range(steps)]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        p = f"{pred * 1e3:8.2f} ms predicted, ratio {pred / statistics.median(ts):.3f}" if pred else ""
+        print(f"{name:<34} losses {' '.join(f'{x:.5f}' for x in losses)} | first 3 steps {first:6.1f} s | "
+              f"median step {statistics.median(ts) * 1e3:8.2f} ms | peak {peak:6.2f} GiB | {p}", flush=True)  # fmt: skip
+        del opt
+        if cuda:
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="H100-SXM")
@@ -339,11 +428,18 @@ def main() -> None:
         "--mcore", action="store_true", help="also the published rows' shapes: steps, GEMMs, attention"
     )
     ap.add_argument("--cpu", action="store_true", help="with --plan: a dry run on the CPU (losses only)")
+    ap.add_argument("--make-llama", metavar="PREFIX", help="plan the 1B LLaMA step check here (two plans)")
+    ap.add_argument(
+        "--llama", metavar="PREFIX", help="run the 1B LLaMA step check on the GPU from those plans"
+    )
     args = ap.parse_args()
     if args.precision:
         torch.set_float32_matmul_precision(args.precision)
     if args.make_plan:
         make_plan(args.make_plan, args.preset, args.recompute)
+        return
+    if args.make_llama:
+        make_llama_plans(args.make_llama, args.preset)
         return
     if args.cpu:
         runtime(args.plan, "cpu")
@@ -352,6 +448,8 @@ def main() -> None:
         raise SystemExit("gpu_checks: no CUDA device here; run it on a GPU machine")
     if args.plan:
         runtime(args.plan)
+    if args.llama:
+        llama_steps(args.llama)
     if args.mcore:
         kernels(args.preset)
     if args.optimizer:
