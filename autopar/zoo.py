@@ -453,9 +453,18 @@ def _load_config_file(
     transformers = _require_transformers(f"the model of {path}")
     if not Path(path).exists():
         raise ZooError(f"{path}: no such file")
+    named = _named_model(path)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except Exception as exc:  # a malformed or unknown config: say which file and why
+        if named.get("model_type") and named["model_type"] not in transformers.CONFIG_MAPPING:
+            arch = (
+                f" (architecture {', '.join(named['architectures'])})" if named.get("architectures") else ""
+            )
+            raise ZooError(
+                f"{path}: transformers {transformers.__version__} has no model_type {named['model_type']!r}{arch}: "
+                f"upgrade transformers, or build the model yourself as a module:factory"
+            ) from exc
         raise ZooError(
             f"{path}: not a transformers model configuration ({str(exc).splitlines()[0]})"
         ) from exc
@@ -463,12 +472,18 @@ def _load_config_file(
         if not hasattr(config, key):
             raise ZooError(f"{path}: the configuration has no field {key!r}")
         setattr(config, key, value)
-    if layers is not None:
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+    if layers is not None:  # every depth field the configuration has (an encoder-decoder has two)
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
             if hasattr(config, key):
                 setattr(config, key, layers)
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
+    if archs and cls is None:
+        raise ZooError(
+            f"{path}: transformers {transformers.__version__} has no architecture {archs[0]!r} (the configuration's "
+            f"'architectures'): upgrade transformers, remove 'architectures' to build the class it registers "
+            f"for model_type {config.model_type!r}, or build the model yourself as a module:factory"
+        )
     if cls is None:
         for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification"):
             mapping = getattr(transformers, auto)._model_mapping
@@ -490,6 +505,22 @@ def _load_config_file(
     model = _build_hf(cls, config, dtype, device)
     return Workload(name=path, model=model, example_inputs=_hf_inputs(kind, config, batch, seq, device, seed),
                     batch=batch, seq=seq, kind=kind, dtype=dtype, description=f"{cls.__name__} from {path}")  # fmt: skip
+
+
+def _named_model(path: str) -> dict[str, Any]:
+    """The ``model_type`` and ``architectures`` a configuration file names, read as plain JSON (for
+    an error message when transformers cannot load it); empty where the file is not JSON."""
+    import json
+
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        "model_type": d.get("model_type") if isinstance(d.get("model_type"), str) else None,
+        "architectures": [a for a in d.get("architectures") or [] if isinstance(a, str)],
+    }
 
 
 def _load_factory(
