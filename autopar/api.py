@@ -20,7 +20,7 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.planfile import Plan
-from autopar.program.records import group_names
+from autopar.program.records import StepProgram, group_names
 from autopar.runtime.module import (
     ParallelModule,
     broadcast_plan,
@@ -87,6 +87,7 @@ def parallelize(
     local_inputs: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
     check_inputs: str | None = "digest",
+    compile: bool = False,
     **options: Any,
 ) -> ParallelModule:
     """This rank's module. Call on every rank after ``torch.distributed.init_process_group``.
@@ -102,6 +103,9 @@ def parallelize(
     all-gather of four numbers per rank — the same global batch on every rank (a digest of it;
     not compared with ``local_inputs=True``), and no rank that refused its inputs (a rank that
     did stops the others at once, its error in theirs); ``None``: no such collective.
+    ``compile=True``: every program of this rank's training step is compiled by Inductor before
+    the first step (``autopar.passes.compile``; ``pm.compiled`` says how long each took); where any
+    rank cannot compile one, every rank runs the eager programs and one warning says why.
     """
     import torch.distributed as dist
 
@@ -119,7 +123,9 @@ def parallelize(
             lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)
         )
     if plan.pipeline is not None:
-        return _parallelize_pipeline(model, cluster, example_inputs, plan, config, timeout, check_inputs)
+        return _parallelize_pipeline(
+            model, cluster, example_inputs, plan, config, timeout, check_inputs, compile
+        )
     check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
     device = device_for_backend(dist.get_backend())
     axes, device_mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
@@ -137,19 +143,23 @@ def parallelize(
         timeout=timeout,
         check_inputs=check_inputs,
     )
-    _capture_step(pm, plan, cluster, config, example_inputs)
+    step = _capture_step(pm, plan, cluster, config, example_inputs)
+    if compile:
+        _compile_programs(pm, [step] if step is not None else [])
+    if step is not None:
+        pm.set_step(step)
     return pm
 
 
 def _capture_step(
     pm: ParallelModule, plan: Plan, cluster: Cluster, config: PlanConfig, example_inputs: Any
-) -> None:
+) -> StepProgram | None:
     """Replace the fusible groups of this rank's forward program by fused kernels
     (``autopar.passes.fusion.fuse_kernels``, where they run), then trace the whole training step
     (forward and backward, every collective a node) and run the rank-program passes over it;
     where the backward cannot be traced, the forward program runs under autograd (the
     collectives' backward run as autograd calls them) and one warning names what blocked the
-    capture."""
+    capture. Returns the step, not yet bound to ``pm`` (``None``: nothing was captured)."""
     import warnings
 
     from autopar.capture import normalize_inputs
@@ -177,7 +187,7 @@ def _capture_step(
                 ax.counting = True
     pm.program = run_passes(pm.program, ctx, [fuse_kernels])
     if not pm.grad_primals():
-        return  # nothing to train: the forward program is the whole step
+        return None  # nothing to train: the forward program is the whole step
     stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
     info = RankInfo(
         primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
@@ -199,11 +209,52 @@ def _capture_step(
             f"program under autograd (correct; collectives are not overlapped by the rank-program passes)",
             stacklevel=3,
         )
-        return
+        return None
     finally:
         for ax in pm.axes:
             ax.counting = True
-    pm.set_step(step)
+    return step
+
+
+def _compile_programs(pm: ParallelModule, records: list[Any]) -> None:
+    """Compile this rank's step programs (``records``: its ``StepProgram`` or its stages'
+    ``StageStep``s) with Inductor (``autopar.passes.compile``) and agree with every rank on the
+    outcome in one all-gather: all compiled, or — where any rank could not compile, or captured
+    no step — all eager, with one warning (rank 0's: ``parallelize`` shows rank 0's warnings)
+    naming the first such rank, its program and the error. ``pm.compiled`` records it."""
+    import logging
+
+    import torch.distributed as dist
+
+    from autopar.passes.compile import CompileError, compile_records
+    from autopar.program.records import CompileReport
+
+    failure, seconds = "", {}
+    if not records:
+        failure = "no training step was captured as a program (see the warning above)"
+    else:
+        try:
+            seconds = compile_records(records)
+        except CompileError as exc:
+            failure = str(exc)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failure, group=pm.world_group)
+    failed = [(r, f) for r, f in enumerate(every) if f]
+    if not failed:
+        pm.compiled = CompileReport(compiled=True, seconds=seconds)
+        logging.getLogger("autopar.runtime").info("compile=True: %s", pm.compiled)
+        return
+    for record in records:
+        record.compiled.clear()
+    rank, why = failed[0]
+    others = f" (and on rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+    reason = f"rank {rank}: {why}{others}"
+    pm.compiled = CompileReport(compiled=False, seconds=seconds, reason=reason)
+    warnings.warn(
+        f"autopar: compile=True, but Inductor could not compile the step on {reason}; every rank runs "
+        f"the eager programs (correct, not compiled)",
+        stacklevel=4,
+    )
 
 
 def _parallelize_pipeline(
@@ -214,6 +265,7 @@ def _parallelize_pipeline(
     config: PlanConfig,
     timeout: float,
     check_inputs: str | None = "digest",
+    compile: bool = False,
 ) -> ParallelModule:
     """This rank's module for a pipelined plan: ``plan``'s mesh is the layout inside a stage (it
     spans ``world / pp`` devices), ``plan.pipeline.stage_of`` maps each captured node to its stage
@@ -307,6 +359,8 @@ def _parallelize_pipeline(
     finally:
         for ax in axes:
             ax.counting = True
+    if compile:
+        _compile_programs(pm, list(rank_stages.steps.values()))
     runner.predicted = _predicted_rank(plan, pp_axis.coord)
     pm.pipeline = runner
     pm.microbatches = microbatches

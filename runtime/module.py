@@ -43,7 +43,7 @@ from autopar.placement import Replicate, Shard, Spec, local_shape, parse_spec, s
 from autopar.planfile import Plan
 from autopar.program import collectives as C
 from autopar.program.collectives import AxisGroup, run_reshard
-from autopar.program.records import StepProgram
+from autopar.program.records import CompileReport, StepProgram
 from autopar.runtime.compat import all_gather_into
 from autopar.runtime.monitor import DEFAULT_TIMEOUT, CollectiveFailure, StepMonitor
 from autopar.runtime.pipeline import PipelineRunner
@@ -261,6 +261,9 @@ class ParallelModule(nn.Module):
         self.step: StepProgram | None = None
         """The whole training step as forward and backward programs (``set_step``); without one,
         the forward program runs under autograd."""
+        self.compiled: CompileReport | None = None
+        """What ``parallelize(..., compile=True)`` did: programs compiled by Inductor (seconds each),
+        or why they run eagerly; ``None`` without ``compile=True``."""
 
     # ------------------------------------------------------------------ construction helpers
     def _holds(self, fqn: str) -> bool:

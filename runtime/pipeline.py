@@ -20,6 +20,8 @@ micro-batch), stashes the parameter gradients, and returns the loss as a tensor 
 adds ``grad_output ·`` stash into ``.grad``: ``loss = pm(batch); loss.backward()`` trains as for
 any other plan, gradient accumulation included. Weights held by stages on several ranks (a tied
 embedding and LM head) have their gradients summed between those ranks after the schedule.
+Stage programs compiled by Inductor (``parallelize(..., compile=True)``: ``StageStep.compiled``)
+run in place of the graphs.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ class PipelineRunner:
                     for k, r in enumerate(step.received)
                 ]
                 t0 = time.perf_counter()
-                res = step.forward(*inputs_for(step, mb), *received)
+                res = step.program("forward")(*inputs_for(step, mb), *received)
                 clock["compute"] += time.perf_counter() - t0
                 n_sent = len(step.sent)
                 for v, t in zip(step.sent, res[:n_sent]):
@@ -217,7 +219,7 @@ class PipelineRunner:
                         scale = 1.0 / m if out.dim() == 0 else 0.0
                         tangents.append(torch.full_like(out, scale))
                 t0 = time.perf_counter()
-                res = step.backward_input(*sv[: step.num_saved_i], *tangents)
+                res = step.program("backward_input")(*sv[: step.num_saved_i], *tangents)
                 clock["compute"] += time.perf_counter() - t0
                 n_rg = len(step.received_grads)
                 for k, g in zip(step.received_grads, res[:n_rg]):
@@ -235,7 +237,7 @@ class PipelineRunner:
                 args = [sv[j] for j in step.saved_w] + list(passed.pop((stage, mb)))
                 t0 = time.perf_counter()
                 if step.num_deferred and mb != last_w[stage]:
-                    res = step.backward_weight_local(*args)
+                    res = step.program("backward_weight_local")(*args)
                     res, unreduced = res[: len(step.param_grads)], res[len(step.param_grads) :]
                     acc = deferred.get(stage)
                     deferred[stage] = (
@@ -246,9 +248,9 @@ class PipelineRunner:
                     if sums is None:  # one micro-batch of this stage in the step
                         dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
                         sums = [torch.zeros((), device=dev)] * step.num_deferred
-                    res = step.backward_weight(*args, *sums)
+                    res = step.program("backward_weight")(*args, *sums)
                 else:
-                    res = step.backward_weight(*args)
+                    res = step.program("backward_weight")(*args)
                 clock["compute"] += time.perf_counter() - t0
                 for j, g in zip(step.param_grads, res):
                     if g is None:

@@ -8,6 +8,11 @@ runs) and every wait goes through the monitor. ``run_step(step, primals)`` runs 
 program and returns its outputs; when the user calls ``backward()`` on them, the backward program
 runs with the saved values and the incoming gradients, and the parameter gradients it returns flow
 into ``.grad`` as autograd's own would (accumulating across calls).
+
+Where the step was compiled (``parallelize(..., compile=True)``: ``step.compiled``), the compiled
+programs run instead of the graphs (``StepProgram.program``). Their waits are Inductor's, not the
+monitor's: a failure is still noted for the other ranks, but it names no collective, and
+``StepTimes.exposed_comm`` is not measured (NaN).
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ class _RunStep(torch.autograd.Function):
         monitor = step.monitor
         monitor.start_step()
         try:
-            res = step.forward(*primals)
+            res = step.program("forward")(*primals)
         except Exception as exc:  # noted for the other ranks; a peer's failure is named (runtime.monitor)
             err = monitor.fail(exc, "the forward program")
             if err is None:
@@ -116,7 +121,7 @@ class _RunStep(torch.autograd.Function):
             saved = list(ctx.saved_tensors)
             for i, v in ctx.saved_other:
                 saved.insert(i, v)
-            grads = step.backward(*saved, *tangents)
+            grads = step.program("backward")(*saved, *tangents)
         except Exception as exc:
             err = monitor.fail(exc, "the backward program")
             if err is None:
@@ -125,7 +130,10 @@ class _RunStep(torch.autograd.Function):
         step.count("bwd")
         if monitor.timing:
             step.times.append(
-                StepTimes(step=time.perf_counter() - monitor.started, exposed_comm=monitor.waiting)
+                StepTimes(
+                    step=time.perf_counter() - monitor.started,
+                    exposed_comm=monitor.waiting if not step.compiled else float("nan"),
+                )
             )
         result: list[torch.Tensor | None] = [None] * ctx.num_primals
         for i, g in zip(step.grad_primals, grads):

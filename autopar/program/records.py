@@ -9,11 +9,17 @@ forward and backward programs it was partitioned into — and what binds them: w
 tangent, which inputs get a gradient. Collectives in these programs are graph nodes, so how many
 run per step is read off the graphs (``collective_tally``) and added to each axis's ``counts``
 every time a program runs.
+
+With ``parallelize(..., compile=True)`` each program of a record is also compiled by Inductor
+(``autopar.passes.compile``): the compiled callables sit beside the graphs in ``compiled``, by
+program name, and ``program(name)`` is what the runtime calls — the compiled program where there
+is one, else the graph itself. The graphs stay what ``pm.code`` prints and what the collectives are
+counted from. ``CompileReport`` records what compilation did on a rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +31,7 @@ from autopar.program.collectives import AxisGroup
 __all__ = [
     "FUNCTIONAL_COLLECTIVES",
     "CollectiveCall",
+    "CompileReport",
     "RankStages",
     "StageStep",
     "StepProgram",
@@ -99,6 +106,28 @@ class StepTimes:
         return self.step - self.exposed_comm
 
 
+@dataclass(frozen=True, slots=True)
+class CompileReport:
+    """What ``compile=True`` did on one rank (``ParallelModule.compiled``)."""
+
+    compiled: bool
+    """Every program of the rank's step runs compiled; ``False``: all run eagerly (``reason``)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds Inductor took per program (``"forward"``, ``"stage 1 backward_input"``), on this rank."""
+    reason: str = ""
+    """Why the programs run eagerly (which rank, which program, the error); empty when compiled."""
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def __str__(self) -> str:
+        if not self.compiled:
+            return f"eager: {self.reason}"
+        each = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+        return f"compiled by Inductor in {self.total_seconds:.1f} s ({each})"
+
+
 @dataclass(eq=False)
 class StepProgram:
     """A rank's training step as programs (see module docstring), built by
@@ -126,6 +155,13 @@ class StepProgram:
     collective waits; timing; failures)."""
     times: list[StepTimes] = field(default_factory=list)
     """``StepTimes`` of the steps run since ``enable_timing``."""
+    compiled: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    """``forward``/``backward`` compiled by Inductor (``autopar.passes.compile``), run in place of
+    the graphs; empty: the graphs run eagerly."""
+
+    def program(self, name: str) -> Callable[..., Any]:
+        """What runs as program ``name``: its compiled form where there is one, else the graph."""
+        return self.compiled.get(name) or getattr(self, name)
 
     def enable_timing(self) -> None:
         """Time every following step (waits timed: a few microseconds each)."""
@@ -177,6 +213,13 @@ class StageStep:
     """Shape and dtype of each received value (one micro-batch)."""
     backward_weight_local: GraphModule | None = None
     num_deferred: int = 0
+    compiled: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    """The stage's programs compiled by Inductor (``autopar.passes.compile``), by name; empty: the
+    graphs run eagerly."""
+
+    def program(self, name: str) -> Callable[..., Any]:
+        """What runs as program ``name``: its compiled form where there is one, else the graph."""
+        return self.compiled.get(name) or getattr(self, name)
 
 
 @dataclass
