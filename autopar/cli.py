@@ -456,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=600.0, help="seconds before a local run is stopped (default 600)"
     )
     p.add_argument("--no-verify", action="store_true", help="load a plan file edited by hand")
+    p.add_argument(
+        "--compile", action="store_true", help="compile the step programs with Inductor (slower start)"
+    )
     p.set_defaults(func=_cmd_train)
 
     p = _sub(subs, "models", "list the built-in models and cluster presets",
@@ -896,13 +899,14 @@ class _TrainJob:
     steps: int
     lr: float
     debug: bool
+    compile: bool = False
 
 
 def _cmd_train(args: argparse.Namespace, console: _Console) -> int:
     job = _TrainJob(model=args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, layers=args.layers,
                     overrides=_assignments(args.set, "--set"), cluster=args.cluster, plan=args.plan or "",
                     verify=not args.no_verify, save_plan=args.save_plan or "", steps=args.steps, lr=args.lr,
-                    debug=bool(getattr(args, "debug", False)))  # fmt: skip
+                    debug=bool(getattr(args, "debug", False)), compile=args.compile)  # fmt: skip
     if args.local:
         from autopar.runtime.launch import spawn
 
@@ -986,11 +990,13 @@ def _train(rank: int, world: int, job: _TrainJob) -> dict[str, Any]:
     w = zoo.load(job.model, batch=job.batch or world, seq=job.seq, dtype=job.dtype, device="cpu", layers=job.layers,
                  overrides=job.overrides)  # fmt: skip
     model, inputs = w.model, w.example_inputs
-    pm = autopar.parallelize(model, cluster, inputs, plan=plan)
+    pm = autopar.parallelize(model, cluster, inputs, plan=plan, compile=job.compile)
     if rank == 0:
         print(f"model: {w.description or w.name}; {fmt_count(w.num_params)} parameters; batch {w.batch}"
               + (f" × {w.seq}" if w.seq else "") + f"; {world} processes")  # fmt: skip
         print(pm.plan)
+        if pm.compiled is not None:
+            print(f"step programs: {pm.compiled}")
         if job.save_plan:
             pm.plan.save(job.save_plan)
             print(f"wrote {job.save_plan}")
@@ -1016,6 +1022,9 @@ def _train(rank: int, world: int, job: _TrainJob) -> dict[str, Any]:
         "predicted_step_time": pm.plan.predicted.step_time,
         "predicted_memory_per_device": pm.plan.predicted.memory_per_device,
     }  # fmt: skip
+    if pm.compiled is not None:
+        record["compiled"] = pm.compiled.compiled
+        record["compile_seconds"] = pm.compiled.seconds
     if cuda:
         record["peak_memory_per_device"] = torch.cuda.max_memory_allocated()
     return {"record": record}
