@@ -17,7 +17,18 @@ import autopar
 from autopar.cli import _ProgressBar, build_parser, main
 from autopar.planner import Progress
 
-COMMANDS = ("plan", "show", "compare", "simulate", "memory", "calibrate", "report", "train", "models")
+COMMANDS = (
+    "plan",
+    "show",
+    "compare",
+    "export",
+    "simulate",
+    "memory",
+    "calibrate",
+    "report",
+    "train",
+    "models",
+)
 TINY = ["gpt-tiny", "--gpus-per-node", "4", "--batch", "8", "--seq", "32"]
 
 
