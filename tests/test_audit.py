@@ -201,10 +201,12 @@ def gpt_batch():
 
 @pytest.fixture(scope="module")
 def gpt_planned(gpt_batch):
-    """``autopar.plan`` of a small GPT on 8 A100s, and the audit warnings it raised."""
+    """``autopar.plan`` of a small float32 GPT on 8 A100s with TF32 matmuls, and the audit warnings
+    it raised (under PyTorch's default "highest" precision its matmuls run 8× slower on the plain
+    FP32 units, and this tiny model's best plan becomes tensor parallelism over both axes)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = autopar.plan(*gpt_batch, A100, pp=1)
+        plan = autopar.plan(*gpt_batch, A100, pp=1, float32_matmul_precision="high")
     return plan, [str(w.message) for w in caught if issubclass(w.category, AuditWarning)]
 
 
@@ -232,11 +234,13 @@ def test_megatron_with_sequence_parallelism_is_clean_and_without_it_norms_repeat
     each tp device (Korthikanti et al. 2022, §4.2.2): the audit names them; with it, nothing."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sp = autopar.layouts.megatron(*gpt_batch, A100, tp=4, sequence_parallel=True)
+        sp = autopar.layouts.megatron(
+            *gpt_batch, A100, tp=4, sequence_parallel=True, float32_matmul_precision="high"
+        )
     assert not [w for w in caught if issubclass(w.category, AuditWarning)]
     assert all(r.share <= REPLICATED_WARN for r in Audit.from_dict(sp.info["audit"]).replicated)
     with pytest.warns(AuditWarning, match=r"replicated over tp .*layer_norm") as got:
-        plain = autopar.layouts.megatron(*gpt_batch, A100, tp=4)
+        plain = autopar.layouts.megatron(*gpt_batch, A100, tp=4, float32_matmul_precision="high")
     assert len(got) == 1 and got[0].filename == __file__  # one warning, at the caller's line
     tp = Audit.from_dict(plain.info["audit"]).replicated[1]
     assert tp.axis == "tp" and tp.share > 0.1
