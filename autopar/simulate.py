@@ -61,13 +61,22 @@ class StepSimulation:
 
     @property
     def events(self) -> list[Event]:
-        """The step as events (``cost.timeline.Event``), the optimizer step last on every rank."""
+        """The step as events (``cost.timeline.Event``), the optimizer step last on every rank,
+        after the step's last gradient reduction (as ``step_time`` charges it)."""
         tl = self.timeline
         out = tl.event_list()
-        out += [Event(f"rank {r}", "optimizer", e, e + self.optimizer_time) for r, e in enumerate(tl.end)]
+        t = tl.step_time
+        out += [Event(f"rank {r}", "optimizer", t, t + self.optimizer_time) for r in range(len(tl.end))]
         return out
 
     def __str__(self) -> str:
+        """``summary()``, then (pipelined) one text row of passes per rank (``Timeline.format``;
+        ``autopar simulate`` draws more: ``autopar.step_draw.timeline_text``)."""
+        tl = self.timeline
+        return self.summary() + (f"\n{tl.format()}" if len(tl.busy) > 1 else "")
+
+    def summary(self) -> str:
+        """The step's time, schedule and optimizer step, then a line per pipeline rank."""
         tl = self.timeline
         pp = len(tl.busy)
         lines = [
@@ -79,8 +88,6 @@ class StepSimulation:
                 f"  rank {r}: busy {tl.busy[r] * 1e3:.3f} ms, idle {tl.bubble[r] * 1e3:.3f} ms, exposed gradient "
                 f"reduction {tl.exposed_sync[r] * 1e3:.3f} ms, peak memory {tl.peak_memory[r] / 2**30:.2f} GiB"
             )
-        if pp > 1:
-            lines.append(tl.format())
         return "\n".join(lines)
 
 

@@ -55,9 +55,9 @@ KIND_NAMES = {"F": "forward", "B": "backward (input gradient)", "W": "backward (
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One interval of the played step, for drawing: ``lane`` (``"rank 0"``, ``"rank 0 comm"``),
-    ``kind`` (forward, backward…, gradient reduction, optimizer), seconds, and a short label
-    (``"s1 mb3"``: stage and micro-batch)."""
+    """One interval of the played step, for drawing: ``lane`` (``"rank 0"``, ``"rank 0 comm"``,
+    ``"rank 0 p2p"``), ``kind`` (forward, backward…, gradient reduction, parameter gather, send,
+    optimizer), seconds, and a short label (``"s1 mb3"``: stage and micro-batch)."""
 
     lane: str
     kind: str
@@ -95,14 +95,29 @@ class Timeline:
     peak_memory: list[float] = field(default_factory=list)
     comm: list[tuple[int, float, float]] = field(default_factory=list)
     """Gradient reductions as ``(rank, start, end)`` on the ranks' communication streams."""
+    gathers: list[tuple[int, float, float]] = field(default_factory=list)
+    """ZeRO-1/2 parameter gathers as ``(rank, start, end)`` on the communication streams."""
+    transfers: list[tuple[int, int, float, float, Action]] = field(default_factory=list)
+    """Sends between pipeline ranks as ``(source rank, destination rank, start, arrival, action
+    waiting for it)``: a forward's activations to the next stage, a backward's input gradient to
+    the previous one."""
+    memory: list[tuple[int, float, float]] = field(default_factory=list)
+    """Each rank's memory over the step as ``(rank, time, bytes from then on)``: its static bytes
+    at 0, a stage's activations added when its ``F`` starts and freed when its ``W`` ends."""
 
     def event_list(self) -> list[Event]:
-        """Every action and gradient reduction as an :class:`Event` (``autopar.viz.gantt``)."""
+        """Every action, gradient reduction, parameter gather and send between ranks as an
+        :class:`Event` (``autopar.viz.gantt``)."""
         out = [
             Event(f"rank {r}", KIND_NAMES[k], s, e, f"s{st} mb{mb}")
             for (k, st, mb), (r, s, e) in sorted(self.events.items(), key=lambda kv: kv[1][1])
         ]
         out += [Event(f"rank {r} comm", "gradient reduction", s, e) for r, s, e in self.comm]
+        out += [Event(f"rank {r} comm", "parameter gather", s, e) for r, s, e in self.gathers]
+        out += [
+            Event(f"rank {src} p2p", "send", s, e, f"to {dst}: s{st} mb{mb}")
+            for src, dst, s, e, (_, st, mb) in self.transfers
+        ]
         return out
 
     @property
@@ -155,9 +170,10 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
     gather = [sum(stages[s].param_gather for s in range(r, n, pp)) for r in range(pp)]
     chunks_of = [max((stages[s].sync_chunks for s in range(r, n, pp)), default=1) for r in range(pp)]
     for r in range(pp):
+        tl.memory.append((r, 0.0, mem[r]))
         if gather[r] > 0:
             comm[r] = gather[r]
-            tl.comm.append((r, 0.0, gather[r]))
+            tl.gathers.append((r, 0.0, gather[r]))
 
     def arrival(dep: Action, same_rank: bool, transfer: float) -> float | None:
         t = done.get(dep)
@@ -198,6 +214,7 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
                 if kind == "F" and pos[r] == 0 and gather[r] > 0:  # waits for its last bucket
                     end = max(end, gather[r] + dur / chunks_of[r])
                 tl.events[a] = (r, start, end)
+                _record_transfer(tl, a, r, done, stages, pp)
                 done[a] = end
                 free[r] = end
                 tl.busy[r] += dur
@@ -206,8 +223,10 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
                 if kind == "F":
                     mem[r] += c.activation
                     peak[r] = max(peak[r], mem[r])
+                    tl.memory.append((r, start, mem[r]))
                 elif kind == "W":
                     mem[r] -= c.activation
+                    tl.memory.append((r, end, mem[r]))
                     sync = c.microbatch_sync + (c.grad_sync if last_w[(r, s)] == pos[r] - 1 else 0.0)
                     if sync > 0 and not overlap:  # on the compute's own cores: the rank waits
                         free[r] = end + sync
@@ -229,6 +248,22 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
         tl.end.append(free[r] + exposed)
     tl.peak_memory = peak
     return tl
+
+
+def _record_transfer(
+    tl: Timeline, a: Action, r: int, done: dict[Action, float], stages: Sequence[StageCost], pp: int
+) -> None:
+    """Record the send ``a`` waited for when its input came from another rank (``play``'s
+    ``ready_at``: the same dependencies and transfer times)."""
+    kind, s, i = a
+    if kind == "F" and s > 0:
+        src, dep, dur = stage_rank(s - 1, pp), ("F", s - 1, i), stages[s - 1].send
+    elif kind == "B" and s < len(stages) - 1:
+        src, dep, dur = stage_rank(s + 1, pp), ("B", s + 1, i), stages[s].send
+    else:
+        return
+    if src != r and dur > 0:
+        tl.transfers.append((src, r, done[dep], done[dep] + dur, a))
 
 
 def stages_static(stages: Sequence[StageCost], rank: int, pp: int) -> float:
