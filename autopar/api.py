@@ -231,7 +231,10 @@ def _compile_programs(pm: ParallelModule, records: list[Any]) -> None:
 
     failure, seconds = "", {}
     if not records:
-        failure = "no training step was captured as a program (see the warning above)"
+        failure = (
+            "no training step was captured as a program (nothing trainable, or a backward that could not be "
+            "traced: see the warning before this one)"
+        )
     else:
         try:
             seconds = compile_records(records)
