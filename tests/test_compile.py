@@ -32,7 +32,8 @@ LAYOUTS = ("dp", "megatron", "zero3", "pp2")
 
 
 def _add_mul() -> GraphModule:
-    """``(x, y) -> (x + y, (x + y) * y)`` on 4 × 8 float tensors, as the trace records them."""
+    """``(x, y) -> (x + y, None, (x + y) * y)`` on 4 × 8 float tensors, as the trace records them
+    (``None``: a gradient a weight-gradient program does not compute)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = Graph()
@@ -42,7 +43,7 @@ def _add_mul() -> GraphModule:
             ph.meta["val"] = mode.from_tensor(torch.empty(4, 8))
     s = g.call_function(torch.ops.aten.add.Tensor, (x, y))
     p = g.call_function(torch.ops.aten.mul.Tensor, (s, y))
-    g.output((s, p))
+    g.output((s, None, p))
     return GraphModule(torch.nn.Module(), g)
 
 
@@ -53,7 +54,9 @@ def test_compiled_program_matches_the_graph_and_guards_its_inputs():
     gm = _add_mul()
     prog = compile_program(gm, "forward")
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    for a, b in zip(prog(x, y), gm(x, y)):
+    got = prog(x, y)
+    assert got[1] is None
+    for a, b in zip(got, gm(x, y)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     xt = torch.randn(8, 4).t()  # the right shape, another layout: copied into the compiled one
     for a, b in zip(prog(xt, y), gm(xt, y)):
