@@ -34,8 +34,9 @@ implementations, which Inductor calls as opaque kernels. Every rank of a group c
 program with the same settings, so they issue their collectives in the same order. Random ops
 keep eager PyTorch's generator (``fallback_random``): the compiled step draws what the eager step
 draws, so a plan trains the same compiled or not. A program calling a plain Python function
-(the RNG replay of recomputation, ``autopar.program.rng``) is refused rather than compiled: a
-re-trace would bake the generator state it reads into a constant.
+(the RNG replay of recomputation, ``autopar.program.rng``) is refused rather than compiled:
+Inductor cannot lower it, and a re-trace through it could bake the generator state it reads into a
+constant.
 
 Why ``compile_fx`` on the graphs rather than ``torch.compile``: the programs are ATen graphs with no
 Python left to trace, so Dynamo would add per-call guards and a first-call compile without
