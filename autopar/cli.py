@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
              "  autopar compare plan.json other.json\n"
              "  autopar compare plan.json megatron:tp=8\n"
              "  autopar compare plan.json megatron:tp=4,dp=2,sequence_parallel=true --figure cmp.png\n"
-             "  autopar compare plan.json best-megatron",
+             "  autopar compare plan.json best-megatron\n"
+             "  autopar compare plan.json other.json --report compare.html",
              "Compare plan A with B: a plan file, megatron:KEY=VALUE,... (the keywords of\n"
              "autopar.layouts.megatron: tp, dp, sequence_parallel, ...) or best-megatron (the fastest\n"
              "Megatron-LM layout that fits). Layouts are planned for the model A was made for (recorded\n"
@@ -348,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="MODEL to build for a layout baseline (default: the one A records)")
     _model_args(p, required=False)
     p.add_argument("--figure", metavar="FILE", help="write the side-by-side picture (.png or .svg)")
+    p.add_argument(
+        "--report", metavar="FILE", help="write an HTML report of both plans (steps drawn per rank)"
+    )
     p.add_argument("-o", "--output", help="write B's plan to this JSON file")
     p.add_argument("--no-verify", action="store_true", help="load plan files edited by hand")
     p.set_defaults(func=_cmd_compare)
@@ -370,8 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export)
 
     p = _sub(subs, "simulate", "simulate a plan's training step event by event",
-             "  autopar simulate plan.json\n  autopar simulate plan.json --gantt step.png")  # fmt: skip
+             "  autopar simulate plan.json\n  autopar simulate plan.json --gantt step.png",
+             "Prints the step per pipeline rank, then draws it as text: a row of forward,\n"
+             "backward and weight-gradient passes per rank (one character per time slot) with their\n"
+             "micro-batches, sends and collectives, and the time inside one repeated layer.")  # fmt: skip
     p.add_argument("plan", metavar="PLAN", help="a plan file")
+    p.add_argument("--width", type=_positive_int, default=100, help="time slots per row (default 100)")
     p.add_argument("--gantt", metavar="FILE", help="write the step as a Gantt chart (.png or .svg)")
     p.add_argument("--no-verify", action="store_true", help="load a plan file edited by hand")
     p.set_defaults(func=_cmd_simulate)
@@ -691,11 +699,14 @@ def _cmd_compare(args: argparse.Namespace, console: _Console) -> int:
 
     a = _load_plan(args.a, args)
     b = _baseline(args.b, a, args, console)
-    print(
-        compare(
-            a, b, names=(Path(args.a).name, args.b if not args.b.endswith(".json") else Path(args.b).name)
-        )
-    )
+    names = (Path(args.a).name, args.b if not args.b.endswith(".json") else Path(args.b).name)
+    print(compare(a, b, names=names))
+    if args.report:
+        from autopar.report import html_report
+
+        with console.step("drawing the report"):
+            path = html_report(a, Path(args.report), baseline=b, baseline_name=names[1], plan_name=names[0])
+        print(f"wrote {path}")
     if args.output:
         b.save(args.output)
         print(f"wrote {args.output}")
@@ -754,8 +765,16 @@ def _cmd_simulate(args: argparse.Namespace, console: _Console) -> int:
     simulate = getattr(autopar, "simulate", None)
     if simulate is None:
         raise UsageError("this version of autopar has no whole-step simulator (autopar.simulate) yet")
+    from autopar.layer_breakdown import layer_breakdown
+    from autopar.step_draw import timeline_text
+    from autopar.step_trace import step_trace
+
     timeline = simulate(plan)
-    print(timeline)
+    print(timeline.summary())
+    print(timeline_text(step_trace(plan, timeline), width=args.width))
+    breakdown = layer_breakdown(plan)
+    if breakdown is not None:
+        print(breakdown)
     if args.gantt:
         from autopar import viz
 

@@ -9,7 +9,11 @@ Words:
 * **comparison** — two plans of the same model and batch, each a column: predicted step time,
   compute, communication, memory per device, bytes per mesh axis, and their ratios.
 * **report** — an HTML page with no external resource (images are embedded as ``data:`` URIs, the
-  style is inline), so it opens offline and can be mailed as one file.
+  style is inline, the simulated step is inline SVG: ``autopar.step_draw``), so it opens offline
+  and can be mailed as one file.
+* **the step per rank** — the plan's simulated step drawn per pipeline rank (passes with their
+  micro-batches, idle, sends, collectives, the optimizer step), memory over the step per rank and
+  the time inside one repeated layer; with a baseline, both plans' steps on one time scale.
 """
 
 from __future__ import annotations
@@ -201,6 +205,15 @@ window.addEventListener('load', function () {
   var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
   document.body.setAttribute('data-images', imgs.length);
   document.body.setAttribute('data-images-ok', ok);
+  // The drawn steps (inline SVG): how many, and where the first one lies on the page.
+  var steps = document.querySelectorAll('svg.timeline');
+  document.body.setAttribute('data-timelines', steps.length);
+  if (steps.length) {
+    var r = steps[0].getBoundingClientRect();
+    document.body.setAttribute('data-timeline-box', [r.left + window.scrollX, r.top + window.scrollY,
+      r.width, r.height].map(Math.round).join(','));
+    document.body.setAttribute('data-timeline-bars', steps[0].querySelectorAll('rect.bar').length);
+  }
   if (ok < imgs.length) {
     var p = document.createElement('p'); p.className = 'bad';
     p.textContent = (imgs.length - ok) + ' picture(s) could not be decoded';
@@ -228,14 +241,16 @@ def html_report(
     *,
     baseline: Plan | None = None,
     baseline_name: str = "",
+    plan_name: str = "this plan",
     measured: dict[str, Any] | None = None,
     timeline: Any = None,
 ) -> Path:
     """Write one self-contained HTML file (see module docstring) about ``plan``: the model, the
-    cluster, the plan's summary and pictures, the per-layer table, the comparison with
-    ``baseline`` (e.g. ``autopar.layouts.best_megatron``'s plan), the simulated step's Gantt chart
-    when a ``timeline`` is given, and prediction against ``measured`` (an ``autopar train
-    --record`` run record). Returns ``path``."""
+    cluster, the plan's summary, its simulated step per rank (module docstring), pictures, the
+    per-layer table, the comparison with ``baseline`` (e.g. ``autopar.layouts.best_megatron``'s
+    plan; both steps drawn on one scale, the plan named ``plan_name`` there), the simulated step's
+    Gantt chart when a ``timeline`` is given, and prediction against ``measured`` (an ``autopar
+    train --record`` run record). Returns ``path``."""
     import tempfile
 
     from autopar import viz
@@ -261,6 +276,7 @@ def html_report(
     sections.append(("cluster", "Cluster", _table(("", ""), cluster_rows)))
     summary = display.plan_summary(plan) + "\n" + display.LEGEND.format(axes=", ".join(plan.mesh_axes))
     sections.append(("plan", "Plan", f"<pre>{html.escape(summary)}</pre>"))
+    sections.append(("step", "The step per rank", _step_html(plan)))
     sections.append(("audit", "Audit", _audit_section(plan)))
     with tempfile.TemporaryDirectory() as tmp:
         figs = viz.plan_figures(plan, Path(tmp))
@@ -286,12 +302,13 @@ def html_report(
         )
         sections.append(("layers", "Per layer", _table(header, table_rows)))
         if baseline is not None:
-            cmp = compare(plan, baseline, names=("this plan", baseline_name or "baseline"))
-            body = _table(("", "this plan", baseline_name or "baseline", "baseline / plan"), cmp.rows())
+            cmp = compare(plan, baseline, names=(plan_name, baseline_name or "baseline"))
+            body = _table(("", plan_name, baseline_name or "baseline", "baseline / plan"), cmp.rows())
             body += f"<p>{html.escape(cmp.verdict())}</p>"
             body += _img(
                 viz.compare_plans(plan, baseline, Path(tmp) / "compare.png", names=cmp.names), "comparison"
             )
+            body += _step_pair_html((plan, baseline), cmp.names)
             sections.append(("comparison", f"Comparison with {baseline_name or 'the baseline'}", body))
     if measured is not None:
         sections.append(("measured", "Prediction and measurement", _measured(plan, measured)))
@@ -319,6 +336,67 @@ def html_report(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(doc, encoding="utf-8")
     return path
+
+
+def _step_html(plan: Plan, *, name: str = "", scales: dict[str, float] | None = None) -> str:
+    """The simulated step of ``plan`` drawn per pipeline rank (``autopar.step_draw``): the timeline,
+    memory over the step and the time inside one repeated layer; ``scales`` (``time``, ``memory``,
+    ``part``: each axis's top) put two plans on one scale."""
+    from autopar.layer_breakdown import layer_breakdown
+    from autopar.step_draw import breakdown_svg, memory_svg, timeline_svg
+    from autopar.step_trace import step_trace
+
+    p = plan.pipeline
+    if p is not None and not p.stage_costs:
+        return (
+            '<p class="muted">the plan records no stage costs to simulate (planned by an older autopar)</p>'
+        )
+    trace = step_trace(plan)
+    pipeline = (
+        f"{len(trace.tracks)} pipeline ranks, schedule {trace.schedule}"
+        + (f" (v={trace.virtual})" if trace.virtual > 1 else "")
+        + f", {trace.microbatches} micro-batches"
+        if p is not None
+        else "one pipeline rank (no pipeline)"
+    )
+    caption = (
+        f"<p>{html.escape(name + ': ' if name else '')}{html.escape(pipeline)}; each row stands for its "
+        f"{html.escape(trace.devices)}, which run the same program. Simulated step "
+        f"{display.fmt_time(trace.step_time)}; pipeline bubble {trace.bubble_fraction:.1%} of the "
+        f"{display.fmt_time(trace.compute_end)} of passes (drawn idle: {trace.idle_share():.1%}).</p>"
+    )
+    scales = scales or {}
+    body = caption + timeline_svg(trace, time_max=scales.get("time"), title=name)
+    body += memory_svg(
+        trace,
+        time_max=scales.get("time"),
+        memory_max=scales.get("memory"),
+        budget=plan.info.get("memory_budget"),
+    )
+    b = layer_breakdown(plan)
+    if b is not None:
+        body += breakdown_svg(b, time_max=scales.get("part"))
+    return body
+
+
+def _step_pair_html(plans: Sequence[Plan], names: Sequence[str]) -> str:
+    """Both plans' steps, one above the other on one time scale (and one scale for their layers)."""
+    from autopar.layer_breakdown import layer_breakdown
+    from autopar.simulate import simulate
+
+    sims = [simulate(p) for p in plans if p.pipeline is None or p.pipeline.stage_costs]
+    parts = [b for b in map(layer_breakdown, plans) if b is not None]
+    scales = {
+        "time": max((s.step_time for s in sims), default=0.0),
+        "memory": max((m for s in sims for m in s.timeline.peak_memory), default=0.0),
+        "part": max((x.time for b in parts for x in b.parts), default=0.0),
+    }
+    return "".join(
+        f'<div class="step-of" data-plan="{html.escape(n)}">'
+        + _step_html(p, name=n, scales={k: v for k, v in scales.items() if v > 0})
+        + "</div>"
+        for p, n in zip(plans, names)
+    )
 
 
 def _audit_section(plan: Plan) -> str:
