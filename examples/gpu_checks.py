@@ -23,6 +23,7 @@ import copy
 import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -360,12 +361,24 @@ def make_llama_plans(prefix: str, preset: str) -> None:
               f"peak {plan.predicted.memory_per_device / 2**30:.2f} GiB on {preset}")  # fmt: skip
 
 
-def llama_steps(prefix: str, steps: int = 20, device: str = "cuda") -> None:
-    """The 1B LLaMA's training step on one GPU (AdamW fused, bf16): the model eager, the model
-    under ``torch.compile``, and autopar's per-rank program (world size 1, NCCL) with and without
-    the fused kernels, against each plan's prediction; losses of 3 steps first, same weights."""
+LLAMA_VARIANTS = ("model", "torch.compile", "program", "kernels", "compiled")
+
+
+def llama_steps(
+    prefix: str, steps: int = 20, device: str = "cuda", variants: Sequence[str] = LLAMA_VARIANTS
+) -> None:
+    """The 1B LLaMA's training step on one GPU (AdamW fused, bf16), each of ``variants``: the model
+    eager (``model``), the model under ``torch.compile``, and autopar's per-rank program (world
+    size 1, NCCL) without the fused kernels (``program``), with them (``kernels``) and compiled by
+    Inductor (``compiled``: ``parallelize(..., compile=True)``), against each plan's prediction;
+    losses of 3 steps first, same weights."""
     import torch.distributed as dist
 
+    unknown = sorted(set(variants) - set(LLAMA_VARIANTS))
+    if unknown:
+        raise SystemExit(
+            f"gpu_checks: unknown --llama-variants {unknown}; known: {', '.join(LLAMA_VARIANTS)}"
+        )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
     cuda = device == "cuda"
@@ -373,20 +386,27 @@ def llama_steps(prefix: str, steps: int = 20, device: str = "cuda") -> None:
     if cuda:
         torch.cuda.set_device(0)
     base, inputs = _llama(device)
-    runs: list[tuple[str, torch.nn.Module, float | None]] = [("model eager", base, None)]
-    runs.append(("torch.compile(model)", torch.compile(copy.deepcopy(base)), None))
-    for name in ("eager", "fused"):
+    runs: list[tuple[str, torch.nn.Module, float | None]] = []
+    if "model" in variants:
+        runs.append(("model eager", base, None))
+    if "torch.compile" in variants:
+        runs.append(("torch.compile(model)", torch.compile(copy.deepcopy(base)), None))
+    for variant, name, what, extra in (
+        ("program", "eager", "per-rank program, no kernels", {"disable": ("fuse_kernels",)}),
+        ("kernels", "fused", "per-rank program, kernels", {}),
+        ("compiled", "fused", "per-rank program, compiled", {"compile": True}),
+    ):
+        if variant not in variants:
+            continue
         plan = autopar.Plan.load(f"{prefix}.{name}.plan.json")
         cluster = autopar.Cluster.from_dict(plan.cluster)
-        extra = {"disable": ("fuse_kernels",)} if name == "eager" else {}
+        t0 = time.perf_counter()
         pm = autopar.parallelize(copy.deepcopy(base), cluster, inputs, plan=plan, **extra)
-        runs.append(
-            (
-                f"per-rank program, {'kernels' if name == 'fused' else 'no kernels'}",
-                pm,
-                plan.predicted.step_time,
+        if variant == "compiled":
+            print(
+                f"compile=True: parallelize took {time.perf_counter() - t0:.1f} s; {pm.compiled}", flush=True
             )
-        )
+        runs.append((what, pm, plan.predicted.step_time))
     for name, m, pred in runs:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=cuda)
 
@@ -432,6 +452,7 @@ def main() -> None:
     ap.add_argument(
         "--llama", metavar="PREFIX", help="run the 1B LLaMA step check on the GPU from those plans"
     )
+    ap.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS), help="which --llama steps to run")
     args = ap.parse_args()
     if args.precision:
         torch.set_float32_matmul_precision(args.precision)
@@ -449,7 +470,7 @@ def main() -> None:
     if args.plan:
         runtime(args.plan)
     if args.llama:
-        llama_steps(args.llama)
+        llama_steps(args.llama, variants=args.llama_variants.split(","))
     if args.mcore:
         kernels(args.preset)
     if args.optimizer:
