@@ -14,7 +14,8 @@ def test_presets_carry_published_figures():
     assert cl.world_size == 16
     assert cl.device.memory == 80 * GiB
     assert cl.device.flops_for("bfloat16") == 312e12
-    assert cl.device.flops_for("torch.float32") == 156e12
+    assert cl.device.flops_for("torch.float32") == 19.5e12  # plain FP32 (PyTorch's default matmul precision)
+    assert cl.device.flops_for("tfloat32") == 156e12  # TF32 tensor cores
     assert cl.device.flops_for("int64") == cl.device.flops_for("float32")
     assert cl.intra_node.bandwidth > 10 * cl.inter_node.bandwidth
     assert {"A100-80GB", "H100-SXM", "V100-32GB"} <= set(Cluster.presets())
