@@ -144,6 +144,9 @@ class Kernel:
     head_dim: int = 0
     causal: bool = False
     backward: bool = False
+    launches: int = 1
+    """Kernel launches it stands for (each ``DeviceSpec.kernel_overhead``): 0 for a share of a
+    generated kernel launched at another op (``autopar.cost.compiled``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +229,7 @@ def kernel_time(kernel: Kernel, device: DeviceSpec) -> float:
         compute = kernel.flops / (device.flops_for(kernel.dtype) * e)
     else:
         compute = 0.0
-    return device.kernel_overhead + max(compute, memory)
+    return device.kernel_overhead * kernel.launches + max(compute, memory)
 
 
 # ------------------------------------------------------------------------------- FLOPs
