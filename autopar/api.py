@@ -87,7 +87,7 @@ def parallelize(
     local_inputs: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
     check_inputs: str | None = "digest",
-    compile: bool = False,
+    compile: bool | None = None,
     **options: Any,
 ) -> ParallelModule:
     """This rank's module. Call on every rank after ``torch.distributed.init_process_group``.
@@ -106,6 +106,8 @@ def parallelize(
     ``compile=True``: every program of this rank's training step is compiled by Inductor before
     the first step (``autopar.passes.compile``; ``pm.compiled`` says how long each took); where any
     rank cannot compile one, every rank runs the eager programs and one warning says why.
+    ``compile=None`` (the default): as the plan says (``Plan.compile``, set by planning with
+    ``compile=True``: ``PlanConfig.compile``, whose step the plan's prediction is).
     """
     import torch.distributed as dist
 
@@ -117,11 +119,16 @@ def parallelize(
     if plan is None:
         from autopar.search import plan_model
 
+        if compile:  # the plan predicts the step that will run
+            config = config.replace(compile=True)
+
         # workers=1: solve the candidate meshes in this process. Forking here is unsafe (the process
         # group's threads are running) and impossible under a daemonic launcher (``spawn``).
         plan = broadcast_plan(
             lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)
         )
+    if compile is None:
+        compile = plan.compile
     if plan.pipeline is not None:
         return _parallelize_pipeline(
             model, cluster, example_inputs, plan, config, timeout, check_inputs, compile

@@ -1009,7 +1009,7 @@ def _train(rank: int, world: int, job: _TrainJob) -> dict[str, Any]:
     w = zoo.load(job.model, batch=job.batch or world, seq=job.seq, dtype=job.dtype, device="cpu", layers=job.layers,
                  overrides=job.overrides)  # fmt: skip
     model, inputs = w.model, w.example_inputs
-    pm = autopar.parallelize(model, cluster, inputs, plan=plan, compile=job.compile)
+    pm = autopar.parallelize(model, cluster, inputs, plan=plan, compile=job.compile or None)
     if rank == 0:
         print(f"model: {w.description or w.name}; {fmt_count(w.num_params)} parameters; batch {w.batch}"
               + (f" × {w.seq}" if w.seq else "") + f"; {world} processes")  # fmt: skip

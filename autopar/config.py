@@ -103,6 +103,11 @@ class PlanConfig:
     """Fuse a CPU rank's program too, its Triton kernels run by Triton's interpreter (slow: for
     tests; ``TRITON_INTERPRET=1`` must be set before triton is imported). Off: on the CPU the
     eager ops stay; on a GPU the kernels always run (``autopar.passes.fusion``)."""
+    compile: bool = False
+    """The step will run compiled by Inductor (``parallelize(..., compile=True)``): the cost model
+    charges each chain of memory-bound ops as one generated kernel (``autopar.passes.chains``,
+    ``autopar.cost.compiled``), and the plan records it (``Plan.compile``), so ``parallelize``
+    compiles when given the plan."""
     float32_matmul_precision: str | None = None
     """What float32 matmuls run at, as ``torch.set_float32_matmul_precision`` names it:
     ``"highest"`` (PyTorch's default: the device's plain FP32 rate), ``"high"`` or ``"medium"``
@@ -180,6 +185,8 @@ class PlanConfig:
             )
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             fail(f"workers must be a positive integer or None, got {self.workers!r}")
+        if not isinstance(self.compile, bool):
+            fail(f"compile is True or False, got {self.compile!r}")
         if self.max_strategies < 2:
             fail(f"max_strategies must be at least 2, got {self.max_strategies}")
         if self.float32_matmul_precision not in (None, "highest", "high", "medium"):

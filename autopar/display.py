@@ -395,6 +395,8 @@ def plan_summary(plan: Plan) -> str:
             "  fused kernels assumed (autopar.program.kernels): "
             + ", ".join(f"{kind} ×{n}" for kind, n in fused.items())
         )
+    if plan.compile:
+        lines.append("  compiled by Inductor: the step's memory-bound chains costed as one kernel each")
     budget = info.get("memory_budget")
     mem = f"  memory per device {fmt_bytes(p.memory_per_device)}"
     if budget:

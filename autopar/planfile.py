@@ -185,6 +185,9 @@ class Plan:
     fusions: list[FusionPlan] = field(default_factory=list)
     """The fused kernels the predicted costs assume (empty on a CPU cluster or with
     ``disable=("fuse_kernels",)``; ``fusion_counts()`` per kind)."""
+    compile: bool = False
+    """The predicted costs are the step compiled by Inductor (``PlanConfig.compile``:
+    ``autopar.passes.chains``); ``parallelize`` given this plan compiles unless told otherwise."""
 
     @property
     def world_size(self) -> int:
@@ -261,6 +264,7 @@ class Plan:
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
             "recompute": self.recompute,
             "fusions": [asdict(f) for f in self.fusions],
+            "compile": self.compile,
         }
 
     @classmethod
@@ -307,6 +311,7 @@ class Plan:
                 FusionPlan(kind=f["kind"], members=tuple(f["members"]), anchor=f["anchor"])
                 for f in d.get("fusions", [])
             ],
+            compile=bool(d.get("compile", False)),
         )
 
     def save(self, path: str | Path) -> None:
@@ -457,6 +462,8 @@ def _validate(d: dict[str, Any]) -> None:
             fail(f"predicted.{f}", "a finite number >= 0", v)
     if d.get("recompute", "none") not in ("none", "selective", "full"):
         fail("recompute", "'none', 'selective' or 'full'", d.get("recompute"))
+    if not isinstance(d.get("compile", False), bool):
+        fail("compile", "true or false", d.get("compile"))
     fusions = d.get("fusions", [])
     if not isinstance(fusions, list):
         fail("fusions", "a list", type(fusions).__name__)

@@ -46,6 +46,7 @@ from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import Pass, PassContext, run_passes
 from autopar.passes.annotate import annotate_cost, annotate_tensors
+from autopar.passes.chains import annotate_chains
 from autopar.passes.formulate import STRATEGY_GRAPH, formulate, parse_fixed
 from autopar.passes.fusion import FUSIONS, annotate_fusions, fusion_plan
 from autopar.passes.strategies import annotate_strategies, getitem_strategies, unruled_ops, with_follow
@@ -111,7 +112,7 @@ class Background:
     worker to be free with no mesh left to start (the tail of the solves, where a core idles)."""
 
 
-GRAPH_PASSES: tuple[Pass, ...] = (annotate_tensors, annotate_fusions, annotate_cost)
+GRAPH_PASSES: tuple[Pass, ...] = (annotate_tensors, annotate_fusions, annotate_chains, annotate_cost)
 """Passes run once per captured graph."""
 MESH_PASSES: tuple[Pass, ...] = (annotate_strategies, formulate)
 """Passes run for each candidate mesh, before the solver."""
@@ -324,6 +325,7 @@ def plan_captured(
         annotate(mesh, [p for p in mesh_passes if p is not formulate])
     p = _build_plan(gm, cap, Mesh(mesh, cluster), sol)
     p.recompute = config.recompute
+    p.compile = config.compile
     p.fusions = fusion_plan(gm.meta.get(FUSIONS, ()))
     facts = graph_facts(gm)
     p.info.update(

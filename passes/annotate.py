@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from autopar.cost.compiled import chain_share_kernels
 from autopar.cost.compute import OpKernels, TensorArg, kernel_time, op_kernels
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.optimizer import optimizer_step_time
@@ -50,6 +51,7 @@ from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
+from autopar.passes.chains import CHAIN, compile_assumed
 from autopar.passes.fusion import FUSION, fused_kernels, fused_saved_bytes, fusion_assumed, saved_by_group
 
 __all__ = [
@@ -447,12 +449,15 @@ def node_kernels(
     *,
     fused: bool = False,
     tf32: bool = False,
+    compiled: bool = False,
 ) -> OpKernels:
     """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
     global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
     of ``ordered_tensor_args`` and ``tensor_outputs``). ``fused``: a member of a fusion group runs
     its group's fused kernel (at the group's anchor) or nothing (``autopar.passes.fusion``).
-    ``tf32``: float32 matmuls on TF32 tensor cores (``PlanConfig.matmul_tf32``)."""
+    ``tf32``: float32 matmuls on TF32 tensor cores (``PlanConfig.matmul_tf32``). ``compiled``: a
+    member of a chain (``autopar.passes.chains``) runs its share of the chain's generated kernel
+    (``autopar.cost.compiled``)."""
     if node.op != "call_function":
         return OpKernels()
     if args is None:
@@ -461,6 +466,21 @@ def node_kernels(
         outs = [TensorArg(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in tensor_outputs(node)]
     if fused and FUSION in node.meta:
         return fused_kernels(node, args, outs)
+    role = node.meta.get(CHAIN) if compiled else None
+    if role is not None:
+        return chain_share_kernels(
+            args,
+            outs,
+            reads=role.reads,
+            writes=role.writes,
+            extern_grads=role.extern_grads,
+            launch_fwd=role.launch_fwd,
+            launch_bwd=role.launch_bwd,
+            requires_grad=_rg(node),
+            reread=role.reread,
+            view=role.view,
+            shared_grad=role.shared_grad,
+        )
     f = op_facts(node)
     return op_kernels(
         op_name(node),
@@ -478,9 +498,12 @@ def node_kernels(
 
 def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write ``NodeCost`` (single device, global shapes) on every node; the members of a fusion
-    group (``annotate_fusions``, when ``fusion_assumed``) are charged its fused kernel."""
+    group (``annotate_fusions``, when ``fusion_assumed``) are charged its fused kernel, and the
+    members of a chain (``annotate_chains``, when ``compile_assumed``) their share of its
+    generated kernel."""
     device = ctx.cluster.device
     fused = fusion_assumed(ctx)
+    compiled = compile_assumed(ctx)
     tf32 = ctx.config.matmul_tf32
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
@@ -496,7 +519,7 @@ def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 bwd = extra * (device.kernel_overhead + 3 * out_bytes / device.achieved_bandwidth)
             node.meta[COST] = NodeCost(0.0, 0.0, 0.0, out_bytes, 0.0, 0.0, bwd)
             continue
-        ks = node_kernels(node, fused=fused, tf32=tf32)
+        ks = node_kernels(node, fused=fused, tf32=tf32, compiled=compiled)
         fwd = sum(kernel_time(k, device) for k in ks.fwd)
         bwd = sum(kernel_time(k, device) for k in ks.bwd)
         saved = (out_bytes if value_is_saved(node) else 0.0) + extra_saved_bytes(node, fused)

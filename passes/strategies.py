@@ -41,6 +41,7 @@ from autopar.graph import OpFamily, op_info, op_name, outer_instance, tensor_inp
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
+from autopar.passes.chains import CHAIN, compile_assumed
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.placement import Partial, Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
@@ -191,7 +192,8 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
         for o, spec in zip(outs, s.outputs)
     ]
     fused = fusion_assumed(ctx)
-    ks = node_kernels(node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32)
+    compiled = compile_assumed(ctx)
+    ks = node_kernels(node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32, compiled=compiled)
     dev = ctx.cluster.device
     fwd = sum(kernel_time(k, dev) for k in ks.fwd)
     bwd = sum(kernel_time(k, dev) for k in ks.bwd)
@@ -335,6 +337,8 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
         key = tie_key(node, ordinal)
         if key is not None and fused and FUSION in node.meta:  # tied only to members of like groups
             key = (*key, fusion_role(node))
+        if key is not None and CHAIN in node.meta:  # tied only to members of like chains
+            key = (*key, node.meta[CHAIN].key())
         hkey = tuple(sorted(hints.get(node, ())))
         if key is not None and (key, hkey) in cache:
             ns = cache[(key, hkey)]
