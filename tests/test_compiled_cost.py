@@ -86,9 +86,7 @@ def test_chains_of_a_tiny_gpt(gpt_graphs) -> None:
     assert views and all(set(_ops(compiled, c)) <= {"view", "transpose", "split", "getitem"} for c in views)
     by = {n.name: n for n in compiled.graph.nodes}
     for c in views:  # no launch, no bytes
-        assert all(
-            node_kernels(by[m], compiled=True) == node_kernels(by[m]) or _free(by[m]) for m in c.members
-        )
+        assert all(_free(by[m]) for m in c.members), c.members
 
 
 def _free(node: torch.fx.Node) -> bool:
