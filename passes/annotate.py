@@ -51,7 +51,7 @@ from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
-from autopar.passes.chains import CHAIN, compile_assumed
+from autopar.passes.chain_records import CHAIN, compile_assumed
 from autopar.passes.fusion import FUSION, fused_kernels, fused_saved_bytes, fusion_assumed, saved_by_group
 
 __all__ = [

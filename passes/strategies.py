@@ -41,7 +41,7 @@ from autopar.graph import OpFamily, op_info, op_name, outer_instance, tensor_inp
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
-from autopar.passes.chains import CHAIN, compile_assumed
+from autopar.passes.chain_records import CHAIN, compile_assumed
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.placement import Partial, Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
