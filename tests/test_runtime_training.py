@@ -6,7 +6,7 @@ Layouts: the auto plan (``parallelize`` plans on rank 0 and broadcasts), Megatro
 parallelism over all devices, tp = 2 × dp = 2 on 4 devices, pure data parallelism, Megatron
 sequence parallelism, and ZeRO stages 2 and 3 (parameters stored sharded, gathered for use). Each
 runs with AdamW and with SGD; tolerances are explained in ``_runtime_helpers``. One spawn per
-model and world size builds the layouts one after another in one process group.
+world size (a module fixture) builds every model's layouts one after another in one process group.
 """
 
 from __future__ import annotations
@@ -78,16 +78,34 @@ def _check_plans(plans: dict[str, Any], model: Any, inputs: Any, world: int) -> 
             assert all(spec == ("S(0)",) for spec in plan.inputs.values()), plan.inputs
 
 
+def kinds_worker(rank: int, world: int, plans_by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``train_worker`` for each model kind in turn, in one process group."""
+    return {kind: train_worker(rank, world, kind, plans) for kind, plans in plans_by_kind.items()}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w} processes")
+def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``(world, plans by kind, results by rank)``: every model's layouts planned here and trained
+    in one spawn per world size (starting processes and importing torch and transformers costs
+    seconds per spawn; a layout a fraction of that)."""
+    world = request.param
+    plans_by_kind = {}
+    for kind in H.MODELS:
+        model, inputs = H.build(kind)
+        plans_by_kind[kind] = {mode: H.make_plan(mode, model, inputs, world) for mode in MODES[world]}
+    return world, plans_by_kind, spawn(kinds_worker, world, plans_by_kind, timeout=540)
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(360)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", H.MODELS)
-def test_training_matches_one_process(kind: str, world: int) -> None:
+def test_training_matches_one_process(kind: str, runs: Any) -> None:
+    world, plans_by_kind, by_kind = runs
     model, inputs = H.build(kind)
-    plans = {mode: H.make_plan(mode, model, inputs, world) for mode in MODES[world]}
+    plans = plans_by_kind[kind]
     _check_plans(plans, model, inputs, world)
     refs = {opt: H.reference(kind, opt) for opt in ("adamw", "sgd")}
-    results = spawn(train_worker, world, kind, plans, timeout=300)
+    results = [r[kind] for r in by_kind]
 
     problems = []
     for rank, by_mode in enumerate(results):
