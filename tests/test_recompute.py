@@ -140,22 +140,40 @@ def _vals(stage_step: Any) -> list[torch.Tensor]:
     return [a.meta["val"] for a in out.args[0][first:] if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
+CASES = [
+    ("gpt", ("none", "full"), 1),
+    ("gpt2-eager", ("none", "selective", "full"), 1),
+    ("llama", ("none", "full"), 2),
+]
+"""``(kind, modes, pp)`` of the runs: each kind's plans under each mode, pipelined when pp = 2."""
+
+
+def cases_worker(rank: int, world: int, plans_by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``worker`` for each kind in turn, in one process group."""
+    return {kind: worker(rank, world, kind, plans) for kind, plans in plans_by_kind.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """``(plans by kind, results by rank)``: every case planned here and trained in one spawn
+    (starting processes and importing torch and transformers costs more than a case's runs)."""
+    cluster = autopar.Cluster.local(2)
+    plans_by_kind = {}
+    for kind, modes, pp in CASES:
+        model, inputs = build(kind)
+        opts = {"pp": 2, "microbatches": 2, "schedule": "1f1b"} if pp == 2 else {"pp": 1}
+        plans_by_kind[kind] = {m: autopar.plan(model, inputs, cluster, recompute=m, **opts) for m in modes}
+    return plans_by_kind, spawn(cases_worker, 2, plans_by_kind, timeout=540)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("kind", "modes", "pp"),
-    [
-        ("gpt", ("none", "full"), 1),
-        ("gpt2-eager", ("none", "selective", "full"), 1),
-        ("llama", ("none", "full"), 2),
-    ],
-)
-def test_recomputation_trains_exactly_and_keeps_less(kind, modes, pp):
-    model, inputs = build(kind)
-    cluster = autopar.Cluster.local(2)
-    opts = {"pp": 2, "microbatches": 2, "schedule": "1f1b"} if pp == 2 else {"pp": 1}
-    plans = {m: autopar.plan(model, inputs, cluster, recompute=m, **opts) for m in modes}
-    results = spawn(worker, 2, kind, plans, timeout=540)
+@pytest.mark.parametrize(("kind", "modes", "pp"), CASES)
+def test_recomputation_trains_exactly_and_keeps_less(kind, modes, pp, runs):
+    plans_by_kind, by_kind = runs
+    assert tuple(plans_by_kind[kind]) == modes
+    assert all((p.pipeline.pp if p.pipeline else 1) == pp for p in plans_by_kind[kind].values())
+    results = [r[kind] for r in by_kind]
     torch.manual_seed(0)
     ref_model, ref_inputs = build(kind)
     ref = (
