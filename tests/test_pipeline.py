@@ -142,6 +142,12 @@ def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dic
     return out
 
 
+def kinds_worker(rank: int, world: int, plans_by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``train_worker`` for each model kind in turn, in one process group: one spawn (starting
+    processes and importing torch and transformers costs seconds) covers several models."""
+    return {kind: train_worker(rank, world, kind, plans) for kind, plans in plans_by_kind.items()}
+
+
 def _all_reduces(gm: Any) -> int:
     if gm is None:
         return 0
@@ -213,9 +219,9 @@ def test_pipeline_with_data_and_tensor_parallel_stages_on_4_processes():
     tp = autopar.layouts.megatron(model, inputs, cluster, tp=2, pp=2, microbatches=2)
     assert tp.sharded_fraction() > 0.5
     plans_by_kind["gpt2"] = {"pp2xtp2": tp}
+    by_kind = spawn(kinds_worker, 4, plans_by_kind, timeout=540)
     for kind, plans in plans_by_kind.items():
-        results = spawn(train_worker, 4, kind, plans, timeout=540)
-        _check(kind, plans, results)
+        _check(kind, plans, [r[kind] for r in by_kind])
 
 
 @pytest.mark.distributed
