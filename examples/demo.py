@@ -48,13 +48,13 @@ def _line(name: str, plan: autopar.Plan) -> str:
 def plan_demo() -> None:
     """Plan the GPT automatically, then the best Megatron-LM layout, and compare."""
     cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=8, nodes=2)
-    with torch.device("meta"):
-        model = GPT(CONFIG)
+    with torch.device("meta"):  # bf16, as it trains on GPUs (fp32 matmuls run on the slower FP32 units)
+        model = GPT(CONFIG).to(torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
     idx = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
     targets = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")  # a distinct tensor from idx
     print(
-        f"model: GPT {CONFIG.n_layer} layers × {CONFIG.n_embd} wide, {n_params / 1e6:.0f}M parameters (meta device)"
+        f"model: GPT {CONFIG.n_layer} layers × {CONFIG.n_embd} wide, {n_params / 1e6:.0f}M parameters, bf16 (meta device)"
     )
     print(f"batch: {BATCH} × {SEQ} tokens; cluster: {cluster.describe()}")
     print()
