@@ -1,4 +1,4 @@
-"""``python -m autopar``: the ``autopar`` command (``autopar.cli``)."""
+"""``python -m autopar``: the ``autopar`` command (``autopar.cli``, its commands in ``autopar.commands``)."""
 
 from autopar.cli import main
 

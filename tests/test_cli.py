@@ -1,4 +1,4 @@
-"""The ``autopar`` command (``autopar.cli``): every subcommand's ``--help`` with examples, each
+"""The ``autopar`` command (``autopar.cli``, ``autopar.commands``): every subcommand's ``--help`` with examples, each
 command run on a tiny model, one-line errors with a non-zero exit (a traceback only under
 ``--debug``), and progress that stays quiet when stderr is not a terminal."""
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar.cli import _ProgressBar, build_parser, main
+from autopar.cli import build_parser, main
+from autopar.commands.console import ProgressBar
 from autopar.planner import Progress
 
 COMMANDS = (
@@ -218,7 +219,7 @@ def test_a_truncated_plan_file_is_one_line(tiny_plan, tmp_path, capsys):
 def test_progress_bar_names_the_mesh_being_solved_and_counts(monkeypatch):
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    bar = _ProgressBar(enabled=True)
+    bar = ProgressBar(enabled=True)
     log = logging.getLogger("test.progress")
 
     def emit(task: str, started: bool, done: int) -> None:
@@ -234,7 +235,7 @@ def test_progress_bar_names_the_mesh_being_solved_and_counts(monkeypatch):
     text = stream.getvalue()
     assert "planning" in text and "1/2" in text and "solving mesh (2, 2)" in text
     bar.close_bar()
-    quiet = _ProgressBar(enabled=False)
+    quiet = ProgressBar(enabled=False)
     quiet.handle(
         log.makeRecord(
             "x", logging.INFO, "f", 1, "m", (), None, extra={"progress": Progress("m", True, 0, 1)}
@@ -244,13 +245,13 @@ def test_progress_bar_names_the_mesh_being_solved_and_counts(monkeypatch):
 
 
 def test_parser_options_reach_the_plan_config():
-    from autopar.cli import _config
+    from autopar.commands.loading import plan_config
 
     args = build_parser().parse_args(
         ["plan", "gpt2", "--mesh", "2x4", "--memory-budget", "60GiB", "--memory-reserve", "5%", "--zero-stage", "3",
          "--fixed", "lm_head.weight=S(0),R", "--time-limit", "5"]
     )  # fmt: skip
-    config = _config(args)
+    config = plan_config(args)
     assert (
         config.mesh_shape == (2, 4) and config.memory_budget == 60 * 2**30 and config.memory_reserve == 0.05
     )
