@@ -258,7 +258,7 @@ def megatron(
     the experts (their data-parallel group, ``tp · dp / ep`` ranks with expert tensor parallel
     size 1) — its gradients accumulated whole over the micro-batches and reduce-scattered once
     per step, its weights all-gathered once after the step. Planned as ZeRO stage 1 on those axes
-    (``autopar.cost.memory``: Megatron's full-size gradient buffer; ``autopar.cost.reshard``: the
+    (``autopar.cost.memory``: Megatron's full-size gradient buffer; ``autopar.cost.reshard_cost``: the
     reduce-scatter and all-gather, once per step in ``autopar.simulate``). Weights are still read
     whole on those axes (gathered), never split there.
 

@@ -39,7 +39,7 @@ from torch.fx import Node
 from autopar.capture import Captured, traced_by
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
-from autopar.cost.reshard import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
+from autopar.cost.reshard_cost import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
 from autopar.display import replication_notes
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Strategy
