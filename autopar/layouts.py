@@ -55,7 +55,8 @@ from autopar.passes.annotate import annotate_tensors
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, plan_captured
-from autopar.rules.routing import grouped_mm_operands, moe_regions
+from autopar.rules.moe_regions import moe_regions
+from autopar.rules.routing import grouped_mm_operands
 
 __all__ = [
     "KNOBS",
@@ -470,7 +471,7 @@ def _distributed_optimizer_spec(
 
 def expert_weights(graph: torch.fx.Graph) -> dict[str, int]:
     """``{param_fqn: number of experts}`` for the experts' weights of every mixture-of-experts
-    region (``autopar.rules.routing.moe_regions``): a grouped matmul's weight, followed back
+    region (``autopar.rules.moe_regions.moe_regions``): a grouped matmul's weight, followed back
     through views and casts to its parameter, whose dimension 0 is the experts."""
     out = {}
     for region in moe_regions(graph):
