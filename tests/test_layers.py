@@ -52,7 +52,7 @@ APART = {
 DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "reshard", "planfile", "strategy_graph", "display",
         "schedule", "models", "reference_data"}  # fmt: skip
 COST = {"mesh", "config"}
-PLANNER = {"planner", "layouts", "simulate", "search", "audit"}
+PLANNER = {"planner", "layouts", "simulate", "search", "audit", "audit_figures"}
 
 
 def group_of(module: str) -> str:
