@@ -57,16 +57,6 @@ if HAS_TRITON:
 
     INTERPRETED = type(_jit_mode_probe).__name__ == "InterpretedFunction"
 
-    @triton.jit
-    def residual_sum(X, R, c, mask, HAS_RESIDUAL: tl.constexpr):
-        """``x + residual`` of one block of a row (the norms' input), rounded to the input dtype
-        as the eager ``add`` rounds it."""
-        x = tl.load(X + c, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(R + c, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        return x
-
 else:
     INTERPRETED = False
 

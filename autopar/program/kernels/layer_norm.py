@@ -28,22 +28,13 @@ mean, rstd)`` (``sum`` is empty without a residual: the public function returns 
 import torch
 from torch import Tensor
 
-from autopar.program.kernels._launch import (
-    HAS_TRITON,
-    ROW_MAX_BLOCK_BACKWARD,
-    backend,
-    num_warps,
-    num_warps_backward,
-    row_block,
-    row_chunks,
-    rows_of,
-)
+from autopar.program.kernels import _norm_rows as norm_rows
+from autopar.program.kernels._launch import HAS_TRITON, backend
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from autopar.program.kernels._launch import residual_sum
 
 __all__ = ["add_layer_norm", "add_layer_norm_reference"]
 
@@ -67,58 +58,40 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        X += row * n_cols
-        R += row * n_cols
-        Y += row * n_cols
-        S += row * n_cols
-        cols = tl.arange(0, BLOCK)
+        row, X, R, Y, S, cols = norm_rows.forward_row(X, R, Y, S, n_cols, BLOCK)
         if ONE_BLOCK:
             mask = cols < n_cols
-            s = residual_sum(X, R, cols, mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                tl.store(S + cols, s, mask=mask)
-            s = s.to(tl.float32)
+            s = norm_rows.residual_stream(X, R, S, cols, mask, HAS_RESIDUAL).to(tl.float32)
             mean = tl.sum(s, axis=0) / n_cols
             d = tl.where(mask, s - mean, 0.0)
             var = tl.sum(d * d, axis=0) / n_cols
             rstd = 1.0 / tl.sqrt(var + eps)
-            y = d * rstd
-            if HAS_WEIGHT:
-                y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            y = norm_rows.weighted(d * rstd, W, cols, mask, HAS_WEIGHT)
             if HAS_BIAS:
-                y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+                y = y + norm_rows.load_f32(B, cols, mask)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
         else:
             # Three walks over the row: the sum (and the residual stream's store), the centred
             # sum of squares, the output. Later walks re-read x and residual (cache hits).
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK):
-                c = start + cols
-                mask = c < n_cols
-                s = residual_sum(X, R, c, mask, HAS_RESIDUAL)
-                if HAS_RESIDUAL:
-                    tl.store(S + c, s, mask=mask)
-                acc += s.to(tl.float32)
+                c, mask = norm_rows.block_at(start, cols, n_cols)
+                acc += norm_rows.residual_stream(X, R, S, c, mask, HAS_RESIDUAL).to(tl.float32)
             mean = tl.sum(acc, axis=0) / n_cols
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK):
-                c = start + cols
-                mask = c < n_cols
-                s = residual_sum(X, R, c, mask, HAS_RESIDUAL).to(tl.float32)
+                c, mask = norm_rows.block_at(start, cols, n_cols)
+                s = norm_rows.residual_sum(X, R, c, mask, HAS_RESIDUAL).to(tl.float32)
                 d = tl.where(mask, s - mean, 0.0)
                 acc += d * d
             var = tl.sum(acc, axis=0) / n_cols
             rstd = 1.0 / tl.sqrt(var + eps)
             for start in range(0, n_cols, BLOCK):
-                c = start + cols
-                mask = c < n_cols
-                s = residual_sum(X, R, c, mask, HAS_RESIDUAL).to(tl.float32)
-                y = (s - mean) * rstd
-                if HAS_WEIGHT:
-                    y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                c, mask = norm_rows.block_at(start, cols, n_cols)
+                s = norm_rows.residual_sum(X, R, c, mask, HAS_RESIDUAL).to(tl.float32)
+                y = norm_rows.weighted((s - mean) * rstd, W, c, mask, HAS_WEIGHT)
                 if HAS_BIAS:
-                    y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
+                    y = y + norm_rows.load_f32(B, c, mask)
                 tl.store(Y + c, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(MEAN + row, mean)
         tl.store(RSTD + row, rstd)
@@ -130,38 +103,29 @@ if HAS_TRITON:
         HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0).to(tl.int64)
-        row_start = pid * rows_per_program
-        row_end = tl.minimum(row_start + rows_per_program, n_rows)
+        pid, row_start, row_end, cols = norm_rows.backward_chunk(n_rows, rows_per_program, BLOCK)
         DW += pid * n_cols
         DB += pid * n_cols
-        cols = tl.arange(0, BLOCK)
         if ONE_BLOCK:
             mask = cols < n_cols
             dw = tl.zeros([BLOCK], dtype=tl.float32)
             db = tl.zeros([BLOCK], dtype=tl.float32)
             for row in range(row_start, row_end):
                 base = row * n_cols
-                s = tl.load(S + base + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + base + cols, mask=mask, other=0.0).to(tl.float32)
+                s = norm_rows.load_f32(S + base, cols, mask)
+                dy = norm_rows.load_f32(DY + base, cols, mask)
                 mean = tl.load(MEAN + row)
                 rstd = tl.load(RSTD + row)
                 xhat = tl.where(mask, (s - mean) * rstd, 0.0)
-                g = dy
-                if HAS_WEIGHT:  # re-read per row (a cache hit) rather than held: fewer registers
-                    g = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+                # The weight is re-read per row (a cache hit) rather than held: fewer registers.
+                g = norm_rows.weighted(dy, W, cols, mask, HAS_WEIGHT)
                 c1 = tl.sum(xhat * g, axis=0) / n_cols
                 c2 = tl.sum(g, axis=0) / n_cols
-                dx = (g - (xhat * c1 + c2)) * rstd
-                if HAS_DS:
-                    dx += tl.load(DS + base + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
+                norm_rows.store_dx(DX + base, DS + base, cols, mask, (g - (xhat * c1 + c2)) * rstd, HAS_DS)
                 dw += dy * xhat
                 db += dy
-            if HAS_WEIGHT:
-                tl.store(DW + cols, dw, mask=mask)
-            if HAS_BIAS:
-                tl.store(DB + cols, db, mask=mask)
+            norm_rows.store_partial(DW, cols, mask, dw, HAS_WEIGHT)
+            norm_rows.store_partial(DB, cols, mask, db, HAS_BIAS)
         else:
             for row in range(row_start, row_end):
                 base = row * n_cols
@@ -170,35 +134,23 @@ if HAS_TRITON:
                 acc1 = tl.zeros([BLOCK], dtype=tl.float32)
                 acc2 = tl.zeros([BLOCK], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK):
-                    c = start + cols
-                    mask = c < n_cols
-                    s = tl.load(S + base + c, mask=mask, other=0.0).to(tl.float32)
-                    g = tl.load(DY + base + c, mask=mask, other=0.0).to(tl.float32)
-                    if HAS_WEIGHT:
-                        g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                    c, mask = norm_rows.block_at(start, cols, n_cols)
+                    s = norm_rows.load_f32(S + base, c, mask)
+                    g = norm_rows.weighted(norm_rows.load_f32(DY + base, c, mask), W, c, mask, HAS_WEIGHT)
                     xhat = tl.where(mask, (s - mean) * rstd, 0.0)
                     acc1 += xhat * g
                     acc2 += g
                 c1 = tl.sum(acc1, axis=0) / n_cols
                 c2 = tl.sum(acc2, axis=0) / n_cols
                 for start in range(0, n_cols, BLOCK):
-                    c = start + cols
-                    mask = c < n_cols
-                    s = tl.load(S + base + c, mask=mask, other=0.0).to(tl.float32)
-                    dy = tl.load(DY + base + c, mask=mask, other=0.0).to(tl.float32)
-                    g = dy
-                    if HAS_WEIGHT:
-                        g = dy * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                    c, mask = norm_rows.block_at(start, cols, n_cols)
+                    s = norm_rows.load_f32(S + base, c, mask)
+                    dy = norm_rows.load_f32(DY + base, c, mask)
+                    g = norm_rows.weighted(dy, W, c, mask, HAS_WEIGHT)
                     xhat = tl.where(mask, (s - mean) * rstd, 0.0)
-                    dx = (g - (xhat * c1 + c2)) * rstd
-                    if HAS_DS:
-                        dx += tl.load(DS + base + c, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(DX + base + c, dx.to(DX.dtype.element_ty), mask=mask)
-                    # This program's own row of the partial buffers: no other program writes it.
-                    if HAS_WEIGHT:
-                        tl.store(DW + c, tl.load(DW + c, mask=mask, other=0.0) + dy * xhat, mask=mask)
-                    if HAS_BIAS:
-                        tl.store(DB + c, tl.load(DB + c, mask=mask, other=0.0) + dy, mask=mask)
+                    norm_rows.store_dx(DX + base, DS + base, c, mask, (g - (xhat * c1 + c2)) * rstd, HAS_DS)
+                    norm_rows.add_partial(DW, c, mask, dy * xhat, HAS_WEIGHT)
+                    norm_rows.add_partial(DB, c, mask, dy, HAS_BIAS)
 
 
 def _forward_triton(
@@ -210,23 +162,21 @@ def _forward_triton(
     block_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n = x.shape[-1]
-    x2 = rows_of(x)
+    x2, r2, s, s_arg = norm_rows.forward_rows(x, residual)
     rows = x2.shape[0]
-    r2 = rows_of(residual) if residual is not None else x2
     out = torch.empty_like(x2)
-    s = torch.empty_like(x2) if residual is not None else x2.new_empty(0)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     w = weight.contiguous() if weight is not None else x2
     b = bias.contiguous() if bias is not None else x2
-    block, one = row_block(n, block_size)
+    block, one, warps = norm_rows.launch_block(n, block_size, backward=False)
     _add_layer_norm_fwd_kernel[(rows,)](
-        x2, r2, w, b, out, s if residual is not None else out, mean, rstd, n, eps,
+        x2, r2, w, b, out, s_arg, mean, rstd, n, eps,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK=block, ONE_BLOCK=one, num_warps=num_warps(block),
+        BLOCK=block, ONE_BLOCK=one, num_warps=warps,
     )  # fmt: skip
     lead = x.shape[:-1]
-    return out.view(x.shape), s.view(x.shape) if residual is not None else s, mean.view(lead), rstd.view(lead)
+    return out.view(x.shape), norm_rows.stream_output(s, x, residual), mean.view(lead), rstd.view(lead)
 
 
 def _backward_triton(
@@ -240,24 +190,17 @@ def _backward_triton(
     block_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     n = s.shape[-1]
-    s2 = rows_of(s)
-    rows = s2.shape[0]
-    g2 = rows_of(g)
-    ds = rows_of(g_sum) if g_sum is not None else g2
-    dx = torch.empty_like(s2)
-    programs, per = row_chunks(rows, s.device)
-    dw = torch.zeros(programs, n, dtype=torch.float32, device=s.device) if weight is not None else dx
-    db = torch.zeros(programs, n, dtype=torch.float32, device=s.device) if bias is not None else dx
+    s2, g2, ds, dx, programs, per = norm_rows.backward_rows(g, g_sum, s)
+    dw = norm_rows.partial_rows(programs, n, weight, dx)
+    db = norm_rows.partial_rows(programs, n, bias, dx)
     w = weight.contiguous() if weight is not None else s2
-    block, one = row_block(n, block_size, cap=ROW_MAX_BLOCK_BACKWARD)
+    block, one, warps = norm_rows.launch_block(n, block_size, backward=True)
     _add_layer_norm_bwd_kernel[(programs,)](
-        g2, ds, s2, w, mean.contiguous(), rstd.contiguous(), dx, dw, db, rows, n, per,
+        g2, ds, s2, w, mean.contiguous(), rstd.contiguous(), dx, dw, db, s2.shape[0], n, per,
         HAS_DS=g_sum is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK=block, ONE_BLOCK=one, num_warps=num_warps_backward(block),
+        BLOCK=block, ONE_BLOCK=one, num_warps=warps,
     )  # fmt: skip
-    dweight = dw.sum(0).to(weight.dtype) if weight is not None else s.new_empty(0)
-    dbias = db.sum(0).to(bias.dtype) if bias is not None else s.new_empty(0)
-    return dx.view(s.shape), dweight, dbias
+    return dx.view(s.shape), norm_rows.summed_partials(dw, weight, s), norm_rows.summed_partials(db, bias, s)
 
 
 # ------------------------------------------------------------- eager fallback (same arithmetic)
@@ -287,7 +230,6 @@ def _backward_eager(
     mean: Tensor,
     rstd: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    n = s.shape[-1]
     gf = g.float()
     xhat = (s.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     wg = gf * weight.float() if weight is not None else gf
@@ -296,9 +238,11 @@ def _backward_eager(
     dx = (wg - (xhat * c1 + c2)) * rstd.unsqueeze(-1)
     if g_sum is not None:
         dx = dx + g_sum.float()
-    dweight = (gf * xhat).reshape(-1, n).sum(0).to(weight.dtype) if weight is not None else s.new_empty(0)
-    dbias = gf.reshape(-1, n).sum(0).to(bias.dtype) if bias is not None else s.new_empty(0)
-    return dx.to(s.dtype), dweight, dbias
+    return (
+        dx.to(s.dtype),
+        norm_rows.summed_partials(gf * xhat, weight, s),
+        norm_rows.summed_partials(gf, bias, s),
+    )
 
 
 # ------------------------------------------------------------------------------ custom ops
@@ -395,8 +339,6 @@ def add_layer_norm(
     the norm's input gradient inside the backward kernel; ``x`` and ``residual`` get the same
     gradient. ``block_size`` forces the columns per block (a power of two; tests use it to
     exercise the looped path)."""
-    if residual is not None and residual.dtype != x.dtype:
-        dtype = torch.result_type(x, residual)
-        x, residual = x.to(dtype), residual.to(dtype)
+    x, residual = norm_rows.promote_residual(x, residual)
     out, s, _mean, _rstd = _add_layer_norm_op(x, residual, weight, bias, float(eps), block_size or 0)
     return out, s if residual is not None else x

@@ -21,22 +21,13 @@ Ops: ``autopar::add_rms_norm`` ``(x, residual?, weight?, eps, block_size) -> (ou
 import torch
 from torch import Tensor
 
-from autopar.program.kernels._launch import (
-    HAS_TRITON,
-    ROW_MAX_BLOCK_BACKWARD,
-    backend,
-    num_warps,
-    num_warps_backward,
-    row_block,
-    row_chunks,
-    rows_of,
-)
+from autopar.program.kernels import _norm_rows as norm_rows
+from autopar.program.kernels._launch import HAS_TRITON, backend
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from autopar.program.kernels._launch import residual_sum
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference"]
 
@@ -67,41 +58,28 @@ if HAS_TRITON:
         n_cols, eps,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        X += row * n_cols
-        R += row * n_cols
-        Y += row * n_cols
-        S += row * n_cols
-        cols = tl.arange(0, BLOCK)
+        row, X, R, Y, S, cols = norm_rows.forward_row(X, R, Y, S, n_cols, BLOCK)
         if ONE_BLOCK:
             mask = cols < n_cols
-            s = residual_sum(X, R, cols, mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                tl.store(S + cols, s, mask=mask)
-            h = s.to(tl.float32)
+            h = norm_rows.residual_stream(X, R, S, cols, mask, HAS_RESIDUAL).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-            y = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
-            if HAS_WEIGHT:
-                y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            y = norm_rows.weighted(
+                (h * rstd).to(X.dtype.element_ty).to(tl.float32), W, cols, mask, HAS_WEIGHT
+            )
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
         else:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK):
-                c = start + cols
-                mask = c < n_cols
-                s = residual_sum(X, R, c, mask, HAS_RESIDUAL)
-                if HAS_RESIDUAL:
-                    tl.store(S + c, s, mask=mask)
-                h = s.to(tl.float32)
+                c, mask = norm_rows.block_at(start, cols, n_cols)
+                h = norm_rows.residual_stream(X, R, S, c, mask, HAS_RESIDUAL).to(tl.float32)
                 acc += h * h
             rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
             for start in range(0, n_cols, BLOCK):
-                c = start + cols
-                mask = c < n_cols
-                h = residual_sum(X, R, c, mask, HAS_RESIDUAL).to(tl.float32)
-                y = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
-                if HAS_WEIGHT:
-                    y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                c, mask = norm_rows.block_at(start, cols, n_cols)
+                h = norm_rows.residual_sum(X, R, c, mask, HAS_RESIDUAL).to(tl.float32)
+                y = norm_rows.weighted(
+                    (h * rstd).to(X.dtype.element_ty).to(tl.float32), W, c, mask, HAS_WEIGHT
+                )
                 tl.store(Y + c, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + row, rstd)
 
@@ -111,102 +89,76 @@ if HAS_TRITON:
         n_rows, n_cols, rows_per_program,
         HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0).to(tl.int64)
-        row_start = pid * rows_per_program
-        row_end = tl.minimum(row_start + rows_per_program, n_rows)
+        pid, row_start, row_end, cols = norm_rows.backward_chunk(n_rows, rows_per_program, BLOCK)
         DW += pid * n_cols
-        cols = tl.arange(0, BLOCK)
         if ONE_BLOCK:
             mask = cols < n_cols
             dw = tl.zeros([BLOCK], dtype=tl.float32)
             for row in range(row_start, row_end):
                 base = row * n_cols
-                s = tl.load(S + base + cols, mask=mask, other=0.0)
-                dy = tl.load(DY + base + cols, mask=mask, other=0.0).to(tl.float32)
+                dy = norm_rows.load_f32(DY + base, cols, mask)
                 rstd = tl.load(RSTD + row)
-                h = s.to(tl.float32) * rstd
-                g = dy
-                if HAS_WEIGHT:  # re-read per row (a cache hit) rather than held: fewer registers
-                    g = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+                h = norm_rows.load_f32(S + base, cols, mask) * rstd
+                # The weight is re-read per row (a cache hit) rather than held: fewer registers.
+                g = norm_rows.weighted(dy, W, cols, mask, HAS_WEIGHT)
                 c = tl.sum(g * h, axis=0) / n_cols
-                dx = rstd * (g - h * c)
-                if HAS_DS:
-                    dx += tl.load(DS + base + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
+                norm_rows.store_dx(DX + base, DS + base, cols, mask, rstd * (g - h * c), HAS_DS)
                 dw += dy * h.to(S.dtype.element_ty).to(tl.float32)
-            if HAS_WEIGHT:
-                tl.store(DW + cols, dw, mask=mask)
+            norm_rows.store_partial(DW, cols, mask, dw, HAS_WEIGHT)
         else:
             for row in range(row_start, row_end):
                 base = row * n_cols
                 rstd = tl.load(RSTD + row)
                 acc = tl.zeros([BLOCK], dtype=tl.float32)
                 for start in range(0, n_cols, BLOCK):
-                    c = start + cols
-                    mask = c < n_cols
-                    h = tl.load(S + base + c, mask=mask, other=0.0).to(tl.float32) * rstd
-                    g = tl.load(DY + base + c, mask=mask, other=0.0).to(tl.float32)
-                    if HAS_WEIGHT:
-                        g = g * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                    c, mask = norm_rows.block_at(start, cols, n_cols)
+                    h = norm_rows.load_f32(S + base, c, mask) * rstd
+                    g = norm_rows.weighted(norm_rows.load_f32(DY + base, c, mask), W, c, mask, HAS_WEIGHT)
                     acc += g * h
                 k = tl.sum(acc, axis=0) / n_cols
                 for start in range(0, n_cols, BLOCK):
-                    c = start + cols
-                    mask = c < n_cols
-                    h = tl.load(S + base + c, mask=mask, other=0.0).to(tl.float32) * rstd
-                    dy = tl.load(DY + base + c, mask=mask, other=0.0).to(tl.float32)
-                    g = dy
-                    if HAS_WEIGHT:
-                        g = dy * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-                    dx = rstd * (g - h * k)
-                    if HAS_DS:
-                        dx += tl.load(DS + base + c, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(DX + base + c, dx.to(DX.dtype.element_ty), mask=mask)
-                    if HAS_WEIGHT:  # this program's own row of the partial buffer
-                        hc = h.to(S.dtype.element_ty).to(tl.float32)
-                        tl.store(DW + c, tl.load(DW + c, mask=mask, other=0.0) + dy * hc, mask=mask)
+                    c, mask = norm_rows.block_at(start, cols, n_cols)
+                    h = norm_rows.load_f32(S + base, c, mask) * rstd
+                    dy = norm_rows.load_f32(DY + base, c, mask)
+                    g = norm_rows.weighted(dy, W, c, mask, HAS_WEIGHT)
+                    norm_rows.store_dx(DX + base, DS + base, c, mask, rstd * (g - h * k), HAS_DS)
+                    norm_rows.add_partial(
+                        DW, c, mask, dy * h.to(S.dtype.element_ty).to(tl.float32), HAS_WEIGHT
+                    )
 
 
 def _forward_triton(
     x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, block_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     n = x.shape[-1]
-    x2 = rows_of(x)
+    x2, r2, s, s_arg = norm_rows.forward_rows(x, residual)
     rows = x2.shape[0]
-    r2 = rows_of(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=_out_dtype(x, weight), device=x.device)
-    s = torch.empty_like(x2) if residual is not None else x2.new_empty(0)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     w = weight.contiguous() if weight is not None else x2
-    block, one = row_block(n, block_size)
+    block, one, warps = norm_rows.launch_block(n, block_size, backward=False)
     _add_rms_norm_fwd_kernel[(rows,)](
-        x2, r2, w, out, s if residual is not None else x2, rstd, n, eps,
+        x2, r2, w, out, s_arg, rstd, n, eps,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        BLOCK=block, ONE_BLOCK=one, num_warps=num_warps(block),
+        BLOCK=block, ONE_BLOCK=one, num_warps=warps,
     )  # fmt: skip
-    return out.view(x.shape), s.view(x.shape) if residual is not None else s, rstd.view(x.shape[:-1])
+    return out.view(x.shape), norm_rows.stream_output(s, x, residual), rstd.view(x.shape[:-1])
 
 
 def _backward_triton(
     g: Tensor, g_sum: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, block_size: int
 ) -> tuple[Tensor, Tensor]:
     n = s.shape[-1]
-    s2 = rows_of(s)
-    rows = s2.shape[0]
-    g2 = rows_of(g)
-    ds = rows_of(g_sum) if g_sum is not None else g2
-    dx = torch.empty_like(s2)
-    programs, per = row_chunks(rows, s.device)
-    dw = torch.zeros(programs, n, dtype=torch.float32, device=s.device) if weight is not None else dx
+    s2, g2, ds, dx, programs, per = norm_rows.backward_rows(g, g_sum, s)
+    dw = norm_rows.partial_rows(programs, n, weight, dx)
     w = weight.contiguous() if weight is not None else s2
-    block, one = row_block(n, block_size, cap=ROW_MAX_BLOCK_BACKWARD)
+    block, one, warps = norm_rows.launch_block(n, block_size, backward=True)
     _add_rms_norm_bwd_kernel[(programs,)](
-        g2, ds, s2, w, rstd.contiguous(), dx, dw, rows, n, per,
+        g2, ds, s2, w, rstd.contiguous(), dx, dw, s2.shape[0], n, per,
         HAS_DS=g_sum is not None, HAS_WEIGHT=weight is not None,
-        BLOCK=block, ONE_BLOCK=one, num_warps=num_warps_backward(block),
+        BLOCK=block, ONE_BLOCK=one, num_warps=warps,
     )  # fmt: skip
-    dweight = dw.sum(0).to(weight.dtype) if weight is not None else s.new_empty(0)
-    return dx.view(s.shape), dweight
+    return dx.view(s.shape), norm_rows.summed_partials(dw, weight, s)
 
 
 # ------------------------------------------------------------- eager fallback (same arithmetic)
@@ -226,7 +178,6 @@ def _forward_eager(
 def _backward_eager(
     g: Tensor, g_sum: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
 ) -> tuple[Tensor, Tensor]:
-    n = s.shape[-1]
     gf = g.float()
     r = rstd.unsqueeze(-1)
     h = s.float() * r
@@ -234,9 +185,7 @@ def _backward_eager(
     dx = r * (wg - h * (wg * h).mean(-1, keepdim=True))
     if g_sum is not None:
         dx = dx + g_sum.float()
-    hc = h.to(s.dtype).float()
-    dweight = (gf * hc).reshape(-1, n).sum(0).to(weight.dtype) if weight is not None else s.new_empty(0)
-    return dx.to(s.dtype), dweight
+    return dx.to(s.dtype), norm_rows.summed_partials(gf * h.to(s.dtype).float(), weight, s)
 
 
 # ------------------------------------------------------------------------------ custom ops
@@ -313,8 +262,6 @@ def add_rms_norm(
     ``residual`` and ``weight`` may be None; without a residual the second output is ``x``
     itself. The residual stream's gradient is added inside the backward kernel; ``x`` and
     ``residual`` get the same gradient. ``block_size``: see ``add_layer_norm``."""
-    if residual is not None and residual.dtype != x.dtype:
-        dtype = torch.result_type(x, residual)
-        x, residual = x.to(dtype), residual.to(dtype)
+    x, residual = norm_rows.promote_residual(x, residual)
     out, s, _rstd = _add_rms_norm_op(x, residual, weight, float(eps), block_size or 0)
     return out, s if residual is not None else x
