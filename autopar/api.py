@@ -285,7 +285,8 @@ def _parallelize_pipeline(
     ``microbatches`` along dimension 0)."""
     import torch.distributed as dist
 
-    from autopar.capture import MicrobatchCaptures, microbatch_inputs, normalize_inputs
+    from autopar.capture import microbatch_inputs, normalize_inputs
+    from autopar.microbatch import MicrobatchCaptures
     from autopar.passes import PassContext
     from autopar.passes.joint import PrimalInfo, RankInfo
     from autopar.passes.lower import check_plan, lower, program_difference

@@ -37,6 +37,7 @@ __all__ = [
     "output_node",
     "tensor_inputs",
     "tensor_outputs",
+    "tensor_val",
     "written_inputs",
 ]
 
@@ -249,6 +250,12 @@ def output_node(gm: GraphModule) -> Node:
 
 def is_tensor_node(n: Node) -> bool:
     return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def tensor_val(node: object) -> torch.Tensor | None:
+    """The tensor value ``node`` carries in ``meta["val"]``; None for a non-node or non-tensor."""
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def tensor_inputs(node: Node) -> list[Node]:

@@ -43,13 +43,14 @@ from torch import nn
 from torch.fx import Node
 
 from autopar.audit import audited
-from autopar.capture import Captured, MicrobatchCaptures, capture
+from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.compute import itemsize
 from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs
 from autopar.ir import TENSOR, Strategy
+from autopar.microbatch import MicrobatchCaptures
 from autopar.passes import PassContext, run_passes
 from autopar.passes.annotate import annotate_tensors
 from autopar.placement import Partial, Replicate, Shard

@@ -63,11 +63,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture import Captured, MicrobatchCaptures, batch_size, normalize_inputs
+from autopar.capture import Captured, batch_size, normalize_inputs
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.timeline import play
 from autopar.display import fmt_bytes
+from autopar.microbatch import MicrobatchCaptures
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan

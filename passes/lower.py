@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.capture import SAME_OPS, Captured, traced_by
+from autopar.canonical import SAME_OPS
+from autopar.capture import Captured, traced_by
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
 from autopar.passes.certify import certify as certify_plan
