@@ -311,7 +311,7 @@ class _Size:
         return self.step < math.inf
 
 
-class _Search:
+class PipelineSearch:
     """One ``plan_model`` call's search over pipeline sizes and micro-batch counts: the graphs,
     every candidate scored so far, and what was skipped or failed and why."""
 
@@ -553,7 +553,7 @@ def plan_model(
     if config.pp == 1 and config.microbatches in (None, 1):
         return plan_captured(graphs(1), cluster, config)
     world = cluster.world_size
-    search = _Search(graphs, cluster, config, batch_size(args, kwargs))
+    search = PipelineSearch(graphs, cluster, config, batch_size(args, kwargs))
     if config.pp == "search":
         pps = [d for d in range(1, world + 1) if world % d == 0]
     elif config.pp == "auto":
