@@ -230,7 +230,9 @@ def plan_captured(
         raise pruned
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
-    budget = config.budget(cluster.device.memory)
+    config = config.resolved(cluster.device.memory)
+    budget = config.memory_budget
+    assert budget is not None
     if config.mesh_shape is not None:
         cluster.validate_mesh(config.mesh_shape)
         meshes = [config.mesh_shape]
@@ -350,7 +352,7 @@ def plan_captured(
             "cluster_desc": cluster.describe(),
             "unruled_ops": unruled,
             "memory_budget": budget,
-            "memory_reserve": cluster.device.memory - budget if config.memory_budget is None else 0.0,
+            "memory_reserve": max(0.0, cluster.device.memory - budget),
             "traced_by": traced_by(cap),
         }
     )

@@ -65,7 +65,7 @@ from torch import nn
 
 from autopar.capture import Captured, batch_size, normalize_inputs
 from autopar.cluster import Cluster
-from autopar.config import PlanConfig
+from autopar.config import PlanConfig, stage_plan_budget
 from autopar.cost.timeline import play
 from autopar.display import fmt_bytes
 from autopar.microbatch import MicrobatchCaptures
@@ -276,7 +276,7 @@ def pipelined_candidates(
             )
             p = replace(spmd, pipeline=pipe, info=dict(spmd.info))
             p.info["memory_budget"] = budget  # one device's, not the stage plan's pp × budget
-            p.info["memory_reserve"] = cluster.device.memory - budget if config.memory_budget is None else 0.0
+            p.info["memory_reserve"] = max(0.0, cluster.device.memory - budget)
             opt = max(optimizer_time(p, cluster, range(r, S, pp)) for r in range(pp))
             step = tl.step_time + opt
             p.predicted = replace(spmd.predicted, step_time=step, memory_per_device=peak)
@@ -322,7 +322,8 @@ class PipelineSearch:
         self.cluster = cluster
         self.config = config
         self.batch = batch
-        self.budget = config.budget(cluster.device.memory)
+        assert config.memory_budget is not None, "plan_model resolves the budget (PlanConfig.resolved)"
+        self.budget = config.memory_budget
         self.exhaustive = config.pp == "search"
         self.scored: list[Scored] = []
         self.errors: list[str] = []
@@ -435,7 +436,7 @@ class PipelineSearch:
                 microbatches=None,
                 schedule=None,
                 virtual=None,
-                memory_budget=self.budget * pp,
+                memory_budget=stage_plan_budget(self.budget, pp),
                 activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
                 microbatches_per_sync=m,
                 mesh_shape=config.mesh_shape,  # the mesh inside a stage (``possible`` checked its size)
@@ -548,6 +549,7 @@ def plan_model(
     ``config.pp`` asks for (``PlanConfig.pp``; module docstring); the fastest that fits.
     ``captured``: the model already captured on ``example_inputs``."""
     args, kwargs = normalize_inputs(example_inputs)
+    config = config.resolved(cluster.device.memory)
     t0 = time.perf_counter()
     graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
     if config.pp == 1 and config.microbatches in (None, 1):

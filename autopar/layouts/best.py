@@ -261,7 +261,11 @@ def best_megatron(
     config = PlanConfig.build(config)
     args, kwargs = normalize_inputs(example_inputs)
     s = MegatronSearch(model, example_inputs, cluster, config, dict(fixed), args, kwargs)
-    world, gpn, budget = cluster.world_size, cluster.gpus_per_node, config.budget(cluster.device.memory)
+    world, gpn, budget = (
+        cluster.world_size,
+        cluster.gpus_per_node,
+        config.resolved(cluster.device.memory).memory_budget,
+    )
     whole = s.captured(1)
     run_passes(whole.gm, PassContext(captured=whole, cluster=cluster, config=config), [annotate_tensors])
     roles, experts = megatron_weight_roles(whole.gm.graph), expert_weights(whole.gm.graph)

@@ -18,7 +18,7 @@ from torch.fx import Node
 from autopar.audit import audited
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
-from autopar.config import PlanConfig
+from autopar.config import PlanConfig, stage_plan_budget
 from autopar.cost.memory import StateBytes
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import TENSOR, Strategy
@@ -375,10 +375,11 @@ def megatron_pipelined(
         )
     if captured is None:
         captured = MicrobatchCaptures(model, example_inputs)(microbatches)
-    budget = config.budget(cluster.device.memory)
+    config = config.resolved(cluster.device.memory)
+    budget = config.memory_budget
     stage = megatron(
         model, None, sub, tp, dp, sequence_parallel, ep=ep, distributed_optimizer=distributed_optimizer,
-        config=config.replace(memory_budget=budget * pp, mesh_shape=None, fixed={}), captured=captured,
+        config=config.replace(memory_budget=stage_plan_budget(budget, pp), mesh_shape=None, fixed={}), captured=captured,
     )  # fmt: skip
     out: list[tuple[str, int, Plan | str]] = []
     for schedule, virtual in schedules:
