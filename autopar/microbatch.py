@@ -181,7 +181,7 @@ def specialise_batch(symbolic: torch.fx.GraphModule, batch: int) -> torch.fx.Gra
 def _no_progress_thread() -> Any:
     """``torch.fx.Interpreter.run`` makes a (disabled) tqdm bar, and tqdm's first bar starts a
     monitor thread; a process with a second thread may not fork, so the planner would solve its
-    meshes one after another (``autopar.planner._attempt_all``). Keep tqdm from starting it."""
+    meshes one after another (``autopar.mesh_pool.solve_meshes``). Keep tqdm from starting it."""
     try:
         from tqdm import tqdm
     except ImportError:

@@ -68,11 +68,12 @@ from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
 from autopar.cost.timeline import play
 from autopar.display import fmt_bytes
+from autopar.mesh_pool import Background
 from autopar.microbatch import MicrobatchCaptures
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
-from autopar.planner import Background, InfeasibleError, plan_captured
+from autopar.planner import InfeasibleError, plan_captured
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
 from autopar.solver import NotBetter

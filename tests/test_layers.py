@@ -52,7 +52,7 @@ APART = {
 DATA = {"placement", "graph", "ir", "cluster", "capture", "canonical", "microbatch", "input_bounds", "reshard", "planfile", "strategy_graph", "display",
         "schedule", "models", "reference_data"}  # fmt: skip
 COST = {"mesh", "config"}
-PLANNER = {"planner", "layouts", "simulate", "search", "audit"}
+PLANNER = {"planner", "mesh_pool", "plan_record", "layouts", "simulate", "search", "audit"}
 
 
 def group_of(module: str) -> str:
