@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from autopar.graph import tensor_val
+from autopar.graph import is_view, tensor_val, uses_through, written_inputs
 
 __all__ = ["SAME_OPS", "canonicalize", "graph_fingerprint"]
 
@@ -153,8 +153,6 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
     """Remove each ``contiguous`` (default memory format) whose result nothing writes into, and
     turn every ``view`` that reads it, directly or through other views, into ``reshape`` (module
     docstring: canonical graph). Returns how many were removed."""
-    from autopar.graph import OpFamily, op_family
-
     aten = torch.ops.aten
     dropped = 0
     for node in list(gm.graph.nodes):
@@ -166,16 +164,9 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
             continue
         if _written(node):
             continue  # an in-place write into the copy must not reach its source
-        frontier, seen = list(node.users), set()
-        while frontier:
-            u = frontier.pop()
-            if u in seen or u.op != "call_function":
-                continue
-            seen.add(u)
+        for _, u in uses_through(node, lambda _, u: is_view(u) and u.target is not aten.view.default):
             if u.target is aten.view.default:
                 u.target = aten.reshape.default
-            elif op_family(u) is OpFamily.VIEW:
-                frontier.extend(u.users)
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
         dropped += 1
@@ -213,20 +204,7 @@ def drop_identity_slices(gm: torch.fx.GraphModule) -> int:
 
 def _written(value: torch.fx.Node) -> bool:
     """Something writes into ``value`` in place, directly or through views of it."""
-    from autopar.graph import OpFamily, op_family, written_inputs
-
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for u in v.users:
-            if v in written_inputs(u):
-                return True
-            if u.op == "call_function" and op_family(u) is OpFamily.VIEW:
-                stack.append(u)
-    return False
+    return any(v in written_inputs(u) for v, u in uses_through(value, lambda _, u: is_view(u)))
 
 
 SAME_OPS = {torch.ops.aten.reshape.default: torch.ops.aten.view.default}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.graph import OpFamily, op_info, op_name, uses_through
+
 __all__ = ["IndexBound", "check_position_tables", "index_bounds"]
 
 
@@ -31,42 +33,37 @@ def index_bounds(graph: torch.fx.Graph, inputs: dict[str, str]) -> dict[str, lis
     """For each user input (placeholder name -> path in ``inputs``) that reaches, through views and
     casts, the indices of an ``embedding`` or the targets of a cross-entropy/NLL loss: the range
     its values must lie in."""
-    from autopar.graph import OpFamily, op_info, op_name
-
     out: dict[str, list[IndexBound]] = {}
     for ph in graph.nodes:
         if ph.op != "placeholder" or ph.name not in inputs:
             continue
         bounds: list[IndexBound] = []
-        frontier, seen = [ph], set()
-        while frontier:
-            n = frontier.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            for u in n.users:
-                name = op_name(u)
-                info = op_info(u)
-                if name == "embedding" and len(u.args) > 1 and u.args[1] is n:
-                    rows = int(u.args[0].meta["val"].shape[0])
-                    bounds.append(IndexBound(rows, None, f"the embedding table ({rows} rows)"))
-                elif (
-                    info.family is OpFamily.LOSS and name != "mse_loss" and len(u.args) > 1 and u.args[1] is n
-                ):
-                    logits = u.args[0].meta["val"]
-                    classes = int(logits.shape[1] if logits.dim() > 1 else logits.shape[0])
-                    ignore = u.args[4] if len(u.args) > 4 else u.kwargs.get("ignore_index", -100)
-                    bounds.append(IndexBound(classes, int(ignore), f"the loss's {classes} classes"))
-                elif (
-                    u.op == "call_function"
-                    and (info.family is OpFamily.VIEW or info.identity_like)
-                    and isinstance(u.args[0], torch.fx.Node)
-                    and u.args[0] is n
-                ):
-                    frontier.append(u)
+        for n, u in uses_through(ph, _same_value):
+            name = op_name(u)
+            if name == "embedding" and len(u.args) > 1 and u.args[1] is n:
+                rows = int(u.args[0].meta["val"].shape[0])
+                bounds.append(IndexBound(rows, None, f"the embedding table ({rows} rows)"))
+            elif (
+                op_info(u).family is OpFamily.LOSS
+                and name != "mse_loss"
+                and len(u.args) > 1
+                and u.args[1] is n
+            ):
+                logits = u.args[0].meta["val"]
+                classes = int(logits.shape[1] if logits.dim() > 1 else logits.shape[0])
+                ignore = u.args[4] if len(u.args) > 4 else u.kwargs.get("ignore_index", -100)
+                bounds.append(IndexBound(classes, int(ignore), f"the loss's {classes} classes"))
         if bounds:
             out[inputs[ph.name]] = sorted(set(bounds), key=lambda b: (b.bound, b.what))
     return out
+
+
+def _same_value(value: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """``user`` passes ``value``'s values on unchanged (a view or a cast of it as its data)."""
+    if user.op != "call_function" or not user.args or user.args[0] is not value:
+        return False
+    info = op_info(user)
+    return info.family is OpFamily.VIEW or info.identity_like
 
 
 _SAME_VALUES = frozenset(
