@@ -14,8 +14,9 @@ tensors, costs, strategies) → ``solver`` (CP-SAT) → ``Plan`` → lowering to
 from autopar import layouts
 from autopar.api import measure_local, parallelize, plan
 from autopar.capture import CaptureError, capture
-from autopar.cluster import Cluster, DeviceSpec, Link
+from autopar.cluster import Cluster
 from autopar.config import PlanConfig
+from autopar.devices import DeviceSpec, Link
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan

@@ -40,7 +40,7 @@ import math
 import re
 import shlex
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,6 @@ __all__ = [
     "Layout",
     "export",
     "nearest_layout",
-    "parse_megatron_args",
     "prediction_text",
     "to_deepspeed",
     "to_megatron",
@@ -374,109 +373,6 @@ def _megatron_command(layout: Layout) -> str:
         "# Megatron-LM: the model's own arguments (--hidden-size, --num-attention-heads, --vocab-size, …) go on "
         "this line too\n" + " \\\n    ".join(lines) + "\n"
     )
-
-
-_MEGATRON_FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations"}
-"""Megatron-LM flags that take no value (among those ``parse_megatron_args`` reads)."""
-
-
-def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None) -> dict[str, Any]:
-    """The keywords of ``autopar.layouts.megatron`` that Megatron-LM arguments describe.
-
-    ``argv`` is a list of arguments or a command line (``torchrun … pretrain_gpt.py --tensor-…``;
-    backslash-newlines and ``#`` comment lines are dropped). The world size is ``torchrun``'s
-    ``--nnodes`` × ``--nproc-per-node`` when the line has them, else ``world_size``. Arguments
-    that do not set a parallelism, batch or recomputation knob are ignored. Reads
-    ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
-    ``--num-layers-per-virtual-pipeline-stage`` (with ``--num-layers``) or
-    ``--num-virtual-stages-per-pipeline-rank`` / ``--virtual-pipeline-model-parallel-size``,
-    ``--sequence-parallel``, ``--expert-model-parallel-size``, ``--micro-batch-size``,
-    ``--global-batch-size``, ``--recompute-granularity`` / ``--recompute-activations`` and
-    ``--use-distributed-optimizer``."""
-    if isinstance(argv, str):
-        text = "\n".join(line for line in argv.splitlines() if not line.lstrip().startswith("#"))
-        argv = shlex.split(text.replace("\\\n", " "))
-    values: dict[str, str] = {}
-    flags: set[str] = set()
-    items = list(argv)
-    i = 0
-    while i < len(items):
-        tok = items[i]
-        i += 1
-        if not tok.startswith("--"):
-            continue
-        key, eq, val = tok.partition("=")
-        key = key.replace("_", "-")
-        if eq:
-            values[key] = val
-        elif key in _MEGATRON_FLAGS or i >= len(items) or items[i].startswith("--"):
-            flags.add(key)
-        else:
-            values[key] = items[i]
-            i += 1
-
-    def number(key: str, default: int | None = None) -> int | None:
-        if key not in values:
-            return default
-        try:
-            v = int(values[key])
-        except ValueError:
-            raise ValueError(f"{key} takes a positive integer, got {values[key]!r}") from None
-        if v < 1:
-            raise ValueError(f"{key} takes a positive integer, got {v}")
-        return v
-
-    nodes, per_node = number("--nnodes"), number("--nproc-per-node")
-    world = nodes * per_node if nodes and per_node else world_size
-    if world is None:
-        raise ValueError(
-            "the world size is not in the arguments: give torchrun's --nnodes and --nproc-per-node, or world_size"
-        )
-    tp = number("--tensor-model-parallel-size", 1)
-    pp = number("--pipeline-model-parallel-size", 1)
-    if world % (tp * pp):
-        raise ValueError(f"tp({tp}) × pp({pp}) = {tp * pp} does not divide the world size {world}")
-    dp = world // (tp * pp)
-    virtual = number("--num-virtual-stages-per-pipeline-rank") or number(
-        "--virtual-pipeline-model-parallel-size"
-    )
-    per_vstage = number("--num-layers-per-virtual-pipeline-stage")
-    if virtual is None and per_vstage is not None:
-        layers = number("--num-layers")
-        if layers is None:
-            raise ValueError(
-                "--num-layers-per-virtual-pipeline-stage needs --num-layers to give the virtual stages"
-            )
-        if layers % (pp * per_vstage):
-            raise ValueError(
-                f"--num-layers {layers} is not a multiple of pp({pp}) × --num-layers-per-virtual-pipeline-stage "
-                f"({per_vstage})"
-            )
-        virtual = layers // (pp * per_vstage)
-    virtual = virtual or 1
-    mbs = number("--micro-batch-size", 1)
-    batch = number("--global-batch-size", mbs * dp)
-    if batch % (mbs * dp):
-        raise ValueError(
-            f"--global-batch-size {batch} is not a multiple of --micro-batch-size ({mbs}) × data-parallel size ({dp})"
-        )
-    granularity = values.get(
-        "--recompute-granularity", "selective" if "--recompute-activations" in flags else "none"
-    )
-    if granularity not in ("none", "selective", "full"):
-        raise ValueError(f"--recompute-granularity takes selective or full, got {granularity!r}")
-    return {
-        "tp": tp,
-        "dp": dp,
-        "sequence_parallel": "--sequence-parallel" in flags,
-        "ep": number("--expert-model-parallel-size", 1),
-        "pp": pp,
-        "microbatches": batch // (mbs * dp),
-        "schedule": "interleaved" if virtual > 1 else "1f1b",
-        "virtual": virtual,
-        "distributed_optimizer": "--use-distributed-optimizer" in flags,
-        "recompute": granularity,
-    }
 
 
 # ------------------------------------------------------------------------------------ torchtitan

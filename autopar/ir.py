@@ -79,7 +79,7 @@ class Rewrite(str, enum.Enum):
 
 class FusionKind(str, enum.Enum):
     """A fused kernel family (``autopar.program.kernels``): the kind of a group of nodes one fused
-    kernel replaces (``autopar.passes.fusion``), costed by ``autopar.cost.fusion``."""
+    kernel replaces (``autopar.passes.fusion``), costed by ``autopar.cost.fused_traffic``."""
 
     ADD_LAYER_NORM = "add_layer_norm"
     ADD_RMS_NORM = "add_rms_norm"

@@ -10,7 +10,7 @@ Words:
   weights, ``sp`` the sequence, ``cp`` the context (attention's keys and values), ``ep`` the
   experts, ``pp`` the pipeline stages, ``rep`` nothing (every device repeats the same work).
   Candidate meshes carry no kinds; a plan's mesh is named from the strategies the solver chose.
-* **link** — the ``autopar.cluster.Link`` an axis's collectives use: the node's NVLink when all
+* **link** — the ``autopar.devices.Link`` an axis's collectives use: the node's NVLink when all
   its devices share a node, the inter-node network otherwise (``Cluster.axis_link``).
 * **group** — the devices a collective over one or several axes runs on (``Mesh.group``):
   ``per_node`` devices on each of ``nodes`` nodes, so a collective that spans nodes uses as many
@@ -29,8 +29,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autopar.cluster import Cluster, Link, mesh_arithmetic
+from autopar.cluster import Cluster, mesh_arithmetic
 from autopar.cost import comm
+from autopar.devices import Link
 
 __all__ = ["AxisKind", "Mesh"]
 

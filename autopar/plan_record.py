@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 from autopar.capture import Captured
-from autopar.cost.reshard import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
+from autopar.cost.reshard_cost import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.mesh import Mesh

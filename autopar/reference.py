@@ -9,7 +9,7 @@ in the wheel: read a file through ``data_path(name)``, never by a path relative 
   and LLaMA (transformers' ``LlamaForCausalLM``) shapes: forward + ``loss.backward()`` in ms,
   ``AdamW(fused=True).step()`` in ms, and ``torch.cuda.max_memory_allocated()``. The model is
   built on the meta device from the row, captured, annotated and walked as one eager step
-  (``autopar.passes.annotate.single_device_step``); nothing is fitted per row.
+  (``autopar.passes.eager_step.single_device_step``); nothing is fitted per row.
 
 ``check_calibration()`` returns one :class:`Comparison` per figure; ``format_comparisons`` prints
 them (``examples/check_calibration.py``).
@@ -33,7 +33,8 @@ from autopar.config import PlanConfig
 from autopar.cost.compute import gemm_efficiency
 from autopar.cost.step import StepEstimate
 from autopar.passes import PassContext, run_passes
-from autopar.passes.annotate import StepOptions, annotate_cost, annotate_tensors, single_device_step
+from autopar.passes.annotate import annotate_cost, annotate_tensors
+from autopar.passes.eager_step import StepOptions, single_device_step
 
 __all__ = [
     "REFERENCE_DIR",

@@ -39,7 +39,7 @@ R = Replicate()
 
 
 class StepKind(str, enum.Enum):
-    """One collective (or local op) of a reshard. Its cost is ``autopar.cost.reshard``'s, its
+    """One collective (or local op) of a reshard. Its cost is ``autopar.cost.reshard_cost``'s, its
     differentiable op ``autopar.program.collectives.STEP_OPS``'s: one table each."""
 
     ALL_GATHER = "all_gather"

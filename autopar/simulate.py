@@ -154,7 +154,7 @@ def stage_costs(
         if r.grad_sync_axes and kind.get(r.producer) == "param":
             # A weight's gradient: reduced beside the backward, once per step (data parallel).
             # A ZeRO parameter gathered for use (the edge's time is the all-gather and the
-            # gradient's reduce-scatter, equal volumes, ``cost.reshard.edge_cost``): stage 3
+            # gradient's reduce-scatter, equal volumes, ``cost.reshard_cost.edge_cost``): stage 3
             # gathers and reduces every micro-batch; stages 1 and 2 gather once per step after
             # the optimizer (``param_gather``), stage 1 reduce-scatters its accumulated gradient
             # once per step (Megatron-LM's distributed optimizer), stage 2 every micro-batch.

@@ -96,148 +96,85 @@ def _hf(
     )  # fmt: skip
 
 
-def _mcore_gpt(size: str, layers: int, hidden: int, heads: int) -> ModelSpec:
-    """One GPT of Megatron-Core's weak-scaling table (NVIDIA/Megatron-LM README, r0.8.0): a GeLU
-    MLP of 4·h, vocabulary 131072, sequence 4096, untied input and output embeddings."""
-    return _gpt(
-        f"mcore-gpt-{size.lower()}",
-        f"GPT {size} of Megatron-Core's weak-scaling table on H100 (Megatron-LM README, 2024)",
-        vocab_size=131072, block_size=4096, n_layer=layers, n_head=heads, n_embd=hidden, tie_embeddings=False,
-    )  # fmt: skip
-
+_GPT = (
+    # name, summary, vocabulary, sequence, layers, heads, width
+    ("gpt-tiny", "a 2-layer, 64-wide GPT for trying things out", 256, 64, 2, 4, 64),
+    ("gpt2", "GPT-2 small, 124M (Radford et al. 2019)", 50257, 1024, 12, 12, 768),
+    ("gpt2-xl", "GPT-2 XL, 1.5B (Radford et al. 2019)", 50257, 1024, 48, 25, 1600),
+    ("gpt3-175b", "GPT-3 175B (Brown et al. 2020, Table 2.1)", 50257, 2048, 96, 96, 12288),
+)  # fmt: skip
+"""autopar's own GPTs (``autopar.models.GPT``) from their papers' configurations."""
 
 _MCORE_GPT = (
     ("1.7B", 24, 2048, 16), ("7.1B", 30, 4096, 32), ("16B", 32, 6144, 48), ("32B", 48, 7168, 56),
     ("70B", 84, 8192, 64), ("119B", 92, 10240, 80), ("177B", 96, 12288, 96), ("314B", 96, 16384, 128),
     ("462B", 112, 18432, 144),
 )  # fmt: skip
+"""Megatron-Core's weak-scaling table (NVIDIA/Megatron-LM README, r0.8.0): size, layers, hidden,
+heads of a GPT with a GeLU MLP of 4·h, vocabulary 131072, sequence 4096, untied embeddings."""
+
+
+def _gpt_row(
+    name: str, summary: str, vocab: int, seq: int, layers: int, heads: int, width: int, **extra: Any
+) -> ModelSpec:
+    """One row of ``_GPT`` (``extra``: further ``GPTConfig`` fields)."""
+    return _gpt(name, summary, vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width,
+                **extra)  # fmt: skip
+
+
+def _mcore_gpt(size: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """One GPT of ``_MCORE_GPT``."""
+    summary = f"GPT {size} of Megatron-Core's weak-scaling table on H100 (Megatron-LM README, 2024)"
+    return _gpt_row(
+        f"mcore-gpt-{size.lower()}", summary, 131072, 4096, layers, heads, hidden, tie_embeddings=False
+    )
+
 
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                tie_word_embeddings=False, use_cache=False, bos_token_id=128000, eos_token_id=128001)  # fmt: skip
+
+
+def _llama3(size: str, hidden: int, ffn: int, layers: int, heads: int) -> ModelSpec:
+    """Llama 3 of one size (Meta's model card): grouped-query attention with 8 key-value heads."""
+    return _hf(
+        f"llama3-{size.lower()}", f"Llama 3 {size} (Meta, model card)", kind="causal-lm", cls="LlamaForCausalLM",
+        seq=8192, max_seq="max_position_embeddings", hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, **_LLAMA3,
+    )  # fmt: skip
+
+
+_MIXTRAL = _hf(
+    "mixtral-8x7b", "Mixtral 8x7B, 47B parameters, 13B active (Jiang et al. 2024)",
+    kind="causal-lm", cls="MixtralForCausalLM", seq=4096, max_seq="max_position_embeddings",
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    use_cache=False,
+)  # fmt: skip
+_T5 = _hf(
+    "t5-base", "T5 base, 223M, encoder-decoder (Raffel et al. 2020)",
+    kind="seq2seq-lm", cls="T5ForConditionalGeneration", seq=512, layers_field="num_layers",
+    vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_decoder_layers=12,
+    num_heads=12, use_cache=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+)  # fmt: skip
+_VIT = _hf(
+    "vit-base", "ViT-B/16, 86M, 224×224 images (Dosovitskiy et al. 2021)",
+    kind="image-classifier", cls="ViTForImageClassification", seq=224,
+    hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+    image_size=224, patch_size=16, num_labels=1000,
+)  # fmt: skip
 
 ZOO: Mapping[str, ModelSpec] = MappingProxyType(
     {
         s.name: s
         for s in (
-            _gpt(
-                "gpt-tiny",
-                "a 2-layer, 64-wide GPT for trying things out",
-                vocab_size=256,
-                block_size=64,
-                n_layer=2,
-                n_head=4,
-                n_embd=64,
-            ),
-            _gpt(
-                "gpt2",
-                "GPT-2 small, 124M (Radford et al. 2019)",
-                vocab_size=50257,
-                block_size=1024,
-                n_layer=12,
-                n_head=12,
-                n_embd=768,
-            ),
-            _gpt(
-                "gpt2-xl",
-                "GPT-2 XL, 1.5B (Radford et al. 2019)",
-                vocab_size=50257,
-                block_size=1024,
-                n_layer=48,
-                n_head=25,
-                n_embd=1600,
-            ),
-            _gpt(
-                "gpt3-175b",
-                "GPT-3 175B (Brown et al. 2020, Table 2.1)",
-                vocab_size=50257,
-                block_size=2048,
-                n_layer=96,
-                n_head=96,
-                n_embd=12288,
-            ),
+            *(_gpt_row(*row) for row in _GPT),
             *(_mcore_gpt(*row) for row in _MCORE_GPT),
-            _hf(
-                "llama3-8b",
-                "Llama 3 8B (Meta, model card)",
-                kind="causal-lm",
-                cls="LlamaForCausalLM",
-                seq=8192,
-                max_seq="max_position_embeddings",
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                **_LLAMA3,
-            ),
-            _hf(
-                "llama3-70b",
-                "Llama 3 70B (Meta, model card)",
-                kind="causal-lm",
-                cls="LlamaForCausalLM",
-                seq=8192,
-                max_seq="max_position_embeddings",
-                hidden_size=8192,
-                intermediate_size=28672,
-                num_hidden_layers=80,
-                num_attention_heads=64,
-                num_key_value_heads=8,
-                **_LLAMA3,
-            ),
-            _hf(
-                "mixtral-8x7b",
-                "Mixtral 8x7B, 47B parameters, 13B active (Jiang et al. 2024)",
-                kind="causal-lm",
-                cls="MixtralForCausalLM",
-                seq=4096,
-                max_seq="max_position_embeddings",
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                num_local_experts=8,
-                num_experts_per_tok=2,
-                max_position_embeddings=32768,
-                rope_theta=1e6,
-                rms_norm_eps=1e-5,
-                tie_word_embeddings=False,
-                use_cache=False,
-            ),
-            _hf(
-                "t5-base",
-                "T5 base, 223M, encoder-decoder (Raffel et al. 2020)",
-                kind="seq2seq-lm",
-                cls="T5ForConditionalGeneration",
-                seq=512,
-                layers_field="num_layers",
-                vocab_size=32128,
-                d_model=768,
-                d_kv=64,
-                d_ff=3072,
-                num_layers=12,
-                num_decoder_layers=12,
-                num_heads=12,
-                use_cache=False,
-                decoder_start_token_id=0,
-                pad_token_id=0,
-                eos_token_id=1,
-            ),
-            _hf(
-                "vit-base",
-                "ViT-B/16, 86M, 224×224 images (Dosovitskiy et al. 2021)",
-                kind="image-classifier",
-                cls="ViTForImageClassification",
-                seq=224,
-                hidden_size=768,
-                num_hidden_layers=12,
-                num_attention_heads=12,
-                intermediate_size=3072,
-                image_size=224,
-                patch_size=16,
-                num_labels=1000,
-            ),
+            _llama3("8B", 4096, 14336, 32, 32),
+            _llama3("70B", 8192, 28672, 80, 64),
+            _MIXTRAL,
+            _T5,
+            _VIT,
         )
     }
 )

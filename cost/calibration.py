@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from autopar.cluster import Cluster, Link
+from autopar.cluster import Cluster
 from autopar.cost.compute import KernelKind, TensorArg, kernel_time, op_kernels
 from autopar.cost.fit import fit_alpha_beta
 from autopar.cost.optimizer import optimizer_step_time
+from autopar.devices import Link
 
 __all__ = ["fit_local"]
 

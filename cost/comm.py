@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from autopar.cluster import Link
+from autopar.devices import Link
 
 __all__ = [
     "Group",

@@ -47,7 +47,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cluster import DeviceSpec
+from autopar.devices import DeviceSpec
 from autopar.graph import OpFamily, op_info
 
 __all__ = [

@@ -26,8 +26,8 @@ bookkeeping, exposed because a step is timed between synchronisations).
 
 from __future__ import annotations
 
-from autopar.cluster import DeviceSpec
 from autopar.cost.memory import OPTIMIZER_MOMENTS
+from autopar.devices import DeviceSpec
 
 __all__ = ["optimizer_bytes_per_param", "optimizer_step_time"]
 

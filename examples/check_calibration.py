@@ -5,7 +5,7 @@
 
 Matmul rows check the GEMM efficiency curve; training-step rows build the model on the meta device,
 capture it and predict one eager step (forward + backward, AdamW(fused=True), peak memory) with
-``autopar.passes.annotate.single_device_step`` — the same figures ``tests/test_cost_calibration.py``
+``autopar.passes.eager_step.single_device_step`` — the same figures ``tests/test_cost_calibration.py``
 holds within ±10 %.
 """
 

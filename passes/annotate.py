@@ -1,5 +1,5 @@
 """Annotation passes: tensor facts and single-device costs for every node, and the single-device
-training step they add up to.
+training step they add up to (``autopar.passes.eager_step``).
 
 ``annotate_tensors`` writes :class:`autopar.ir.TensorInfo` (shape, dtype, module, layer pattern,
 whether a gradient flows, the node's role). ``annotate_cost`` writes :class:`autopar.ir.NodeCost`:
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +44,6 @@ from torch.fx import GraphModule, Node
 
 from autopar.cost.compiled import chain_share_kernels
 from autopar.cost.compute import OpKernels, TensorArg, kernel_time, op_kernels
-from autopar.cost.memory import state_bytes_per_param
-from autopar.cost.optimizer import optimizer_step_time
-from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
@@ -57,11 +53,11 @@ from autopar.passes.fusion import FUSION, fused_kernels, fused_saved_bytes, fusi
 __all__ = [
     "FACTS",
     "OpFacts",
-    "StepOptions",
     "annotate_cost",
     "annotate_tensors",
     "attention_mask",
     "extra_saved_bytes",
+    "grad_flows",
     "grad_sync_share",
     "is_alias",
     "node_kernels",
@@ -70,7 +66,8 @@ __all__ = [
     "saved_inputs",
     "saves_inputs",
     "saves_output",
-    "single_device_step",
+    "storage_views",
+    "tensor_bytes",
     "value_is_saved",
 ]
 
@@ -146,11 +143,13 @@ def annotate_tensors(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 
 # ------------------------------------------------------------------------------- tensors
-def _nbytes(t: torch.Tensor) -> float:
+def tensor_bytes(t: torch.Tensor) -> float:
+    """Bytes of ``t``'s elements."""
     return float(math.prod(t.shape)) * t.element_size()
 
 
-def _rg(node: Node) -> bool:
+def grad_flows(node: Node) -> bool:
+    """A gradient flows into ``node``'s value (``TensorInfo.requires_grad``)."""
     info = node.meta.get(TENSOR)
     return info is not None and info.requires_grad
 
@@ -212,7 +211,7 @@ def is_alias(node: Node) -> bool:
     return name in ("contiguous", "reshape") and _attention_layout_view(node)
 
 
-def _aliases(owner: Node) -> list[Node]:
+def storage_views(owner: Node) -> list[Node]:
     """``owner`` and every node viewing its storage."""
     out, stack, seen = [], [owner], {owner}
     while stack:
@@ -238,7 +237,7 @@ def _operands(node: Node) -> tuple[int, int] | None:
 
 def saved_inputs(node: Node) -> list[Node]:
     """The tensor inputs autograd keeps for ``node``'s backward (module docstring: saved)."""
-    if node.op != "call_function" or not _rg(node):
+    if node.op != "call_function" or not grad_flows(node):
         return []
     args = ordered_tensor_args(node)
     name = op_name(node)
@@ -246,10 +245,10 @@ def saved_inputs(node: Node) -> list[Node]:
     pair = _operands(node)
     if pair is not None and len(args) > max(pair):
         a, b = args[pair[0]], args[pair[1]]
-        return list(dict.fromkeys([*([a] if _rg(b) else []), *([b] if _rg(a) else [])]))
+        return list(dict.fromkeys([*([a] if grad_flows(b) else []), *([b] if grad_flows(a) else [])]))
     if name in ("div", "div_") and len(args) == 2:
         a, b = args
-        return list(dict.fromkeys([*([a] if _rg(b) else []), b]))
+        return list(dict.fromkeys([*([a] if grad_flows(b) else []), b]))
     if name in ("where", "masked_fill", "masked_fill_"):
         return [i for i in args if not i.meta["val"].is_floating_point()]
     if fam in (OpFamily.EMBEDDING, OpFamily.ROUTING) and saves_inputs(node):
@@ -276,12 +275,12 @@ def _value_is_saved(node: Node, fused: bool = False) -> bool:
         return False
     if node.op == "placeholder" and info.kind in ("param", "buffer"):
         return False
-    for a in _aliases(node):
+    for a in storage_views(node):
         group = a.meta.get(FUSION) if fused else None
         if group is not None:
             if a.name in saved_by_group(group):
                 return True
-        elif saves_output(a) and _rg(a):
+        elif saves_output(a) and grad_flows(a):
             return True
         for user in a.users:
             ugroup = user.meta.get(FUSION) if fused else None
@@ -427,11 +426,11 @@ def _arg(n: Node, grad: bool) -> TensorArg:
 
 def grad_contributions(node: Node) -> int:
     """How many consumers send ``node``'s output a gradient (autograd adds them up)."""
-    if not _rg(node):
+    if not grad_flows(node):
         return 0
-    return sum(1 for u in node.users if u.op == "call_function" and _rg(u) and op_name(u) != "getitem") or (
-        1 if any(_rg(u) for u in node.users) else 0
-    )
+    return sum(
+        1 for u in node.users if u.op == "call_function" and grad_flows(u) and op_name(u) != "getitem"
+    ) or (1 if any(grad_flows(u) for u in node.users) else 0)
 
 
 def grad_sync_share(node: Node) -> float:
@@ -461,7 +460,7 @@ def node_kernels(
     if node.op != "call_function":
         return OpKernels()
     if args is None:
-        args = [_arg(i, _rg(i)) for i in ordered_tensor_args(node)]
+        args = [_arg(i, grad_flows(i)) for i in ordered_tensor_args(node)]
     if outs is None:
         outs = [TensorArg(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in tensor_outputs(node)]
     if fused and FUSION in node.meta:
@@ -476,7 +475,7 @@ def node_kernels(
             extern_grads=role.extern_grads,
             launch_fwd=role.launch_fwd,
             launch_bwd=role.launch_bwd,
-            requires_grad=_rg(node),
+            requires_grad=grad_flows(node),
             reread=role.reread,
             view=role.view,
             shared_grad=role.shared_grad,
@@ -486,7 +485,7 @@ def node_kernels(
         op_name(node),
         args,
         outs,
-        requires_grad=_rg(node),
+        requires_grad=grad_flows(node),
         alias=f.alias,
         causal=f.causal,
         masked=f.masked,
@@ -509,7 +508,7 @@ def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
         info = node.meta.get(TENSOR)
         if info is None:
             continue
-        out_bytes = sum(_nbytes(o) for o in tensor_outputs(node))
+        out_bytes = sum(tensor_bytes(o) for o in tensor_outputs(node))
         node.meta.pop(FACTS, None)
         node.meta[FACTS] = op_facts(node, fused)
         if node.op != "call_function":
@@ -525,237 +524,3 @@ def annotate_cost(gm: GraphModule, ctx: PassContext) -> GraphModule:
         saved = (out_bytes if value_is_saved(node) else 0.0) + extra_saved_bytes(node, fused)
         node.meta[COST] = NodeCost(ks.fwd_flops, ks.bwd_flops, ks.fwd_bytes, out_bytes, saved, fwd, bwd)
     return gm
-
-
-# ------------------------------------------------------------------------------- one step
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepOptions:
-    """How the single-device step is run (the reference measurement's setup by default)."""
-
-    optimizer: str = "adamw"
-    fused: bool = True
-    """``AdamW(fused=True)``; ``False``: the foreach implementation."""
-    master_weights: bool = False
-    """An fp32 master copy of low-precision weights (mixed precision)."""
-    state_bytes: int | None = None
-    """Bytes per optimizer-moment element; ``None``: as ``autopar.cost.memory`` defaults."""
-
-
-def _pass_through(node: Node, i: Node) -> bool:
-    """Backward hands ``node``'s output gradient to input ``i`` unchanged (no new tensor)."""
-    name = op_name(node)
-    fam = op_family(node)
-    if name in ("expand", "slice", "narrow", "select", "split", "split_with_sizes", "chunk", "unbind"):
-        return False
-    if fam is OpFamily.VIEW and (is_alias(node) or name in ("cat", "concat", "stack")):
-        return True
-    if name in ("contiguous", "clone", "alias", "detach", "getitem") or (
-        name in ("to", "_to_copy", "type_as") and is_alias(node)
-    ):
-        return True
-    if name in ("add", "add_", "sub", "sub_"):
-        args = ordered_tensor_args(node)
-        same = i.meta["val"].shape == node.meta["val"].shape
-        return same and (name.startswith("add") or (args and args[0] is i))
-    return False
-
-
-def _bwd_workspace(node: Node) -> float:
-    """Bytes a node's backward holds besides the gradients it returns."""
-    fam = op_family(node)
-    args = ordered_tensor_args(node)
-    if fam is OpFamily.ATTENTION and args and _rg(args[0]):
-        return 4.0 * math.prod(args[0].meta["val"].shape)  # dQ accumulated in fp32
-    if fam is OpFamily.LOSS and op_name(node) != "mse_loss" and args:
-        return _nbytes(args[0].meta["val"])  # the log-probabilities' gradient
-    return 0.0
-
-
-def single_device_step(gm: GraphModule, ctx: PassContext, options: StepOptions | None = None) -> StepEstimate:
-    """One eager training step of the annotated graph on one device of ``ctx.cluster``: forward,
-    ``loss.backward()``, ``optimizer.step()`` (module docstring; ``autopar.cost.step``).
-
-    What it models: every op of the captured graph and the kernels eager PyTorch runs for it
-    forward and backward, the host's time to issue them, autograd's gradient additions, the
-    optimizer update; memory as allocated and freed in that order, gradients set to ``None``
-    between steps (``zero_grad()``'s default), optimizer state present (a step after the first).
-    What it does not: ops hidden inside higher-order ops (their outputs are costed as one write),
-    the caching allocator's fragmentation, and anything outside the graph (data loading, logging).
-    """
-    opts = options or StepOptions(optimizer=ctx.config.optimizer, master_weights=ctx.mixed_precision)
-    device = ctx.cluster.device
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-
-    # -- training state and inputs: alive throughout
-    params = [
-        n for n in nodes if n.op == "placeholder" and TENSOR in n.meta and n.meta[TENSOR].kind == "param"
-    ]
-    trainable = [p for p in params if p.meta[TENSOR].requires_grad]
-    param_bytes = sum(_nbytes(p.meta["val"]) for p in params)
-    numel = sum(float(math.prod(p.meta["val"].shape)) for p in trainable)
-    pbytes = trainable[0].meta["val"].element_size() if trainable else 4
-    sb = state_bytes_per_param(
-        pbytes, optimizer=opts.optimizer, master_weights=opts.master_weights, state_bytes=opts.state_bytes
-    )
-    state = numel * sb.optimizer
-    resident = sum(
-        _nbytes(n.meta["val"])
-        for n in nodes
-        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-    )
-    mem = MemoryTrace(resident + state)
-
-    # -- storages: owner, bytes, last forward use, savers
-    owner: dict[Node, Node] = {}
-    for n in nodes:
-        if isinstance(n.meta.get("val"), torch.Tensor) and n not in owner:
-            for a in _aliases(n):
-                owner.setdefault(a, n)
-    last_use: dict[Node, int] = {}
-    savers: dict[Node, list[Node]] = defaultdict(list)
-    outputs: set[Node] = set()
-    for n in nodes:
-        if n.op == "output":
-            outputs |= {owner.get(i, i) for i in n.all_input_nodes}
-            continue
-        for i in n.all_input_nodes:
-            o = owner.get(i)
-            if o is not None:
-                last_use[o] = max(last_use.get(o, 0), index[n])
-        for i in saved_inputs(n):
-            o = owner.get(i)
-            if o is not None and o.op != "placeholder":
-                savers[o].append(n)
-        if saves_output(n) and _rg(n) and n in owner:
-            savers[owner[n]].append(n)
-    release_at: dict[Node, list[Node]] = defaultdict(list)  # backward node -> storages it frees
-    for o, ss in savers.items():
-        release_at[min(ss, key=index.__getitem__)].append(o)
-
-    # -- forward
-    events: list[tuple[float, float]] = []
-    kernels = 0
-    fwd_dev = 0.0
-    bwd_kernels: dict[Node, OpKernels] = {}
-    frees: dict[int, list[Node]] = defaultdict(list)
-    for o, i in last_use.items():
-        if o.op != "placeholder" and o not in savers and o not in outputs:
-            frees[i].append(o)
-    for n in nodes:
-        if n.op != "call_function":
-            continue
-        ks = node_kernels(n, tf32=ctx.config.matmul_tf32)
-        bwd_kernels[n] = ks
-        dev = sum(kernel_time(k, device) for k in ks.fwd)
-        fwd_dev += dev
-        kernels += len(ks.fwd)
-        events.append((device.host_overhead, dev))
-        if owner.get(n) is n and isinstance(n.meta.get("val"), torch.Tensor):
-            mem.alloc(_nbytes(n.meta["val"]), f"forward of {n.name}")
-        elif owner.get(n) is None:  # a multi-output op: its results own themselves (getitem)
-            pass
-        mem.alloc(extra_saved_bytes(n), f"forward of {n.name}")
-        if op_family(n) is OpFamily.LOSS and op_name(n) != "mse_loss":
-            ws = _bwd_workspace(n)  # the log-probabilities, made and then kept as the saved value
-            mem.alloc(ws, f"forward of {n.name}")
-            mem.free(ws)
-        for o in frees.get(index[n], ()):
-            mem.free(_nbytes(o.meta["val"]))
-    t_fwd, host_fwd = eager_time(events)
-    activations = sum(_nbytes(o.meta["val"]) for o in savers) + sum(extra_saved_bytes(n) for n in nodes)
-
-    # -- backward: reverse order, gradients as refcounted tensors
-    live: dict[int, list[float]] = {}
-    grads: dict[Node, list[int]] = defaultdict(list)
-    counter = iter(range(1 << 62))
-
-    def new(nbytes: float, what: str) -> int:
-        t = next(counter)
-        live[t] = [nbytes, 1]
-        mem.alloc(nbytes, what)
-        return t
-
-    def unref(t: int) -> None:
-        live[t][1] -= 1
-        if live[t][1] == 0:
-            mem.free(live.pop(t)[0])
-
-    for o in outputs:  # loss.backward(): only the scalar loss gets a gradient
-        if _rg(o) and math.prod(o.meta["val"].shape) == 1:
-            grads[o].append(new(_nbytes(o.meta["val"]), "loss gradient"))
-    param_grad: dict[Node, int] = {}
-    bwd_events: list[tuple[float, float]] = []
-    bwd_dev = 0.0
-    for n in reversed(nodes):
-        if n.op == "placeholder" and n in grads:
-            ts = grads.pop(n)  # AccumulateGrad: the first becomes .grad, the others are added in
-            for t in ts:
-                if n not in param_grad:
-                    param_grad[n] = t
-                else:
-                    unref(t)
-            continue
-        if n.op != "call_function" or not _rg(n):
-            for o in release_at.pop(n, ()):
-                mem.free(_nbytes(o.meta["val"]))
-            continue
-        ts = grads.pop(n, [])
-        what = f"backward of {n.name}"
-        ks = bwd_kernels[n]
-        if ts:
-            dev = sum(kernel_time(k, device) for k in ks.bwd)
-            bwd_dev += dev
-            kernels += len(ks.bwd)
-            bwd_events.extend((device.host_overhead, kernel_time(k, device)) for k in ks.bwd)
-            for t in ts[1:]:  # accumulated into the first
-                unref(t)
-            g = ts[0]
-            ws = new(_bwd_workspace(n), what)
-            ins = [n.args[0]] if op_name(n) == "getitem" else ordered_tensor_args(n)
-            for i in dict.fromkeys(ins):
-                if not _rg(i):
-                    continue
-                if _pass_through(n, i):
-                    live[g][1] += 1
-                    grads[i].append(g)
-                else:
-                    grads[i].append(new(_nbytes(i.meta["val"]), what))
-            unref(ws)
-            unref(g)
-        mem.free(extra_saved_bytes(n))
-        for o in release_at.pop(n, ()):
-            mem.free(_nbytes(o.meta["val"]))
-    t_all, host_all = eager_time(bwd_events, start=t_fwd)
-    host_all = max(host_all, host_fwd)
-    backward = max(t_all, host_all) - t_fwd
-    grad_bytes = sum(live[t][0] for t in set(param_grad.values()) if t in live)
-
-    # -- optimizer step: parameters, gradients and state alive; foreach keeps a denominator list
-    if not opts.fused and opts.optimizer in ("adam", "adamw"):
-        s = opts.state_bytes if opts.state_bytes is not None else (4 if opts.master_weights else pbytes)
-        mem.alloc(numel * s, "optimizer step (foreach denominators)")
-    opt_time = optimizer_step_time(
-        numel,
-        len(trainable),
-        pbytes,
-        device,
-        optimizer=opts.optimizer,
-        state_bytes=opts.state_bytes,
-        master_weights=opts.master_weights,
-        fused=opts.fused,
-    )
-    return StepEstimate(
-        forward=max(t_fwd, host_fwd),
-        backward=backward,
-        optimizer=opt_time,
-        peak_memory=mem.peak,
-        peak_at=mem.where,
-        parameters=param_bytes,
-        gradients=grad_bytes,
-        optimizer_state=state,
-        activations=activations,
-        kernels=kernels,
-        device_time=fwd_dev + bwd_dev,
-        host_time=host_all,
-    )

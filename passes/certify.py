@@ -38,7 +38,7 @@ from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard, Spec, divides, format_spec, parse_spec
 from autopar.planfile import NodePlan, Plan
 from autopar.rules import AxisStrategy, axis_strategies, block_hints
-from autopar.rules.routing import MoERegion, moe_regions, region_strategies
+from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
 
 __all__ = ["CertificateError", "certify"]
 

@@ -13,7 +13,7 @@ Steps (the solver's formulation, ``autopar.solver``, reads the result):
    holds at once. Where every decision at its least memory already exceeds the budget, no plan
    fits and step 4 is skipped (``StrategyGraph.complete``).
 4. **edges** — every producer→consumer input becomes a cost matrix over producer output groups
-   and consumer (input spec, split) groups (``autopar.cost.reshard.edge_cost``); identical edges
+   and consumer (input spec, split) groups (``autopar.cost.reshard_cost.edge_cost``); identical edges
    of repeated layers are costed once and counted; an edge inside one decision is folded into its
    unary terms. A value read by several consumers has its gradients summed and synchronized once
    (a tied embedding and LM head), so each of its edges pays its share of that all-reduce
@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.capture import Captured
 from autopar.config import PlanConfig
-from autopar.cost.reshard import edge_cost, kept_gather_bytes
+from autopar.cost.reshard_cost import edge_cost, kept_gather_bytes
 from autopar.graph import tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh

@@ -45,7 +45,7 @@ from autopar.passes.chain_records import CHAIN, compile_assumed
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.placement import Partial, Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
-from autopar.rules.routing import MoERegion, moe_regions, region_strategies
+from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
 
 __all__ = ["annotate_strategies", "getitem_strategies", "tie_key", "unruled_ops", "with_follow"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import Cluster, DeviceSpec, Link
-from autopar.cluster import GiB
+from autopar.devices import GiB
 
 
 def test_presets_carry_published_figures():

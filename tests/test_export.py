@@ -19,7 +19,8 @@ import autopar
 from autopar import layouts, zoo
 from autopar.cli import main
 from autopar.cluster import Cluster
-from autopar.export import export, nearest_layout, parse_megatron_args, to_megatron, weight_differences
+from autopar.export import export, nearest_layout, to_megatron, weight_differences
+from autopar.megatron_parse import parse_megatron_args
 
 CLUSTER = Cluster.preset("H100-SXM", gpus_per_node=8, nodes=1)
 

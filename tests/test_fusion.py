@@ -33,7 +33,7 @@ from torch import nn
 import autopar
 from autopar.capture import capture
 from autopar.cost.compute import itemsize
-from autopar.cost.fusion import PARTIAL_ROWS
+from autopar.cost.fused_traffic import PARTIAL_ROWS
 from autopar.graph import op_name, outer_instance
 from autopar.ir import COST, Rewrite
 from autopar.passes import PassContext, run_passes

@@ -2,7 +2,7 @@
 
 The cost model prices a weight gradient synced over two data-parallel axes (``dp0 × dp1``, or a
 sequence-parallel axis beside a data-parallel one) as one all-reduce over both, bucketed like
-DDP's (``cost.reshard.edge_cost``). The per-rank program used to all-reduce it once per axis, and
+DDP's (``cost.reshard_cost.edge_cost``). The per-rank program used to all-reduce it once per axis, and
 only the last of those was bucketed: the planner's 4-process "auto" plan (``dp0=2 × dp1=2``,
 predicted as fast as ``dp=4``) measured 18 % slower than ``dp=4``. ``mesh_axes`` now makes a group
 over each set of axes (``AxisGroup.combined``) and ``lower`` syncs over it.

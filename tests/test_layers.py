@@ -6,7 +6,7 @@ Layers, bottom to top — a module may import its own group or any lower layer, 
 and two groups of one layer never import each other:
 
 0. data — placements, the typed node records (``autopar.ir``), graph helpers and the op table, the
-   cluster, the captured program, reshard steps, the Plan record, the strategy graph, schedules,
+   cluster and its devices, the captured program, reshard steps, the Plan record, the strategy graph, schedules,
    example models, the reference data;
 1. cost — every formula (``autopar.cost``), the mesh with its collective costs, the config |
    program (``autopar.program``: what a per-rank program calls — collectives on a mesh axis, the
@@ -49,10 +49,10 @@ APART = {
     ("runtime", "cost"): "the runtime measures; autopar.cost fits and predicts",
 }
 """Group pairs whose arrow the levels allow but the design forbids, and why."""
-DATA = {"placement", "graph", "ir", "cluster", "capture", "canonical", "microbatch", "input_bounds", "reshard", "planfile", "strategy_graph", "display",
-        "schedule", "models", "reference_data"}  # fmt: skip
+DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "microbatch", "input_bounds", "reshard",
+        "planfile", "strategy_graph", "display", "schedule", "models", "reference_data"}  # fmt: skip
 COST = {"mesh", "config"}
-PLANNER = {"planner", "mesh_pool", "plan_record", "layouts", "simulate", "search", "audit"}
+PLANNER = {"planner", "mesh_pool", "plan_record", "layouts", "simulate", "search", "audit", "audit_figures"}
 
 
 def group_of(module: str) -> str:

@@ -16,7 +16,7 @@ from _runtime_helpers import CollectiveLog, compare_training, make_optimizer, tr
 
 import autopar
 from autopar.mesh import Mesh
-from autopar.rules.routing import moe_regions
+from autopar.rules.moe_regions import moe_regions
 from autopar.runtime.launch import spawn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))

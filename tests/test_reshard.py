@@ -13,7 +13,7 @@ import torch
 
 from autopar import Cluster
 from autopar.cost.comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
-from autopar.cost.reshard import edge_cost, reshard_cost
+from autopar.cost.reshard_cost import edge_cost, reshard_cost
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard, divides, local_shape, parse_spec, shard_slices
 from autopar.reshard import reshard_steps

@@ -34,7 +34,8 @@ from autopar.passes.annotate import annotate_tensors
 from autopar.placement import Partial, Replicate, Shard
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, plan_captured
-from autopar.rules.routing import grouped_mm_operands, moe_regions
+from autopar.rules.moe_regions import moe_regions
+from autopar.rules.routing import grouped_mm_operands
 
 __all__ = ["fsdp", "megatron", "megatron_mesh", "megatron_pipelined", "megatron_static_bytes"]
 
@@ -138,7 +139,7 @@ def megatron(
     the experts (their data-parallel group, ``tp · dp / ep`` ranks with expert tensor parallel
     size 1) — its gradients accumulated whole over the micro-batches and reduce-scattered once
     per step, its weights all-gathered once after the step. Planned as ZeRO stage 1 on those axes
-    (``autopar.cost.memory``: Megatron's full-size gradient buffer; ``autopar.cost.reshard``: the
+    (``autopar.cost.memory``: Megatron's full-size gradient buffer; ``autopar.cost.reshard_cost``: the
     reduce-scatter and all-gather, once per step in ``autopar.simulate``). Weights are still read
     whole on those axes (gathered), never split there.
 

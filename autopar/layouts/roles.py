@@ -21,7 +21,8 @@ from torch.fx import Node
 
 from autopar.graph import OpFamily, op_family, op_info, op_name
 from autopar.ir import TENSOR
-from autopar.rules.routing import grouped_mm_operands, moe_regions
+from autopar.rules.moe_regions import moe_regions
+from autopar.rules.routing import grouped_mm_operands
 
 __all__ = ["expert_weights", "is_rms_mean", "megatron_weight_roles", "residual_adds", "weight_of"]
 
@@ -116,7 +117,7 @@ def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:
 
 def expert_weights(graph: torch.fx.Graph) -> dict[str, int]:
     """``{param_fqn: number of experts}`` for the experts' weights of every mixture-of-experts
-    region (``autopar.rules.routing.moe_regions``): a grouped matmul's weight, followed back
+    region (``autopar.rules.moe_regions.moe_regions``): a grouped matmul's weight, followed back
     through views and casts to its parameter, whose dimension 0 is the experts."""
     out = {}
     for region in moe_regions(graph):

@@ -8,7 +8,7 @@ tensor divides evenly (``autopar.passes.strategies``).
 
 Rules are written by op *family*, one module each, never per model: ``pointwise``, ``views``,
 ``matmul``, ``reductions`` (with softmax), ``norms``, ``embedding``, ``attention``, ``conv``,
-``losses``, ``routing`` (top-k, sort, scatters and gathers, and mixture-of-experts regions); ``blocks`` finds where a fused weight wants block sharding. ``base`` holds the
+``losses``, ``routing`` (top-k, sort, scatters and gathers), ``moe_regions`` (mixture-of-experts regions placed as wholes); ``blocks`` finds where a fused weight wants block sharding. ``base`` holds the
 registry. Ops with no rule run replicated (a single warning names them): always correct. A
 strategy may carry a :class:`autopar.ir.Rewrite`: the lowering (``autopar.passes.lower``) then
 runs a local form of the op, e.g. a mean over a sharded dimension becomes a local mean divided
