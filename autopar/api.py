@@ -1,5 +1,6 @@
 """The user's entry points, composing the layers below: ``plan`` (capture → planner),
-``parallelize`` (capture → plan or broadcast → lowering → ``ParallelModule``) and
+``parallelize`` (capture → plan or broadcast → ``ParallelModule`` → the per-rank compiler's step,
+``autopar.passes.rank_compiler``) and
 ``measure_local`` (the runtime measures this machine, the cost model is fitted to it).
 
 Every planning option travels as one ``PlanConfig`` (``config=``, or its fields as keyword
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -20,15 +21,12 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.planfile import Plan
-from autopar.program.records import StepProgram, group_names
-from autopar.runtime.module import (
-    ParallelModule,
-    broadcast_plan,
-    check_world,
-    device_for_backend,
-    mesh_axes,
-)
+from autopar.runtime.module import ParallelModule
 from autopar.runtime.monitor import DEFAULT_TIMEOUT
+from autopar.runtime.world import RankWorld, broadcast_plan, check_world, device_for_backend, join_mesh
+
+if TYPE_CHECKING:
+    from autopar.passes.rank_compiler import RankTarget
 
 __all__ = ["measure_local", "parallelize", "plan"]
 
@@ -108,274 +106,108 @@ def parallelize(
     rank cannot compile one, every rank runs the eager programs and one warning says why.
     ``compile=None`` (the default): as the plan says (``Plan.compile``, set by planning with
     ``compile=True``: ``PlanConfig.compile``, whose step the plan's prediction is).
+
+    The step is built by the per-rank compiler (``autopar.passes.rank_compiler``: lowering, the
+    stage cut, fused kernels, the traced step, the rank-program passes, Inductor), a list of passes
+    of which ``disable`` (a ``PlanConfig`` field) turns any but the required ones off by name;
+    ``pm.passes`` lists those that ran.
+    A pipelined plan (``plan.pipeline``): ``plan``'s mesh is the layout inside a stage (it spans
+    ``world / pp`` devices), each pipeline rank runs its stages' actions of the plan's schedule
+    (``autopar.schedule``), and the plan was made for one micro-batch of ``example_inputs`` (the
+    global batch cut in ``microbatches`` along dimension 0).
     """
     import torch.distributed as dist
 
-    from autopar.passes.lower import check_plan, lower
+    from autopar.passes import PassContext
+    from autopar.passes.plan_check import check_plan
+    from autopar.passes.rank_compiler import compile_rank
+    from autopar.passes.stage_cut import params_held
 
     config = PlanConfig.build(config, **options)
     check_world(plan, cluster)
     cap = capture(model, example_inputs)
     if plan is None:
-        from autopar.search import plan_model
-
-        if compile:  # the plan predicts the step that will run
-            config = config.replace(compile=True)
-
-        # workers=1: solve the candidate meshes in this process. Forking here is unsafe (the process
-        # group's threads are running) and impossible under a daemonic launcher (``spawn``).
-        plan = broadcast_plan(
-            lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)
+        plan = _plan_on_rank_zero(
+            model, example_inputs, cluster, config.replace(compile=True) if compile else config, cap
         )
-    if compile is None:
-        compile = plan.compile
-    if plan.pipeline is not None:
-        return _parallelize_pipeline(
-            model, cluster, example_inputs, plan, config, timeout, check_inputs, compile
-        )
+    compile = plan.compile if compile is None else compile
+    cap, batch = _captured_as_planned(model, example_inputs, plan, cap)
     check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
-    device = device_for_backend(dist.get_backend())
-    axes, device_mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
-    program = lower(cap, plan, axes, device=device, gather_outputs=gather_outputs, certify=False)
-    pm = ParallelModule(
-        program,
-        plan,
-        cap,
-        axes,
-        model,
-        device,
-        local_inputs=local_inputs,
-        device_mesh=device_mesh,
-        world_group=world_group,
-        timeout=timeout,
-        check_inputs=check_inputs,
-    )
-    step = _capture_step(pm, plan, cluster, config, example_inputs)
-    if compile:
-        _compile_programs(pm, [step] if step is not None else [])
-    if step is not None:
-        pm.set_step(step)
+    world = join_mesh(plan, device_for_backend(dist.get_backend()), timeout)
+    held = params_held(cap, plan, world.pp.coord if world.pp is not None else 0)
+    local = local_inputs and plan.pipeline is None
+    pm = ParallelModule(plan, cap, model, world, local, check_inputs=check_inputs, held=held)
+    target = _rank_target(pm, plan, model, world, batch, gather_outputs, compile)
+    pm.set_step(compile_rank(target, PassContext(captured=cap, cluster=cluster, config=config)))
+    if pm.pipeline is not None:
+        pm.pipeline.predicted = _predicted_rank(plan, world.pp.coord)
     return pm
 
 
-def _capture_step(
-    pm: ParallelModule, plan: Plan, cluster: Cluster, config: PlanConfig, example_inputs: Any
-) -> StepProgram | None:
-    """Replace the fusible groups of this rank's forward program by fused kernels
-    (``autopar.passes.fusion.fuse_kernels``, where they run), then trace the whole training step
-    (forward and backward, every collective a node) and run the rank-program passes over it;
-    where the backward cannot be traced, the forward program runs under autograd (the
-    collectives' backward run as autograd calls them) and one warning names what blocked the
-    capture. Returns the step, not yet bound to ``pm`` (``None``: nothing was captured)."""
-    import warnings
+def _plan_on_rank_zero(
+    model: nn.Module, example_inputs: Any, cluster: Cluster, config: PlanConfig, cap: Any
+) -> Plan:
+    """Rank 0 plans, every rank gets its plan (``broadcast_plan``). ``workers=1``: the candidate
+    meshes are solved in this process. Forking here is unsafe (the process group's threads are
+    running) and impossible under a daemonic launcher (``spawn``)."""
+    from autopar.search import plan_model
 
-    from autopar.capture import normalize_inputs
-    from autopar.passes import PassContext, run_passes
-    from autopar.passes.fusion import fuse_kernels, kernels_run
-    from autopar.passes.joint import PrimalInfo, RankInfo, build_step
-    from autopar.passes.pipeline import propagate_fake
-
-    args, kwargs = normalize_inputs(example_inputs)
-    ctx = PassContext(captured=pm.captured, cluster=cluster, config=config)
-    if "fuse_kernels" not in config.disable and kernels_run(pm.device, config):  # the matcher reads shapes
-        for ax in pm.axes:
-            ax.counting = False  # a run on fake tensors: not a step
-        try:
-            propagate_fake(pm.program, pm.primal_values(args, kwargs, local_inputs=False, check=False))
-        except Exception as exc:  # unknown shapes: fuse_kernels leaves the program as it is, and says so
-            warnings.warn(
-                f"autopar: the rank program's shapes could not be propagated ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); its ops run unfused",
-                stacklevel=3,
-            )
-        finally:
-            pm.program._gathered_params.clear()  # ZeRO-3 gathers the fake run registered
-            for ax in pm.axes:
-                ax.counting = True
-    pm.program = run_passes(pm.program, ctx, [fuse_kernels])
-    if not pm.grad_primals():
-        return None  # nothing to train: the forward program is the whole step
-    stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
-    info = RankInfo(
-        primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
-        num_outputs=0,
-        axis_names=group_names(pm.axes),
-        recompute=plan.recompute,
-        **(_recompute_info(pm.captured, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
-    )
-    for ax in pm.axes:
-        ax.counting = False  # tracing runs the collectives' Python code once: not a step
-    try:
-        step = build_step(
-            pm.program, pm.primal_values(args, kwargs, local_inputs=False), pm.grad_primals(), info, ctx
-        )
-    except Exception as exc:  # the step still trains, through autograd: say why, once
-        warnings.warn(
-            f"autopar: the backward could not be captured into the per-rank program "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); training runs the forward "
-            f"program under autograd (correct; collectives are not overlapped by the rank-program passes)",
-            stacklevel=3,
-        )
-        return None
-    finally:
-        for ax in pm.axes:
-            ax.counting = True
-    return step
-
-
-def _compile_programs(pm: ParallelModule, records: list[Any]) -> None:
-    """Compile this rank's step programs (``records``: its ``StepProgram`` or its stages'
-    ``StageStep``s) with Inductor (``autopar.passes.compile``) and agree with every rank on the
-    outcome in one all-gather: all compiled, or — where any rank could not compile, or captured
-    no step — all eager, with one warning (rank 0's: ``parallelize`` shows rank 0's warnings)
-    naming the first such rank, its program and the error. ``pm.compiled`` records it."""
-    import logging
-
-    import torch.distributed as dist
-
-    from autopar.passes.compile import CompileError, compile_records
-    from autopar.program.records import CompileReport
-
-    failure, seconds = "", {}
-    if not records:
-        failure = (
-            "no training step was captured as a program (nothing trainable, or a backward that could not be "
-            "traced: see the warning before this one)"
-        )
-    else:
-        try:
-            seconds = compile_records(records)
-        except CompileError as exc:
-            failure = str(exc)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, failure, group=pm.world_group)
-    failed = [(r, f) for r, f in enumerate(every) if f]
-    if not failed:
-        pm.compiled = CompileReport(compiled=True, seconds=seconds)
-        logging.getLogger("autopar.runtime").info("compile=True: %s", pm.compiled)
-        return
-    for record in records:
-        record.compiled.clear()
-    rank, why = failed[0]
-    others = f" (and on rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-    reason = f"rank {rank}: {why}{others}"
-    pm.compiled = CompileReport(compiled=False, seconds=seconds, reason=reason)
-    warnings.warn(
-        f"autopar: compile=True, but Inductor could not compile the step on {reason}; every rank runs "
-        f"the eager programs (correct, not compiled)",
-        stacklevel=4,
+    return broadcast_plan(
+        lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)
     )
 
 
-def _parallelize_pipeline(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Any,
-    plan: Plan,
-    config: PlanConfig,
-    timeout: float,
-    check_inputs: str | None = "digest",
-    compile: bool = False,
-) -> ParallelModule:
-    """This rank's module for a pipelined plan: ``plan``'s mesh is the layout inside a stage (it
-    spans ``world / pp`` devices), ``plan.pipeline.stage_of`` maps each captured node to its stage
-    (``pp · v`` stages, stage ``s`` on pipeline coordinate ``s mod pp``), and each pipeline rank
-    runs its actions of the plan's schedule (``autopar.schedule``). ``example_inputs`` is one
-    global batch; the plan was made for one micro-batch of it (the global batch cut in
-    ``microbatches`` along dimension 0)."""
-    import torch.distributed as dist
-
+def _captured_as_planned(model: nn.Module, example_inputs: Any, plan: Plan, cap: Any) -> tuple[Any, tuple]:
+    """The captured program ``plan`` was made for, and the batch the compiler reads shapes from as
+    ``(args, kwargs)``: ``cap`` and ``example_inputs`` themselves, or for a pipelined plan the
+    model captured on one micro-batch (as the planner captured it) and that micro-batch."""
     from autopar.capture import microbatch_inputs, normalize_inputs
     from autopar.microbatch import MicrobatchCaptures
-    from autopar.passes import PassContext
-    from autopar.passes.joint import PrimalInfo, RankInfo
-    from autopar.passes.lower import check_plan, lower, program_difference
-    from autopar.passes.pipeline import build_pipeline, propagate_fake
-    from autopar.runtime.pipeline import build_runner
+    from autopar.passes.plan_check import program_difference
 
-    pipe = plan.pipeline
-    assert pipe is not None
-    pp, microbatches, stage_of = pipe.pp, pipe.microbatches, pipe.stage_of
-    actions = pipe.actions()
     args, kwargs = normalize_inputs(example_inputs)
-    micro = microbatch_inputs(args, kwargs, microbatches)
-    world = dist.get_world_size()
-    cap = MicrobatchCaptures(model, (args, kwargs))(microbatches)  # as the planner captured it
+    if plan.pipeline is None:
+        return cap, (args, kwargs)
+    microbatches = plan.pipeline.microbatches
+    cap = MicrobatchCaptures(model, (args, kwargs))(microbatches)
     if cap.fingerprint != plan.fingerprint:
         raise ValueError(
             "the model captured on one micro-batch of these inputs is not the program the plan was made for "
             f"(its fingerprint differs; {program_difference(plan, cap)}): plan again for this model and "
             "batch shape"
         )
-    check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
-    device = device_for_backend(dist.get_backend())
-    axes, device_mesh, world_group = mesh_axes(
-        (pp, *plan.mesh_shape), ("pp", *plan.mesh_axes), device, timeout, stage_from=1
-    )
-    pp_axis, stage_axes = axes[0], axes[1:]
-    program = lower(cap, plan, stage_axes, device=device, stage_of=stage_of, certify=False)
-    # Which parameters this rank's stages read: from the cut program.
-    num_stages = pipe.num_stages
-    phs = [n for n in program.graph.nodes if n.op == "placeholder"]
-    params_of = [set() for _ in range(pp)]  # the parameters each pipeline rank's stages read
-    for n in program.graph.nodes:
-        s = n.meta.get("autopar.stage")
-        if s is not None:
-            params_of[s % pp] |= {i.name for i in n.all_input_nodes if i.name in cap.params}
-    empty = [c for c in range(pp) if not params_of[c]]
-    if empty:  # the same on every rank: each raises, none waits
-        raise ValueError(
-            f"pipeline rank(s) {empty} of this plan hold no parameter (their stages read none): "
-            f"torch.optim.AdamW(pm.parameters()) would raise 'optimizer got an empty parameter list' there. "
-            f"autopar's stage cuts never make such a stage (autopar.passes.stages): plan again, or with fewer "
-            f"pipeline stages"
-        )
-    mine = {s for s in range(num_stages) if s % pp == pp_axis.coord}
-    read = {
-        i.name for n in program.graph.nodes if n.meta.get("autopar.stage") in mine for i in n.all_input_nodes
-    }
-    held = {cap.params.get(p.name, cap.buffers.get(p.name)) for p in phs if p.name in read} - {None}
-    pm = ParallelModule(
-        program, plan, cap, stage_axes, model, device, device_mesh=device_mesh, world_group=world_group,
-        timeout=timeout, held=held, check_inputs=check_inputs,
-    )  # fmt: skip
-    margs, mkwargs = normalize_inputs(micro)
-    example = pm.primal_values(margs, mkwargs, local_inputs=False, check=False)
-    propagate_fake(program, [p if p is not None else _shape_of_unheld(pm, i) for i, p in enumerate(example)])
-    stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
-    info = RankInfo(
-        primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in pm.primal_roles()),
-        num_outputs=0,
-        axis_names=group_names(stage_axes),
-        recompute=plan.recompute,
-        **(_recompute_info(cap, cluster, config, plan.recompute) if plan.recompute != "none" else {}),
-    )
-    ctx = PassContext(captured=cap, cluster=cluster, config=config)
+    return cap, normalize_inputs(microbatch_inputs(args, kwargs, microbatches))
+
+
+def _rank_target(
+    pm: ParallelModule, plan: Plan, model: nn.Module, world: RankWorld, batch: tuple, gather_outputs: bool,
+    compile: bool,
+) -> RankTarget:  # fmt: skip
+    """What the per-rank compiler compiles for (``autopar.passes.rank_compiler.RankTarget``): this
+    rank's place, and its program's inputs for ``batch`` (shapes read; a pipelined plan's
+    parameters held elsewhere given by shape). Without a pipeline the inputs are checked and
+    agreed between the ranks as every call's are."""
+    from autopar.passes.rank_compiler import RankTarget
+
+    roles = pm.primal_roles()
     named = dict(model.named_parameters(remove_duplicate=False))
-    trainable_anywhere = [
-        i for i, (kind, key) in enumerate(pm.primal_roles()) if kind == "param" and named[key].requires_grad
-    ]
-    for ax in axes:
-        ax.counting = False
-    try:
-        rank_stages = build_pipeline(
-            program, example, pm.primal_roles(), pm.grad_primals(), info, ctx, num_stages=num_stages, pp=pp,
-            coord=pp_axis.coord, microbatches=microbatches, trainable_anywhere=trainable_anywhere,
-        )  # fmt: skip
-        runner = build_runner(
-            rank_stages, roles=pm.primal_roles(), trainable=pm.grad_primals(), pp_axis=pp_axis,
-            pp_groups=_pp_groups(pp, world), actions=actions[pp_axis.coord], microbatches=microbatches,
-            timeout=timeout,
-        )  # fmt: skip
-    finally:
-        for ax in axes:
-            ax.counting = True
-    if compile:
-        _compile_programs(pm, list(rank_stages.steps.values()))
-    runner.predicted = _predicted_rank(plan, pp_axis.coord)
-    pm.pipeline = runner
-    pm.microbatches = microbatches
-    return pm
+    pipelined = plan.pipeline is not None
+    return RankTarget(
+        plan=plan,
+        axes=tuple(world.axes),
+        device=world.device,
+        roles=tuple(roles),
+        examples=tuple(pm.example_primals(*batch, check=not pipelined)),
+        trainable=tuple(pm.grad_primals()),
+        trainable_anywhere=tuple(
+            i for i, (kind, key) in enumerate(roles) if kind == "param" and named[key].requires_grad
+        ),
+        pp_coord=world.pp.coord if world.pp is not None else 0,
+        gather_outputs=gather_outputs or pipelined,
+        compile=compile,
+        group=world.world_group,
+        quiet=tuple(world.all_axes),
+    )
 
 
 def _predicted_rank(plan: Plan, coord: int) -> dict[str, float]:
@@ -408,40 +240,3 @@ def measure_local(world_size: int, **options: Any) -> Cluster:
     from autopar.runtime.calibrate import measure
 
     return fit_local(measure(world_size, **options))
-
-
-def _pp_groups(pp: int, world: int) -> list[list[int]]:
-    """The global ranks of every pipeline group (the outermost mesh axis), by coordinate."""
-    return [[c * (world // pp) + i for c in range(pp)] for i in range(world // pp)]
-
-
-def _shape_of_unheld(pm: ParallelModule, i: int) -> Any:
-    """``(shape, dtype, device)`` of a parameter this rank does not hold (only its shape is read:
-    ``propagate_fake`` makes a fake tensor of it, allocating nothing)."""
-    from autopar.placement import local_shape
-
-    _, key = pm.primal_roles()[i]
-    return (local_shape(pm._shapes[key], pm._specs[key], pm._mesh), pm._dtypes_of[key], pm.device)
-
-
-def _recompute_info(cap: Any, cluster: Cluster, config: PlanConfig, mode: str) -> dict[str, Any]:
-    """``RankInfo``'s recomputation fields: captured node name -> the repeated-layer instance it
-    runs in (``transformer.h.3``, from the tensor annotations' module paths), and the captured
-    nodes ``mode`` recomputes (``passes.strategies.recomputed``, the rule the plan was costed by)."""
-    from autopar.graph import outer_instance
-    from autopar.ir import TENSOR
-    from autopar.passes import PassContext, run_passes
-    from autopar.passes.annotate import annotate_tensors
-    from autopar.passes.strategies import recomputed
-
-    if not any(TENSOR in n.meta for n in cap.gm.graph.nodes):
-        run_passes(cap.gm, PassContext(captured=cap, cluster=cluster, config=config), [annotate_tensors])
-    layer_of, sources = {}, set()
-    for n in cap.gm.graph.nodes:
-        info = n.meta.get(TENSOR)
-        if info is None or n.op != "call_function":
-            continue
-        layer_of[n.name] = outer_instance(info.module)
-        if recomputed(n, mode):
-            sources.add(n.name)
-    return {"layer_of": layer_of, "recompute_sources": frozenset(sources)}

@@ -12,7 +12,7 @@ Words:
   ``W`` right after its ``B``; zero-bubble ones place it later, into the bubble (Qi et al.,
   "Zero Bubble Pipeline Parallelism", ICLR 2024).
 * **schedule** — one list of actions per pipeline rank. The runtime executes exactly these lists
-  (``autopar.runtime.pipeline``) and the simulator times exactly these lists
+  (``autopar.runtime.pipeline_runner``) and the simulator times exactly these lists
   (``autopar.cost.timeline``), so prediction and execution cannot disagree on the order.
 
 Schedules:

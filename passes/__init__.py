@@ -10,7 +10,9 @@ mesh, the planning options (``PlanConfig``) and the captured program's placehold
 passed explicitly, never global.
 
 Planning passes (``annotate``, ``strategies``, ``formulate``) write records the solver reads;
-rank-program passes (``lower`` and those after it) build and rewrite this rank's program.
+rank-program passes (``lower`` and those after it) build and rewrite this rank's program: the
+per-rank compiler (``passes.rank_compiler``) runs them as one list, from the Plan to the step
+record the runtime runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The last rank-program pass: each program of this rank's step compiled by Inductor.
+"""The last pass of the per-rank compiler: each program of this rank's step compiled by Inductor.
 
-``parallelize(..., compile=True)`` runs this after the step record is built (``passes.joint``,
-``passes.pipeline``): every program of the record is handed to Inductor
+``parallelize(..., compile=True)`` runs this after the step record is built
+(``passes.rank_compiler``: its ``compile`` pass calls ``compile_agreed``): every program of the
+record is handed to Inductor
 (``torch._inductor.compile_fx.compile_fx``) once, and the compiled callable is stored beside the
 graph in the record's ``compiled`` (``autopar.program.records``), which the runtime then runs in
 its place. The graphs themselves are left as they are: ``pm.code`` prints them and the collectives
@@ -56,9 +57,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from autopar.program.records import StageStep, StepProgram
+from autopar.program.records import CompileReport, StageStep, StepProgram
 
-__all__ = ["CompileError", "CompiledProgram", "compile_program", "compile_records"]
+__all__ = ["CompileError", "CompiledProgram", "compile_agreed", "compile_program", "compile_records"]
 
 log = logging.getLogger("autopar.passes")
 
@@ -283,7 +284,7 @@ def _programs(record: StepProgram | StageStep) -> list[tuple[str, str]]:
 def compile_records(records: Sequence[StepProgram | StageStep]) -> dict[str, float]:
     """Compile every program of ``records`` (a rank's ``StepProgram``, or its pipeline stages'
     ``StageStep``s) into their ``compiled``; return Inductor's seconds per program. Compile them
-    before the runtime binds them (``autopar.runtime.step.bind_step`` routes waits through a Python
+    before the runtime binds them (``autopar.runtime.step_runner.bind_step`` routes waits through a Python
     monitor). On failure every record's ``compiled`` is emptied (all run eagerly) and
     :class:`CompileError` names the program."""
     seconds: dict[str, float] = {}
@@ -301,3 +302,44 @@ def compile_records(records: Sequence[StepProgram | StageStep]) -> dict[str, flo
         raise
     log.info("compile: %d programs in %.1f s", len(seconds), sum(seconds.values()))
     return seconds
+
+
+def compile_agreed(records: Sequence[StepProgram | StageStep], group: Any = None) -> CompileReport:
+    """Compile ``records`` (``compile_records``) and agree with every rank of ``group`` (``None``:
+    the default group) on the outcome in one all-gather: all compiled, or — where any rank could
+    not compile, or has no step to compile — all eager (every record's ``compiled`` emptied), with
+    one warning naming the first such rank, its program and the error (every rank warns the same;
+    ``parallelize`` shows rank 0's). Every rank must call this."""
+    import warnings
+
+    import torch.distributed as dist
+
+    failure, seconds = "", {}
+    if not records:
+        failure = (
+            "no training step was captured as a program (nothing trainable, or a backward that could not be "
+            "traced: see the warning before this one)"
+        )
+    else:
+        try:
+            seconds = compile_records(records)
+        except CompileError as exc:
+            failure = str(exc)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, failure, group=group)
+    failed = [(r, f) for r, f in enumerate(every) if f]
+    if not failed:
+        report = CompileReport(compiled=True, seconds=seconds)
+        log.info("compile=True: %s", report)
+        return report
+    for record in records:
+        record.compiled.clear()
+    rank, why = failed[0]
+    others = f" (and on rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+    reason = f"rank {rank}: {why}{others}"
+    warnings.warn(
+        f"autopar: compile=True, but Inductor could not compile the step on {reason}; every rank runs "
+        f"the eager programs (correct, not compiled)",
+        stacklevel=2,
+    )
+    return CompileReport(compiled=False, seconds=seconds, reason=reason)

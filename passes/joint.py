@@ -7,7 +7,8 @@ executes — the forward's collectives and their backward conjugates alike — a
 each collective issued (``_c10d_functional.*``) and completed by an explicit ``wait_tensor`` node.
 Passes then reorder and rewrite that graph (``passes.overlap``: bucketing, prefetch, wait
 sinking; ``passes.recompute``); ``partition`` finally splits it into the forward and backward
-programs the runtime runs around the user's ``loss.backward()``.
+programs the runtime runs around the user's ``loss.backward()`` (``step_program``: the step
+record). The per-rank compiler (``passes.rank_compiler``) runs these in order.
 
 Words:
 
@@ -44,9 +45,9 @@ __all__ = [
     "Phase",
     "PrimalInfo",
     "RankInfo",
-    "build_step",
     "mark_phases",
     "partition",
+    "step_program",
     "trace_joint",
 ]
 
@@ -290,30 +291,11 @@ def is_getitem(n: Node) -> bool:
 # ---------------------------------------------------------------------------------- the step
 
 
-def build_step(
-    program: GraphModule,
-    primals: Sequence[object],
-    grad_primals: Sequence[int],
-    info: RankInfo,
-    ctx: object,
-    passes: Sequence[object] | None = None,
-) -> StepProgram:
-    """Trace ``program``'s whole step, run the rank-program passes over it (``RANK_PASSES`` unless
-    given; ``ctx.config.disable`` turns any off by name) and partition it (see module docstring)."""
-    from autopar.passes import run_passes
-    from autopar.passes.overlap import RANK_PASSES
-
-    jp = trace_joint(program, primals, grad_primals)
-    jp.gm.meta[RANK] = info
-    gm = run_passes(jp.gm, ctx, RANK_PASSES if passes is None else passes)
-    jp.gm = gm
+def step_program(jp: JointProgram, passes: Sequence[str] = ()) -> StepProgram:
+    """The step record of ``jp`` (its graph rewritten by the rank-program passes, ``passes``
+    naming those that ran): phases of the nodes the passes added, then ``partition``."""
     mark_phases_keep(jp)
     parts = partition(jp)
-    ran = tuple(
-        getattr(p, "__name__", repr(p))
-        for p in (RANK_PASSES if passes is None else passes)
-        if getattr(p, "__name__", "") not in ctx.config.disable
-    )
     return StepProgram(
         joint=jp.gm,
         forward=parts.forward,
@@ -321,7 +303,7 @@ def build_step(
         num_outputs=jp.num_outputs,
         grad_primals=jp.grad_primals,
         tangent_outputs=jp.tangent_outputs,
-        passes=ran,
+        passes=tuple(passes),
     )
 
 

@@ -34,11 +34,10 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.canonical import SAME_OPS
-from autopar.capture import Captured, traced_by
+from autopar.capture import Captured
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
-from autopar.passes.certify import certify as certify_plan
+from autopar.passes.plan_check import LoweringError, check_plan
 from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
 from autopar.planfile import NodePlan, Plan
 from autopar.program import collectives as C
@@ -48,7 +47,7 @@ from autopar.program.collectives import AxisGroup
 from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
 from autopar.rules.routing import grouped_mm_operands
 
-__all__ = ["LOCAL_OPS", "LoweringError", "check_plan", "lower"]
+__all__ = ["LOCAL_OPS", "LoweringError", "lower"]
 
 aten = torch.ops.aten
 
@@ -90,10 +89,6 @@ def _out_of_place(node: Node) -> Any:
 def _dropped(node: Node) -> bool:
     """Export's shape assertions compute nothing; the per-rank program leaves them out."""
     return op_family(node) is OpFamily.ASSERT
-
-
-class LoweringError(RuntimeError):
-    """The plan cannot be lowered onto this graph (it names the node and what is wrong)."""
 
 
 class _Lowerer:
@@ -527,65 +522,6 @@ def _install(root: nn.Module, target: str, obj: Any) -> None:
         setattr(mod, last, obj)
 
 
-_SAME_OP = {a.overloadpacket.__name__: b.overloadpacket.__name__ for a, b in SAME_OPS.items()}
-"""``SAME_OPS`` by op name, as a plan records ops."""
-
-
-def program_difference(plan: Plan, cap: Captured) -> str:
-    """Where ``cap``'s graph and the one ``plan`` was made for first differ, in words: a node the
-    plan does not have, one with another op or shape, or one the plan has and the graph lacks (a
-    model changed since planning, another batch shape, or another version of torch or of the
-    model's library tracing the same code differently)."""
-    planned = {n.name: n for n in plan.nodes}
-    seen = {node.name for node in cap.graph.nodes}
-    for node in cap.graph.nodes:
-        val = node.meta.get("val")
-        if node.op not in ("placeholder", "call_function") or not isinstance(val, torch.Tensor):
-            continue
-        p = planned.get(node.name)
-        here = op_name(node) if node.op == "call_function" else node.op
-        if p is None:
-            where = f"this program's node {node.name} ({here}) is not in the plan"
-        elif node.op == "call_function" and _SAME_OP.get(p.op, p.op) != _SAME_OP.get(here, here):
-            where = f"node {node.name} is {here} here, {p.op} in the plan"
-        elif tuple(p.shape) != tuple(val.shape):
-            where = (
-                f"node {node.name} ({here}) has shape {tuple(val.shape)} here, {tuple(p.shape)} in the plan"
-            )
-        else:
-            continue
-        return where + _versions(plan, cap)
-    gone = [n.name for n in plan.nodes if n.name not in seen]
-    if gone:
-        where = f"the plan's node {gone[0]} ({planned[gone[0]].op}) is not in this program"
-    else:
-        where = "every node has the plan's name, op and shape; the graph's structure differs"
-    return where + _versions(plan, cap)
-
-
-def _versions(plan: Plan, cap: Captured) -> str:
-    """The torch versions that traced the plan's program and this one, where they differ."""
-    then, now = plan.info.get("traced_by"), traced_by(cap)
-    if then and then.split(" on ")[0] != now.split(" on ")[0]:
-        return f"; the plan was traced by {then}, this program by {now}"
-    return ""
-
-
-def check_plan(cap: Captured, plan: Plan, certify: bool = True) -> None:
-    """Refuse, before anything runs, a plan made for another program (its graph fingerprint differs:
-    ``program_difference`` says where) and, with ``certify``, one that is not a plan autopar could
-    have made for this graph (``autopar.passes.certify``: a strategy its op does not allow, a
-    reshard that does not connect its producer to its consumer). Pure: every rank raises the same."""
-    if plan.fingerprint != cap.fingerprint:
-        raise LoweringError(
-            f"the plan was made for a different program (graph fingerprint {plan.fingerprint}, this model and "
-            f"batch give {cap.fingerprint}; {program_difference(plan, cap)}): plan again for this model and "
-            "input shapes"
-        )
-    if certify:
-        certify_plan(cap.graph, plan, cap.params)
-
-
 def lower(
     cap: Captured,
     plan: Plan,
@@ -598,7 +534,7 @@ def lower(
     """This rank's program (see module docstring). ``axes[i]`` is mesh axis ``i`` as this rank sees
     it. ``stage_of``: captured node name -> pipeline stage; every emitted node is tagged with its
     stage (``meta["autopar.stage"]``) and source node (``meta["autopar.source"]``) for
-    ``passes.pipeline.cut_stages``. ``check_plan`` runs first; ``certify=False`` leaves out its
+    ``passes.stage_cut.cut_stages``. ``check_plan`` (``passes.plan_check``) runs first; ``certify=False`` leaves out its
     certificate check (where the caller has made it)."""
     check_plan(cap, plan, certify)
     if len(axes) != len(plan.mesh_shape) or any(ax.size != n for ax, n in zip(axes, plan.mesh_shape)):

@@ -1,7 +1,8 @@
 """Rank-program passes over the whole-step program: where communication runs, and what it overlaps.
 
 Each pass is ``(gm, ctx) -> gm`` over the joint program (``passes.joint``), logs what it changed,
-and can be turned off by name (``PlanConfig.disable``). ``RANK_PASSES`` is the list, in order:
+and can be turned off by name (``PlanConfig.disable``). ``RANK_PASSES`` is the list, in order (the
+per-rank compiler, ``passes.rank_compiler``, runs it after tracing the step):
 
 1. ``regather_zero3_params`` — a ZeRO-3 parameter (stored sharded, gathered for use) is gathered
    again in backward instead of keeping the gathered copy from forward: only the shard is saved

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from autopar.capture import Captured
+from autopar.passes.joint import JointProgram
+from autopar.planfile import Plan
 from autopar.program.records import RankStages, StageStep
 
 __all__ = [
@@ -39,13 +42,15 @@ __all__ = [
     "RankStages",
     "StageProgram",
     "StageStep",
-    "build_pipeline",
-    "build_stage_step",
+    "assign_stages",
     "cut_stages",
     "defer_reductions",
     "differentiable_values",
-    "propagate_fake",
+    "params_held",
     "split_backward",
+    "stage_holders",
+    "stage_inputs",
+    "stage_step",
 ]
 
 STAGE = "autopar.stage"
@@ -70,26 +75,6 @@ class StageProgram:
     """Sent value -> the stages that read it."""
     num_outputs: int = 0
     """The model's outputs this stage returns after the sent values (the last stage: all)."""
-
-
-def propagate_fake(program: GraphModule, primals: Sequence[object]) -> None:
-    """Write a FakeTensor ``meta["val"]`` on every node of ``program`` (the lowered program is
-    built by hand: shapes of its values are needed to receive them and to trace each stage).
-    A primal given as ``(shape, dtype, device)`` stands for a tensor this rank does not hold."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = []
-    for p in primals:
-        if isinstance(p, torch.Tensor):
-            fake.append(mode.from_tensor(p))
-        elif isinstance(p, tuple) and len(p) == 3 and isinstance(p[1], torch.dtype):  # (shape, dtype, device)
-            with mode:
-                fake.append(torch.empty(p[0], dtype=p[1], device=p[2]))
-        else:
-            fake.append(p)
-    FakeTensorProp(program, mode).propagate(*fake)
 
 
 def _stage(n: Node) -> int | None:
@@ -259,51 +244,44 @@ def split_backward(jp: object, num_primals: int) -> tuple:
     )
 
 
-def build_stage_step(
-    sp: StageProgram,
-    primals: Sequence[object],
-    trainable: Sequence[int],
-    info: object,
-    ctx: object,
-    passes: Sequence[object] | None = None,
-    differentiable: set[str] | None = None,
-    microbatches: int = 1,
-) -> StageStep:
-    """Trace stage ``sp``'s whole step and split it (see module docstring); the stage's fusible
-    groups are first replaced by fused kernels (``autopar.passes.fusion.fuse_kernels``).
-
-    ``primals``: example values of the whole program's placeholders (only shapes are read);
-    ``trainable``: indices of those that are trainable parameters; ``info``: the program's
-    ``RankInfo`` (primal roles, for the rank-program passes, which run on the stage's step);
-    ``differentiable``: the boundary values a gradient flows back through (``differentiable``):
-    the stage computes gradients for the received ones among them, and must be handed gradients
-    for exactly the sent ones among them (else the ranks would wait for each other forever);
-    ``microbatches`` > 1: data-parallel gradient reductions are deferred to the stage's last
-    micro-batch (``defer_reductions``)."""
-    from dataclasses import replace
-
-    from autopar.ir import RANK
-    from autopar.passes import run_passes
-    from autopar.passes.fusion import fuse_kernels
-    from autopar.passes.joint import mark_phases_keep, trace_joint
-    from autopar.passes.overlap import RANK_PASSES
-
-    sp.gm = run_passes(sp.gm, ctx, [fuse_kernels])  # fused kernels, where they run
+def stage_inputs(
+    sp: StageProgram, primals: Sequence[object], trainable: Sequence[int], differentiable: set[str] | None
+) -> tuple[list[object], list[int]]:
+    """``(examples, grad)``: example values of stage ``sp``'s inputs — the whole program's primals
+    it reads (``primals``: one per placeholder of the whole program; only shapes are read), then
+    the values it receives (their recorded values) — and which of them get a gradient: the
+    trainable parameters among them (``trainable``: indices into the whole program's primals)
+    and the floating-point received values a gradient flows back through (``differentiable``)."""
     phs = [n for n in sp.gm.graph.nodes if n.op == "placeholder"]
-    examples = [primals[i] for i in sp.primals] + [
-        phs[len(sp.primals) + k].meta["val"] for k in range(len(sp.received))
-    ]
+    n = len(sp.primals)
+    examples = [primals[i] for i in sp.primals] + [phs[n + k].meta["val"] for k in range(len(sp.received))]
     floats = [
-        len(sp.primals) + k
+        n + k
         for k, r in enumerate(sp.received)
-        if isinstance(examples[len(sp.primals) + k], torch.Tensor)
-        and examples[len(sp.primals) + k].is_floating_point()
+        if isinstance(examples[n + k], torch.Tensor)
+        and examples[n + k].is_floating_point()
         and (differentiable is None or r in differentiable)
     ]
     params = [j for j, i in enumerate(sp.primals) if i in set(trainable)]
-    jp = trace_joint(sp.gm, examples, params + floats)
-    jp.gm.meta[RANK] = replace(info, primals=tuple(info.primals[i] for i in sp.primals))
-    jp.gm = run_passes(jp.gm, ctx, RANK_PASSES if passes is None else passes)
+    return examples, params + floats
+
+
+def stage_step(
+    sp: StageProgram,
+    jp: JointProgram,
+    examples: Sequence[object],
+    differentiable: set[str] | None = None,
+    microbatches: int = 1,
+) -> StageStep:
+    """Stage ``sp``'s step record from its traced step ``jp`` (rewritten by the rank-program
+    passes; ``examples``: its inputs, ``stage_inputs``), split into forward, input-gradient and
+    weight-gradient programs (see module docstring). ``differentiable``: the boundary values a
+    gradient flows back through (``differentiable_values``): the stage computes gradients for the
+    received ones among them, and must be handed gradients for exactly the sent ones among them
+    (else the ranks would wait for each other forever); ``microbatches`` > 1: data-parallel
+    gradient reductions are deferred to the stage's last micro-batch (``defer_reductions``)."""
+    from autopar.passes.joint import mark_phases_keep
+
     mark_phases_keep(jp)
     if differentiable is not None:
         want = {i for i, v in enumerate(sp.sent) if v in differentiable}
@@ -454,29 +432,12 @@ def assign_stages(num_stages: int, pp: int) -> dict[int, int]:
     return {s: s % pp for s in range(num_stages)}
 
 
-def build_pipeline(
-    program: GraphModule,
-    primals: Sequence[object],
-    roles: Sequence[tuple[str, str]],
-    trainable: Sequence[int],
-    info: object,
-    ctx: object,
-    *,
-    num_stages: int,
-    pp: int,
-    coord: int,
-    microbatches: int,
-    trainable_anywhere: Sequence[int] | None = None,
-) -> RankStages:
-    """This rank's stages (the runtime runs them: ``autopar.runtime.pipeline.build_runner``): the
-    program (lowered with ``stage_of``) cut into stages, the stages pipeline coordinate ``coord``
-    of ``pp`` holds traced into stage steps, and which coordinates hold each weight.
-    ``primals``: example values of one micro-batch (shapes only; parameters this rank does not
-    hold may be None); ``roles``: ``(kind, name)`` of each primal; ``trainable_anywhere``: the
-    trainable parameters of every stage, held here or not (which boundary values carry gradients
-    must be decided alike on every rank)."""
-    stage_coord = assign_stages(num_stages, pp)
-    stages = cut_stages(program, num_stages)
+def stage_holders(
+    stages: Sequence[StageProgram], roles: Sequence[tuple[str, str]], stage_coord: dict[int, int]
+) -> dict[str, list[int]]:
+    """Parameter or buffer name -> the pipeline coordinates whose stages read it (several: a tied
+    weight, whose gradients the runtime sums between them). ``roles``: ``(kind, name)`` of each
+    primal of the whole program."""
     holders: dict[str, list[int]] = {}
     for sp in stages:
         for i in sp.primals:
@@ -485,12 +446,40 @@ def build_pipeline(
                 holders.setdefault(name, [])
                 if stage_coord[sp.stage] not in holders[name]:
                     holders[name].append(stage_coord[sp.stage])
-    rg = differentiable_values(program, trainable_anywhere if trainable_anywhere is not None else trainable)
-    steps = {
-        sp.stage: build_stage_step(
-            sp, primals, trainable, info, ctx, differentiable=rg, microbatches=microbatches
+    return holders
+
+
+def params_held(cap: Captured, plan: Plan, coord: int) -> set[str] | None:
+    """The parameters and buffers (FQNs) pipeline coordinate ``coord``'s stages read, which its
+    rank holds (``None``: every one, a plan without pipeline). Read off the captured graph as the
+    lowering tags its program (``passes.lower``: each node emitted for a captured node is in that
+    node's stage, one without a stage in the stage before it), so it is known before lowering.
+    Raises ``ValueError`` where a pipeline rank would hold no parameter (the same on every rank)."""
+    from autopar.graph import OpFamily, op_family
+
+    pipe = plan.pipeline
+    if pipe is None:
+        return None
+    reads: list[set[str]] = [set() for _ in range(pipe.pp)]
+    params: list[set[str]] = [set() for _ in range(pipe.pp)]
+    stage = 0
+    for node in cap.graph.nodes:
+        if node.op not in ("call_function", "output"):
+            continue
+        stage = pipe.stage_of.get(node.name, stage)
+        if node.op == "call_function" and op_family(node) is OpFamily.ASSERT:
+            continue  # left out of the program
+        for i in node.all_input_nodes:
+            if i.op == "placeholder" and (i.name in cap.params or i.name in cap.buffers):
+                reads[stage % pipe.pp].add(cap.params.get(i.name, cap.buffers.get(i.name)))
+                if i.name in cap.params:
+                    params[stage % pipe.pp].add(i.name)
+    empty = [c for c in range(pipe.pp) if not params[c]]
+    if empty:  # the same on every rank: each raises, none waits
+        raise ValueError(
+            f"pipeline rank(s) {empty} of this plan hold no parameter (their stages read none): "
+            f"torch.optim.AdamW(pm.parameters()) would raise 'optimizer got an empty parameter list' there. "
+            f"autopar's stage cuts never make such a stage (autopar.passes.stages): plan again, or with fewer "
+            f"pipeline stages"
         )
-        for sp in stages
-        if stage_coord[sp.stage] == coord
-    }
-    return RankStages(steps=steps, stage_coord=stage_coord, holders=holders)
+    return reads[coord]

@@ -1,10 +1,16 @@
-"""The runtime: run what the passes built from a Plan on torch.distributed (gloo on CPU, NCCL on
-CUDA).
+"""The runtime: run what the per-rank compiler built from a Plan on torch.distributed (gloo on CPU,
+NCCL on CUDA).
 
-* ``module`` — ``ParallelModule`` (parameters, state dicts, grad clipping) and the process groups
-  of the mesh axes;
-* ``step`` — runs a rank's ``StepProgram`` (``bind_step``, ``run_step``) under the user's autograd;
-* ``pipeline`` — runs this rank's pipeline stages (``PipelineRunner``, ``build_runner``);
+* ``module`` — ``ParallelModule``: this rank's shards of the model, running its step record
+  (``RankStep``) — the pipeline's schedule, the captured step, or the forward program;
+* ``shards`` — what each program input is bound to, and this rank's pieces of the tensors;
+* ``inputs`` — each call's inputs: sharded, checked against the plan, agreed between the ranks;
+* ``state`` — full and sharded state dicts, gradient clipping;
+* ``world`` — the ranks and their process groups: the world checked against the plan, rank 0's
+  plan broadcast, one group per mesh axis;
+* ``step_runner`` — runs a rank's ``StepProgram`` (``bind_step``, ``run_step``) under the user's
+  autograd;
+* ``pipeline_runner`` — runs this rank's pipeline stages (``PipelineRunner``, ``build_runner``);
 * ``checkpoint`` — sharded DCP save and load under any plan;
 * ``monitor`` — every wait of a step through one monitor: timing, timeouts, a peer's failure;
 * ``launch`` — ``spawn`` N local processes with a gloo group (tests, demo, benchmarks);

@@ -68,7 +68,7 @@ def _placements(spec: Spec) -> list[Any]:
 def stage_mesh(pm: Any) -> Any:
     """The ``DeviceMesh`` a checkpoint's DTensors of ``pm`` live on: its mesh, or for a pipelined
     module its stage's (the stage axes' groups over the ranks at this rank's pipeline coordinate,
-    ranks numbered as ``autopar.runtime.module.mesh_axes`` lays out ``(pp, *stage mesh)``). Made
+    ranks numbered as ``autopar.runtime.world.mesh_axes`` lays out ``(pp, *stage mesh)``). Made
     from the existing groups: no collective."""
     if pm.pipeline is None:
         return pm.device_mesh

@@ -1,6 +1,6 @@
 """Running pipeline stages: one small interpreter over this rank's list of actions.
 
-Words (see ``autopar.passes.pipeline`` for stages, boundary values and the three programs of a
+Words (see ``autopar.passes.stage_cut`` for stages, boundary values and the three programs of a
 stage step; ``autopar.schedule`` for schedules):
 
 * **action** — ``(kind, stage, microbatch)``: ``F`` runs the stage's forward program, ``B`` its
@@ -294,6 +294,33 @@ class PipelineRunner:
         """Forward only (no gradients): every held stage in order, every micro-batch."""
         return [("F", s, mb) for s in sorted(self.steps) for mb in range(self.microbatches)]
 
+    def report(self, schedule: str) -> str:
+        """This rank's last step as measured beside ``predicted``, the plan's prediction for it
+        (``schedule``: the schedule's name, for the heading; ``ParallelModule.report``)."""
+        m = self.last
+        if not m:
+            raise RuntimeError("report(): run a training step first")
+        pred = self.predicted
+        if not pred:
+            raise RuntimeError(
+                "report(): the plan has no per-stage costs (plan.pipeline.stage_costs) to predict from"
+            )
+        rows = [
+            ("step", pred["step"], m["step"]),
+            ("compute", pred["compute"], m["compute"]),
+            ("waiting for transfers + idle", pred["step"] - pred["compute"], m["p2p"] + m["idle"]),
+        ]
+        lines = [
+            f"pipeline rank {self.pp.coord} of {self.pp.size}, {schedule}, {self.microbatches} micro-batches"
+        ]
+        lines += [
+            f"  {name:<30} predicted {p * 1e3:9.3f} ms   measured {q * 1e3:9.3f} ms" for name, p, q in rows
+        ]
+        lines.append(
+            f"  {'micro-batches in flight':<30} predicted {int(pred['in_flight']):9d}      measured {int(m['in_flight']):9d}"
+        )
+        return "\n".join(lines)
+
     def loss(self, primals: Sequence[Any], params: Sequence[torch.Tensor]) -> torch.Tensor:
         """One training step's loss (see module docstring)."""
         grad = torch.is_grad_enabled()
@@ -314,7 +341,7 @@ def build_runner(
     microbatches: int,
     timeout: float = 300.0,
 ) -> PipelineRunner:
-    """This rank's ``PipelineRunner`` for ``stages`` (``autopar.passes.pipeline.build_pipeline``),
+    """This rank's ``PipelineRunner`` for ``stages`` (built by the per-rank compiler's stage cut, ``autopar.passes.stage_cut``),
     with the groups that sum tied weights' gradients across pipeline ranks. ``roles``: ``(kind,
     name)`` of each primal; ``pp_groups``: the global ranks of every pipeline group (each rank's,
     by coordinate; every rank creates the tied-weight groups of all of them, in the same order);

@@ -46,12 +46,12 @@ from autopar.passes.fusion import (
     fusion_counts,
 )
 from autopar.passes.lower import lower
-from autopar.passes.pipeline import propagate_fake
+from autopar.passes.rank_compiler import propagate_fake
 from autopar.placement import parse_spec
 from autopar.planner import GRAPH_PASSES
 from autopar.program import kernels as K
 from autopar.program.collectives import AxisGroup
-from autopar.runtime.module import local_shard
+from autopar.runtime.shards import local_shard
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar")
 

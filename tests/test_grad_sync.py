@@ -75,7 +75,7 @@ def groups_worker(rank: int, world: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from autopar.runtime.module import mesh_axes
+    from autopar.runtime.world import mesh_axes
 
     axes, _, _ = mesh_axes((2, 2, 2), ("pp", "dp", "tp"), torch.device("cpu"), stage_from=1)
     out = {}

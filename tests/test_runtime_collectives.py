@@ -48,7 +48,7 @@ class _Checks:
 
     def piece(self, t: torch.Tensor, dim: int, blocks: int = 1, coord: int | None = None) -> torch.Tensor:
         from autopar.placement import Shard
-        from autopar.runtime.module import local_shard
+        from autopar.runtime.shards import local_shard
 
         c = self.c if coord is None else coord
         return local_shard(t, (Shard(dim, blocks),), (self.n,), (c,))
@@ -206,7 +206,8 @@ def _layouts(mesh: tuple[int, ...]):
 
 
 def _check_run_reshard(axes, salt: int) -> dict[str, list[str]]:
-    from autopar.runtime.module import local_shard, run_reshard
+    from autopar.program.collectives import run_reshard
+    from autopar.runtime.shards import local_shard
 
     mesh = tuple(ax.size for ax in axes)
     coord = tuple(ax.coord for ax in axes)

@@ -20,7 +20,7 @@ from autopar.placement import Shard, local_shape, parse_spec, shard_slices
 from autopar.program import collectives as C
 from autopar.program import local_ops as O
 from autopar.program.collectives import AxisGroup
-from autopar.runtime.module import local_shard
+from autopar.runtime.shards import local_shard
 
 aten = torch.ops.aten
 
@@ -254,7 +254,7 @@ def test_a_lowered_program_propagates_whatever_layout_attention_returns():
     pipeline's fake propagation of the lowered program gets SDPA's math-path layout (contiguous
     [b, h, t, d]), and a ``view`` of its transpose fails ("Cannot view a tensor with shape …"). The
     lowering emits ``reshape`` for ``view``: a view where the layout allows, a copy where not."""
-    from autopar.passes.pipeline import propagate_fake
+    from autopar.passes.rank_compiler import propagate_fake
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=128, vocab_size=VOCAB, block_size=32))

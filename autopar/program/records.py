@@ -1,8 +1,9 @@
-"""The records the rank-program passes build and the runtime runs: a rank's whole training step
-as programs (``StepProgram``, built by ``autopar.passes.joint``) and one pipeline stage's step
-(``StageStep``, built by ``autopar.passes.pipeline`` with the others of its rank: ``RankStages``). They are data: the passes that build them
-never import the runtime, and the runtime (``autopar.runtime.step``, ``autopar.runtime.pipeline``)
-runs them without re-deriving a decision.
+"""The records the per-rank compiler builds and the runtime runs: this rank's whole step
+(``RankStep``, built by ``autopar.passes.rank_compiler``), holding its training step as programs
+(``StepProgram``) or its pipeline stages' steps (``StageStep``, with the others of its rank:
+``RankStages``). They are data: the passes that build them never import the runtime, and the
+runtime (``autopar.runtime.module``, ``autopar.runtime.step_runner``,
+``autopar.runtime.pipeline_runner``) runs them without re-deriving a decision.
 
 ``StepProgram`` holds the three graphs — the joint program (what ``pm.code`` prints), and the
 forward and backward programs it was partitioned into — and what binds them: which outputs take a
@@ -33,6 +34,7 @@ __all__ = [
     "CollectiveCall",
     "CompileReport",
     "RankStages",
+    "RankStep",
     "StageStep",
     "StepProgram",
     "StepTimes",
@@ -131,8 +133,8 @@ class CompileReport:
 @dataclass(eq=False)
 class StepProgram:
     """A rank's training step as programs (see module docstring), built by
-    ``autopar.passes.joint.build_step``. The runtime binds it to this rank before the first step
-    (``autopar.runtime.step.bind_step``), which fills ``calls``, ``axes`` and ``monitor``."""
+    the per-rank compiler (``autopar.passes.joint.step_program``). The runtime binds it to this rank before the
+    first step (``autopar.runtime.step_runner.bind_step``), which fills ``calls``, ``axes`` and ``monitor``."""
 
     joint: GraphModule
     """Forward and backward as one graph: ``(primals…, tangents…) -> (outputs…, gradients…)``."""
@@ -165,7 +167,7 @@ class StepProgram:
 
     def enable_timing(self) -> None:
         """Time every following step (waits timed: a few microseconds each)."""
-        assert self.monitor is not None, "bind the step first (autopar.runtime.step.bind_step)"
+        assert self.monitor is not None, "bind the step first (autopar.runtime.step_runner.bind_step)"
         self.monitor.timing = True
 
     def count(self, direction: str) -> None:
@@ -177,8 +179,8 @@ class StepProgram:
 
 @dataclass
 class StageStep:
-    """One stage's step as three programs (built by ``passes.pipeline.build_stage_step``; run by
-    ``autopar.runtime.pipeline.PipelineRunner``).
+    """One stage's step as three programs (built by ``passes.stage_cut.stage_step``; run by
+    ``autopar.runtime.pipeline_runner.PipelineRunner``).
 
     ``forward(*primals, *received) -> (*sent, *outputs, *saved)``;
     ``backward_input(*saved[:num_saved_i], *tangents) -> (*received_grads, *passed)``;
@@ -188,7 +190,7 @@ class StageStep:
     the stage's last micro-batch only and takes ``num_deferred`` sums after its inputs (the
     earlier micro-batches' unreduced gradients, which it adds in before reducing them once);
     the earlier ones run ``backward_weight_local(*saved[saved_w], *passed) -> (*param_grads,
-    *unreduced)``, whose reduced gradients are ``None`` (``passes.pipeline.defer_reductions``).
+    *unreduced)``, whose reduced gradients are ``None`` (``passes.stage_cut.defer_reductions``).
     """
 
     stage: int
@@ -225,12 +227,40 @@ class StageStep:
 @dataclass
 class RankStages:
     """The pipeline stages one rank holds, and where every stage and weight lives (built by
-    ``passes.pipeline.build_pipeline``; run by ``autopar.runtime.pipeline.PipelineRunner``)."""
+    the per-rank compiler's stage cut, ``passes.stage_cut``; run by
+    ``autopar.runtime.pipeline_runner.PipelineRunner``)."""
 
     steps: dict[int, StageStep]
     """The stages this rank holds, by stage."""
     stage_coord: dict[int, int]
-    """Stage -> the pipeline coordinate holding it (``passes.pipeline.assign_stages``)."""
+    """Stage -> the pipeline coordinate holding it (``passes.stage_cut.assign_stages``)."""
     holders: dict[str, list[int]]
     """Parameter or buffer name -> the pipeline coordinates holding it (several: a tied weight,
     whose gradients the runtime sums between them)."""
+
+
+@dataclass(eq=False)
+class RankStep:
+    """This rank's step as the per-rank compiler built it (``autopar.passes.rank_compiler``), which
+    the runtime runs as it is (``ParallelModule.set_step``): the training step as programs
+    (``step``), or the pipeline stages this rank holds (``stages``), or — where neither was built
+    (nothing to train, or a backward that could not be traced) — the forward program alone, run
+    under autograd."""
+
+    program: GraphModule
+    """The lowered forward program, its kernels fused (``pm.forward_code``)."""
+    step: StepProgram | None = None
+    """The whole training step (a plan without pipeline stages), else ``None``."""
+    stages: RankStages | None = None
+    """This rank's pipeline stages (a pipelined plan), else ``None``."""
+    passes: tuple[str, ...] = ()
+    """The compiler's passes that ran, in order (what each did is in the ``autopar.passes`` log)."""
+    compiled: CompileReport | None = None
+    """What ``compile=True`` did (``None``: not asked for)."""
+
+    @property
+    def records(self) -> list[StepProgram | StageStep]:
+        """Every program record of the step: the ``StepProgram``, or each held stage's ``StageStep``."""
+        if self.stages is not None:
+            return list(self.stages.steps.values())
+        return [self.step] if self.step is not None else []

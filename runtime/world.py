@@ -1,0 +1,167 @@
+"""This rank's place among the ranks: the world checked against the plan, rank 0's plan broadcast to
+the others, the process group of every mesh axis (and of several axes together), and the device
+this rank computes on.
+
+Every rank calls these in the same order (process groups are created collectively).
+``join_mesh`` gathers what ``autopar.parallelize`` needs into one :class:`RankWorld`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import Cluster, mesh_arithmetic
+from autopar.planfile import Plan
+from autopar.program.collectives import AxisGroup
+from autopar.runtime.monitor import DEFAULT_TIMEOUT
+
+__all__ = ["RankWorld", "broadcast_plan", "check_world", "device_for_backend", "join_mesh", "mesh_axes"]
+
+
+def device_for_backend(backend: str) -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_plan(plan_fn: Callable[[], Plan]) -> Plan:
+    """Run ``plan_fn`` on rank 0 and broadcast its Plan as JSON (or its error) to every rank, so
+    a planning error is raised on every rank and none waits forever."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", json.dumps(plan_fn().to_dict()))
+        except Exception as exc:  # sent to the other ranks, then re-raised on every rank
+            payload[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(payload, src=0)
+    status, body = payload[0]
+    if status != "ok":
+        raise RuntimeError(f"planning failed on rank 0: {body}")
+    return Plan.from_dict(json.loads(body))
+
+
+def check_world(plan: Plan | None, cluster: Cluster) -> int:
+    """The world size, after checking ``torch.distributed`` is up and matches the plan/cluster."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "autopar.parallelize needs torch.distributed: call torch.distributed.init_process_group(...) on every "
+            "rank first (or use autopar.runtime.launch.spawn for local processes)"
+        )
+    world = dist.get_world_size()
+    if plan is not None and plan.world_size != world:
+        pp = f"{plan.pipeline.pp} pipeline ranks × " if plan.pipeline is not None else ""
+        raise ValueError(
+            f"plan mesh {pp}{mesh_arithmetic(tuple(plan.mesh_shape))} ≠ world size {world}: run it on "
+            f"{plan.world_size} processes, or plan again for {world}"
+        )
+    if plan is None and cluster.world_size != world:
+        raise ValueError(
+            f"cluster has {cluster.nodes} × {cluster.gpus_per_node} = {cluster.world_size} devices but the process "
+            f"group has {world} ranks"
+        )
+    return world
+
+
+def mesh_axes(
+    shape: Sequence[int],
+    names: Sequence[str],
+    device: torch.device,
+    timeout: float = DEFAULT_TIMEOUT,
+    stage_from: int = 0,
+) -> tuple[list[AxisGroup], Any, Any]:
+    """This rank's view of every axis of the mesh ``shape`` (named ``names``) — its own process
+    group, created with the collective ``timeout`` (seconds), and its coordinate — a
+    ``DeviceMesh`` over those groups (for DTensor checkpoints) and a group of all ranks with the
+    same timeout (input checks). Every rank must call this (groups are created collectively, in
+    the same order everywhere).
+
+    Each set of two or more axes from ``stage_from`` on (the axes inside a pipeline stage), all
+    of more than one device, gets a group too (``AxisGroup.combined``, keyed by the axes' indices
+    counted from ``stage_from``): a gradient partial on several axes is all-reduced once over
+    them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shape = tuple(shape)
+    rank = dist.get_rank()
+    ranks = torch.arange(math.prod(shape)).reshape(shape)
+    coord = [int(c) for c in torch.nonzero(ranks == rank)[0]]
+    span = datetime.timedelta(seconds=timeout)
+    groups = []
+    for a, n in enumerate(shape):
+        mine = None
+        for sub in ranks.movedim(a, -1).reshape(-1, n).tolist():  # every group of axis a
+            g = dist.new_group(sub, timeout=span)
+            if rank in sub:
+                mine = g
+        groups.append(mine)
+    world_group = dist.new_group(list(range(ranks.numel())), timeout=span)
+    mesh = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=tuple(names))
+    axes = [
+        AxisGroup(axis=a, name=names[a], size=n, coord=coord[a], group=groups[a]) for a, n in enumerate(shape)
+    ]
+    combined: dict[tuple[int, ...], AxisGroup] = {}
+    wide = [a for a in range(stage_from, len(shape)) if shape[a] > 1]
+    for k in range(2, len(wide) + 1):
+        for span_axes in itertools.combinations(wide, k):
+            others = [a for a in range(len(shape)) if a not in span_axes]
+            size = math.prod(shape[a] for a in span_axes)
+            mine, at = None, 0
+            for sub in ranks.permute(*others, *span_axes).reshape(-1, size).tolist():
+                g = dist.new_group(sub, timeout=span)
+                if rank in sub:
+                    mine, at = g, sub.index(rank)
+            parts = tuple(axes[a] for a in span_axes)
+            key = tuple(a - stage_from for a in span_axes)
+            name = "·".join(names[a] for a in span_axes)
+            combined[key] = AxisGroup(axis=-1, name=name, size=size, coord=at, group=mine, parts=parts)
+    for ax in axes:
+        ax.combined = combined
+    return axes, mesh, world_group
+
+
+@dataclass(eq=False)
+class RankWorld:
+    """This rank's process groups for a plan (``join_mesh``)."""
+
+    axes: list[AxisGroup]
+    """The mesh axes inside a pipeline stage (the plan's mesh), as this rank sees them."""
+    pp: AxisGroup | None
+    """The pipeline axis (a pipelined plan), else ``None``."""
+    device: torch.device
+    device_mesh: Any
+    """A ``DeviceMesh`` over the axis groups (DTensor checkpoints)."""
+    world_group: Any
+    """A group of every rank with the collective timeout (input checks, agreeing on compilation)."""
+    timeout: float
+
+    @property
+    def all_axes(self) -> list[AxisGroup]:
+        """Every axis: the pipeline axis first where there is one."""
+        return [self.pp, *self.axes] if self.pp is not None else list(self.axes)
+
+    def pp_groups(self) -> list[list[int]]:
+        """The global ranks of every pipeline group (the outermost mesh axis), by coordinate."""
+        assert self.pp is not None
+        pp, world = self.pp.size, dist.get_world_size()
+        return [[c * (world // pp) + i for c in range(pp)] for i in range(world // pp)]
+
+
+def join_mesh(plan: Plan, device: torch.device, timeout: float = DEFAULT_TIMEOUT) -> RankWorld:
+    """This rank's groups for ``plan``: its mesh, under a pipeline axis where the plan is pipelined
+    (``(pp, *plan.mesh_shape)``; the combined groups span the axes inside a stage only)."""
+    if plan.pipeline is None:
+        axes, mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
+        return RankWorld(axes, None, device, mesh, world_group, timeout)
+    shape, names = (plan.pipeline.pp, *plan.mesh_shape), ("pp", *plan.mesh_axes)
+    axes, mesh, world_group = mesh_axes(shape, names, device, timeout, stage_from=1)
+    return RankWorld(axes[1:], axes[0], device, mesh, world_group, timeout)
