@@ -321,10 +321,10 @@ class PipelineSearch:
     ) -> None:
         self.graphs = graphs
         self.cluster = cluster
-        self.config = config
+        self.config = config = config.resolved(cluster.device.memory)  # plan_model's, or a caller's
         self.batch = batch
-        assert config.memory_budget is not None, "plan_model resolves the budget (PlanConfig.resolved)"
-        self.budget = config.memory_budget
+        assert config.memory_budget is not None
+        self.budget: float = config.memory_budget
         self.exhaustive = config.pp == "search"
         self.scored: list[Scored] = []
         self.errors: list[str] = []
