@@ -161,7 +161,8 @@ def _captured_as_planned(model: nn.Module, example_inputs: Any, plan: Plan, cap:
     """The captured program ``plan`` was made for, and the batch the compiler reads shapes from as
     ``(args, kwargs)``: ``cap`` and ``example_inputs`` themselves, or for a pipelined plan the
     model captured on one micro-batch (as the planner captured it) and that micro-batch."""
-    from autopar.capture import MicrobatchCaptures, microbatch_inputs, normalize_inputs
+    from autopar.capture import microbatch_inputs, normalize_inputs
+    from autopar.microbatch import MicrobatchCaptures
     from autopar.passes.plan_check import program_difference
 
     args, kwargs = normalize_inputs(example_inputs)

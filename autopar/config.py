@@ -16,7 +16,7 @@ from typing import Any
 from autopar.cost.memory import OPTIMIZER_BYTES_PER_PARAM
 from autopar.placement import parse_spec
 
-__all__ = ["PlanConfig"]
+__all__ = ["PlanConfig", "stage_plan_budget"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,6 +218,14 @@ class PlanConfig:
             return float(self.memory_budget)
         return float(device_memory) * (1.0 - self.memory_reserve)
 
+    def resolved(self, device_memory: float) -> PlanConfig:
+        """This config with ``memory_budget`` in bytes per device (``budget``). The planning entry
+        points (``autopar.search.plan_model``, ``autopar.planner.plan_captured``, the layouts)
+        resolve it once; every later stage reads ``memory_budget``. Idempotent."""
+        if self.memory_budget is not None:
+            return self
+        return self.replace(memory_budget=self.budget(device_memory))
+
     def replace(self, **changes: Any) -> PlanConfig:
         """A copy with ``changes`` applied (validated again)."""
         return replace(self, **changes)
@@ -238,3 +246,11 @@ class PlanConfig:
         merged = dict(self.fixed)
         merged.update({k: ((v,) if isinstance(v, str) else tuple(v)) for k, v in fixed.items()})
         return self.replace(fixed=merged)
+
+
+def stage_plan_budget(device_budget: float, pp: int) -> float:
+    """The memory budget a pipeline stage's plan is formulated under (bytes): that plan places the
+    whole model on one stage's mesh, of which each of the ``pp`` stages holds a ``1/pp`` share, so
+    it is held to ``pp ×`` one device's budget; the stages the pipeline is then cut into are held
+    to ``device_budget`` itself (``autopar.search.pipelined_candidates``)."""
+    return device_budget * pp

@@ -29,14 +29,18 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopar.ir import COST, STRATEGIES, TENSOR
 
 if TYPE_CHECKING:
     import torch
 
-    from autopar.planfile import NodePlan, Plan
+PlanRecord = Any
+"""An ``autopar.planfile.Plan``. Not imported, even for types: a Plan prints itself through this
+module (``Plan.summary``, ``Plan.table``), so this module sits below ``autopar.planfile``."""
+NodeRecord = Any
+"""An ``autopar.planfile.NodePlan`` (see ``PlanRecord``)."""
 
 __all__ = [
     "LEGEND",
@@ -170,7 +174,7 @@ def _split_over_axes(time: float, weights: Sequence[float], ndim: int) -> list[f
     return [time * w / total for w in weights]
 
 
-def _units(plan: Plan) -> list[_Unit]:
+def _units(plan: PlanRecord) -> list[_Unit]:
     """The plan's units in execution order (see module docstring)."""
     ndim = len(plan.mesh_shape)
     by_consumer: dict[str, list] = defaultdict(list)
@@ -251,7 +255,7 @@ def _relative(path: str, unit: str) -> str:
     return path[len(unit) :].lstrip(".")
 
 
-def layer_rows(plan: Plan) -> list[LayerRow]:
+def layer_rows(plan: PlanRecord) -> list[LayerRow]:
     """The plan as summary rows, in execution order, repeated identical layers folded."""
     rows: list[LayerRow] = []
     run: list[_Unit] = []
@@ -322,7 +326,7 @@ def weights_text(weights: dict[tuple[str, ...], list[str]]) -> str:
     return " · ".join(parts)
 
 
-def replication_notes(plan: Plan, *, batch_only: bool = False) -> list[str]:
+def replication_notes(plan: PlanRecord, *, batch_only: bool = False) -> list[str]:
     """For each mesh axis along which nothing is split (named ``rep``): why, in a sentence — the
     batch does not divide over the axis's devices, or splitting was predicted to cost more than
     it saves — and what to change. ``batch_only``: only the axes the batch does not divide over
@@ -359,7 +363,7 @@ def solver_status(optimal: bool, gap: float) -> str:
     return f"within {max(gap * 100, 0.01):.2f} % of optimal" if gap > 0 else "best found"
 
 
-def plan_summary(plan: Plan) -> str:
+def plan_summary(plan: PlanRecord) -> str:
     """The plan's totals: mesh, step time, memory against the budget, communication per axis,
     stages and schedule where the plan has them, ZeRO stages, notes (see module docstring)."""
     p = plan.predicted
@@ -436,7 +440,7 @@ def plan_summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_table(plan: Plan, max_rows: int | None = None, full: bool = False) -> str:
+def plan_table(plan: PlanRecord, max_rows: int | None = None, full: bool = False) -> str:
     """The plan's rows in execution order: layer classes folded (``full=False``), or every module
     with its ops' placements and collectives (``full=True``). ``max_rows`` cuts the list."""
     if full:
@@ -463,7 +467,7 @@ def plan_table(plan: Plan, max_rows: int | None = None, full: bool = False) -> s
     return "\n".join(lines)
 
 
-def _full_table(plan: Plan, max_rows: int | None) -> str:
+def _full_table(plan: PlanRecord, max_rows: int | None) -> str:
     """Every module, execution order: its ops with their output specs, compute, communication."""
     comm_by_consumer: dict[str, float] = defaultdict(float)
     coll_by_consumer: dict[str, list[str]] = defaultdict(list)
@@ -504,14 +508,14 @@ def _full_table(plan: Plan, max_rows: int | None) -> str:
     return "\n".join(lines)
 
 
-def plan_text(plan: Plan) -> str:
+def plan_text(plan: PlanRecord) -> str:
     """``str(plan)``: the summary, the legend and the folded table."""
     return "\n".join(
         [plan_summary(plan), LEGEND.format(axes=", ".join(plan.mesh_axes)), "", plan_table(plan)]
     )
 
 
-def plan_nodes_table(plan: Plan, max_rows: int | None = None) -> str:
+def plan_nodes_table(plan: PlanRecord, max_rows: int | None = None) -> str:
     """The plan node by node (``autopar.explain(plan)``): op, module, global shape, input specs →
     output spec, per-axis rewrites, compute, in-op and reshard communication, memory, ZeRO stage."""
     comm_in: dict[str, float] = defaultdict(float)
@@ -573,6 +577,6 @@ def graph_table(gm: torch.fx.GraphModule, max_rows: int | None = None, title: st
     return "\n".join(lines)
 
 
-def param_count(nodes: Iterable[NodePlan]) -> int:
+def param_count(nodes: Iterable[NodeRecord]) -> int:
     """Elements of the plan's parameters (each counted once)."""
     return sum(math.prod(n.shape) for n in nodes if n.kind == "param")

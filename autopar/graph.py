@@ -19,6 +19,7 @@ This module imports nothing from autopar but ``torch``: it is the bottom of the 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "OpFamily",
     "OpInfo",
     "is_tensor_node",
+    "is_view",
     "mutates",
     "op_family",
     "op_info",
@@ -37,6 +39,8 @@ __all__ = [
     "output_node",
     "tensor_inputs",
     "tensor_outputs",
+    "tensor_val",
+    "uses_through",
     "written_inputs",
 ]
 
@@ -249,6 +253,32 @@ def output_node(gm: GraphModule) -> Node:
 
 def is_tensor_node(n: Node) -> bool:
     return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def is_view(node: Node) -> bool:
+    """``node`` is a call of a view op (its output aliases its first input)."""
+    return node.op == "call_function" and op_family(node) is OpFamily.VIEW
+
+
+def uses_through(value: Node, follow: Callable[[Node, Node], bool]) -> Iterator[tuple[Node, Node]]:
+    """Every use ``(v, u)`` (``u`` uses ``v``) of ``value`` and of the nodes reached from it through
+    the uses ``follow(v, u)`` accepts (views, casts); each node is walked once."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in v.users:
+            yield v, u
+            if follow(v, u):
+                stack.append(u)
+
+
+def tensor_val(node: object) -> torch.Tensor | None:
+    """The tensor value ``node`` carries in ``meta["val"]``; None for a non-node or non-tensor."""
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def tensor_inputs(node: Node) -> list[Node]:

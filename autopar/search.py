@@ -63,15 +63,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture import Captured, MicrobatchCaptures, batch_size, normalize_inputs
+from autopar.capture import Captured, batch_size, normalize_inputs
 from autopar.cluster import Cluster
-from autopar.config import PlanConfig
+from autopar.config import PlanConfig, stage_plan_budget
 from autopar.cost.timeline import play
 from autopar.display import fmt_bytes
+from autopar.mesh_pool import Background
+from autopar.microbatch import MicrobatchCaptures
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
-from autopar.planner import Background, InfeasibleError, plan_captured
+from autopar.planner import InfeasibleError, plan_captured
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
 from autopar.solver import NotBetter
@@ -275,7 +277,7 @@ def pipelined_candidates(
             )
             p = replace(spmd, pipeline=pipe, info=dict(spmd.info))
             p.info["memory_budget"] = budget  # one device's, not the stage plan's pp × budget
-            p.info["memory_reserve"] = cluster.device.memory - budget if config.memory_budget is None else 0.0
+            p.info["memory_reserve"] = max(0.0, cluster.device.memory - budget)
             opt = max(optimizer_time(p, cluster, range(r, S, pp)) for r in range(pp))
             step = tl.step_time + opt
             p.predicted = replace(spmd.predicted, step_time=step, memory_per_device=peak)
@@ -310,7 +312,7 @@ class _Size:
         return self.step < math.inf
 
 
-class _Search:
+class PipelineSearch:
     """One ``plan_model`` call's search over pipeline sizes and micro-batch counts: the graphs,
     every candidate scored so far, and what was skipped or failed and why."""
 
@@ -319,9 +321,10 @@ class _Search:
     ) -> None:
         self.graphs = graphs
         self.cluster = cluster
-        self.config = config
+        self.config = config = config.resolved(cluster.device.memory)  # plan_model's, or a caller's
         self.batch = batch
-        self.budget = config.budget(cluster.device.memory)
+        assert config.memory_budget is not None
+        self.budget: float = config.memory_budget
         self.exhaustive = config.pp == "search"
         self.scored: list[Scored] = []
         self.errors: list[str] = []
@@ -434,7 +437,7 @@ class _Search:
                 microbatches=None,
                 schedule=None,
                 virtual=None,
-                memory_budget=self.budget * pp,
+                memory_budget=stage_plan_budget(self.budget, pp),
                 activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
                 microbatches_per_sync=m,
                 mesh_shape=config.mesh_shape,  # the mesh inside a stage (``possible`` checked its size)
@@ -547,12 +550,13 @@ def plan_model(
     ``config.pp`` asks for (``PlanConfig.pp``; module docstring); the fastest that fits.
     ``captured``: the model already captured on ``example_inputs``."""
     args, kwargs = normalize_inputs(example_inputs)
+    config = config.resolved(cluster.device.memory)
     t0 = time.perf_counter()
     graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
     if config.pp == 1 and config.microbatches in (None, 1):
         return plan_captured(graphs(1), cluster, config)
     world = cluster.world_size
-    search = _Search(graphs, cluster, config, batch_size(args, kwargs))
+    search = PipelineSearch(graphs, cluster, config, batch_size(args, kwargs))
     if config.pp == "search":
         pps = [d for d in range(1, world + 1) if world % d == 0]
     elif config.pp == "auto":

@@ -398,7 +398,7 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     b.build_decisions()
     b.add_unary()
     graph = b.graph()
-    budget = ctx.config.budget(ctx.cluster.device.memory)
+    budget = ctx.config.resolved(ctx.cluster.device.memory).memory_budget  # resolved: plan_captured's
     if graph.min_memory() > budget:  # infeasible whatever the edges: leave them out (most of the work)
         graph.complete = False
     else:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.capture import SAME_OPS, Captured, traced_by
+from autopar.canonical import SAME_OPS
+from autopar.capture import Captured, traced_by
 from autopar.graph import op_name
 from autopar.passes.certify import certify as certify_plan
 from autopar.planfile import Plan

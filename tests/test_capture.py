@@ -161,7 +161,8 @@ def test_microbatch_graph_is_the_graph_an_export_of_the_micro_batch_gives(
 ):
     """One export with a symbolic batch, specialised per micro-batch count, gives exactly the graph
     (node names, ops, arguments, shapes, fingerprint) that exporting the micro-batch itself gives."""
-    from autopar.capture import MicrobatchCaptures, microbatch_inputs
+    from autopar.capture import microbatch_inputs
+    from autopar.microbatch import MicrobatchCaptures
 
     if kind == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
@@ -238,7 +239,7 @@ class _BranchesOnBatch(nn.Module):
 
 
 def test_microbatch_graph_of_a_model_branching_on_the_batch_is_exported_by_itself():
-    from autopar.capture import MicrobatchCaptures
+    from autopar.microbatch import MicrobatchCaptures
 
     model = _BranchesOnBatch()
     graphs = MicrobatchCaptures(model, torch.randn(8, 8))
@@ -257,7 +258,7 @@ def test_specialising_a_micro_batch_graph_starts_no_thread(make_gpt):
 
     from tqdm import tqdm
 
-    from autopar.capture import MicrobatchCaptures
+    from autopar.microbatch import MicrobatchCaptures
 
     if tqdm.monitor is not None:  # started by an earlier test: stop it, so this one can fail
         tqdm.monitor.exit()
@@ -299,7 +300,7 @@ def test_the_meta_device_captures_the_program_the_real_model_runs(kind, make_gpt
     (same node names, ops, shapes, fingerprint), one batch and micro-batches alike. Before the
     canonical graph, attention's ``contiguous`` (a copy on CPU, nothing on meta) and T5's
     ``labels[:, 0] = 0`` (``fill_`` on CPU, ``copy_`` on meta) made them differ."""
-    from autopar.capture import MicrobatchCaptures
+    from autopar.microbatch import MicrobatchCaptures
 
     build = {"gpt": make_gpt, "gpt2": make_gpt2, "llama": lambda: make_llama(layers=2), "t5": _t5}[kind]
     ids = torch.randint(0, 128, (4, 16))

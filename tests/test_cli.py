@@ -16,7 +16,7 @@ import pytest
 import autopar
 from autopar.cli import build_parser, main
 from autopar.commands.console import ProgressBar
-from autopar.planner import Progress
+from autopar.mesh_pool import Progress
 
 COMMANDS = (
     "plan",

@@ -1,7 +1,7 @@
 """Micro-batched plans of transformers decoders keep the data-parallel split to the end: the LM
 head and the loss run split over dp under pipelines and gradient accumulation, as without them.
 
-Before the fix, the micro-batch graph (``capture.specialise_batch``) carried a ``val`` on its
+Before the fix, the micro-batch graph (``microbatch.specialise_batch``) carried a ``val`` on its
 output node, which the planner read as a tensor to deliver whole: every micro-batched plan of
 these models ran the LM head and the loss replicated over dp (every data-parallel rank computing
 every rank's logits), predicted slower by the whole head's work times dp.
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.capture import MicrobatchCaptures, capture
+from autopar.capture import capture
+from autopar.microbatch import MicrobatchCaptures
 from autopar.placement import Shard, parse_spec
 
 H, V, SEQ, BATCH = 256, 32000, 512, 32

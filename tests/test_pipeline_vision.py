@@ -133,7 +133,7 @@ KINDS = ("vit", "swin", "convnext", "resnet", "clip", "mixer", "rescnn")
 
 def _params_by_stage(model: nn.Module, inputs: Any, plan: Any) -> list[set[str]]:
     """The parameters each stage's compute nodes read, from the graph the plan was made for."""
-    from autopar.capture import MicrobatchCaptures
+    from autopar.microbatch import MicrobatchCaptures
 
     pipe = plan.pipeline
     cap = MicrobatchCaptures(model, inputs)(pipe.microbatches)

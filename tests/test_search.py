@@ -1,6 +1,6 @@
 """The 3D search's walk over pipeline sizes, on made-up step times (no model is planned).
 
-``_Search.ascending`` stops after two slower sizes or one far slower; ``_Search.pipelines_first``
+``PipelineSearch.ascending`` stops after two slower sizes or one far slower; ``PipelineSearch.pipelines_first``
 (``pp="auto"`` where the whole batch does not fit one stage) plans gradient accumulation after the
 pipelines, and not at all where their step falls with depth.
 """
@@ -13,13 +13,13 @@ import pytest
 
 import autopar
 from autopar.config import PlanConfig
-from autopar.search import FAR_SLOWER, _Search, _Size
+from autopar.search import FAR_SLOWER, PipelineSearch, _Size
 
 INF = math.inf
 PRUNED = "pruned"
 
 
-class _Made(_Search):
+class _Made(PipelineSearch):
     """A search whose sizes have the given step times (``INF``: does not fit; ``PRUNED``: proven
     far slower than the best so far) and that records which it planned."""
 
@@ -84,7 +84,7 @@ def test_a_size_proven_far_slower_ends_the_ascent():
 def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
     monkeypatch, recompute_at_2, counts
 ):
-    """``_Search.size(1)`` over 2, 4, 8 micro-batches (the candidates made up, nothing planned):
+    """``PipelineSearch.size(1)`` over 2, 4, 8 micro-batches (the candidates made up, nothing planned):
     2 is slower than the whole batch's 1.0 s. Keeping every activation, it ends the counts; having
     had to recompute (``recompute="auto"``), it does not: 4 and 8 may fit without, and here do,
     faster (Table 1's row 1)."""
@@ -104,7 +104,7 @@ def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
         ],
     )
     cluster = autopar.Cluster.preset("H100-SXM", nodes=8)
-    search = _Search(lambda m: SimpleNamespace(gm=None), cluster, PlanConfig(recompute="auto"), 64)  # type: ignore[arg-type]
+    search = PipelineSearch(lambda m: SimpleNamespace(gm=None), cluster, PlanConfig(recompute="auto"), 64)  # type: ignore[arg-type]
     search.scored = [Scored(SimpleNamespace(recompute="selective"), 1.0, "pp=1")]
     search.size(1)
     assert [r["microbatches"] for r in search.tried if "step_time" in r] == counts

@@ -165,8 +165,8 @@ def test_the_pipeline_pruning_bound_holds_for_every_candidate_planned():
     compute path is at most ``step · pp / m``: re-solved with that path cutoff it is not
     ``NotBetter``. So the search, which prunes candidates whose path exceeds
     ``FAR_SLOWER · best · pp / m``, never prunes one that could be as fast as the best."""
-    from autopar.capture import MicrobatchCaptures
     from autopar.config import PlanConfig
+    from autopar.microbatch import MicrobatchCaptures
     from autopar.models import GPT, GPTConfig
     from autopar.planner import plan_captured
     from autopar.search import stage_cluster

@@ -42,7 +42,7 @@ class Console:
 
     @contextlib.contextmanager
     def planning(self) -> Iterator[None]:
-        """A progress bar over the planner's candidate meshes (``autopar.planner.Progress``)."""
+        """A progress bar over the planner's candidate meshes (``autopar.mesh_pool.Progress``)."""
         handler = ProgressBar(enabled=self.interactive)
         logger = logging.getLogger("autopar.planner")
         old_level, old_propagate = logger.level, logger.propagate
@@ -59,7 +59,7 @@ class Console:
 
 
 class ProgressBar(logging.Handler):
-    """Draws ``autopar.planner.Progress`` records as a tqdm bar: which meshes are being solved,
+    """Draws ``autopar.mesh_pool.Progress`` records as a tqdm bar: which meshes are being solved,
     how many remain, the time so far."""
 
     def __init__(self, enabled: bool) -> None:

@@ -3,21 +3,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
 from autopar.graph import tensor_outputs
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    arg,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Replicate, Shard
+from autopar.rules.base import AxisStrategy, R, arg, aten, register, shape_of
 
 
 @register(

@@ -11,12 +11,15 @@ from torch.fx import Node
 
 from autopar.graph import op_name, tensor_inputs, tensor_outputs
 from autopar.ir import Rewrite
-from autopar.placement import Placement, Replicate, Shard
+from autopar.placement import Partial, Placement, Replicate, Shard
 
 __all__ = [
     "AxisStrategy",
+    "P",
+    "R",
     "align",
     "arg",
+    "aten",
     "axis_strategies",
     "has_rule",
     "has_rule_for",
@@ -28,7 +31,11 @@ __all__ = [
     "with_hints",
 ]
 
+aten = torch.ops.aten
 R = Replicate()
+"""Replicated: the placement most strategies name."""
+P = Partial()
+"""Partial sums."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,18 +7,9 @@ import torch
 from torch.fx import Node
 
 from autopar.graph import tensor_inputs, tensor_outputs
-from autopar.placement import Partial, Replicate
-from autopar.rules.base import (
-    norm_dim,
-    op_key,
-    shape_of,
-)
+from autopar.rules.base import aten, norm_dim, op_key, shape_of
 from autopar.rules.pointwise import UNARY
 from autopar.rules.views import view_map
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
 
 
 def block_hints(graph: torch.fx.Graph) -> dict[Node, set[tuple[int, int]]]:

@@ -3,20 +3,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    op_key,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, P, R, aten, op_key, register, shape_of
 
 
 @register(aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d)

@@ -3,20 +3,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
 from autopar.ir import Rewrite
-from autopar.placement import Partial, Placement, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Placement, Shard
+from autopar.rules.base import AxisStrategy, P, R, aten, register, shape_of
 
 
 @register(aten.embedding)

@@ -3,22 +3,12 @@ cross-entropy; its max and sum-exp all-reduces are part of the op, costed as in-
 
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
 from autopar.graph import tensor_outputs
 from autopar.ir import Rewrite
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    op_key,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, P, R, aten, op_key, register, shape_of
 
 
 @register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss_forward)

@@ -6,21 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch.fx import Node
 
-from autopar.placement import Partial, Placement, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    op_key,
-    register,
-    shape_of,
-    with_hints,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Placement, Shard
+from autopar.rules.base import AxisStrategy, P, R, aten, op_key, register, shape_of, with_hints
 
 
 def _einsum_strategies(

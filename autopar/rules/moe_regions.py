@@ -41,15 +41,12 @@ from torch.fx import Node
 
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import Rewrite, Strategy
-from autopar.placement import Partial, Placement, Replicate, Shard, Spec, divides
-from autopar.rules.base import arg, norm_dim, shape_of
+from autopar.placement import Placement, Shard, Spec, divides
+from autopar.rules.base import P, R, arg, norm_dim, shape_of
 from autopar.rules.routing import grouped_mm_operands
 
 __all__ = ["MoERegion", "Mode", "moe_regions", "region_strategies"]
 
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
 S0 = Shard(0)
 
 

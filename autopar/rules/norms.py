@@ -3,21 +3,11 @@ shards channels only (its statistics span the batch)."""
 
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
 from autopar.graph import tensor_outputs
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    op_key,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, R, aten, op_key, register, shape_of
 
 
 @register(aten.layer_norm, aten.rms_norm, aten.native_layer_norm, aten.group_norm)

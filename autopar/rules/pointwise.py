@@ -7,19 +7,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    align,
-    op_key,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
-
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, P, R, align, aten, op_key, register, shape_of
 
 UNARY = [
     aten.neg,

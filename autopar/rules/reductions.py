@@ -7,20 +7,8 @@ import torch
 from torch.fx import Node
 
 from autopar.ir import Rewrite
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    arg,
-    norm_dim,
-    op_key,
-    register,
-    shape_of,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
-
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, P, arg, aten, norm_dim, op_key, register, shape_of
 
 REDUCTIONS = (
     aten.sum,

@@ -16,14 +16,10 @@ import torch
 from torch.fx import Node
 
 from autopar.graph import op_name, tensor_outputs
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import AxisStrategy, arg, norm_dim, op_key, register, shape_of
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, P, R, arg, aten, norm_dim, op_key, register, shape_of
 
 __all__ = ["grouped_mm_operands"]
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
 
 
 # ------------------------------------------------------------------------------ routing ops

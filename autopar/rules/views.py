@@ -8,24 +8,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-import torch
 from torch.fx import Node
 
 from autopar.graph import tensor_outputs
 from autopar.ir import Rewrite
-from autopar.placement import Partial, Replicate, Shard
-from autopar.rules.base import (
-    AxisStrategy,
-    norm_dim,
-    op_key,
-    register,
-    shape_of,
-    with_hints,
-)
-
-aten = torch.ops.aten
-R = Replicate()
-P = Partial()
+from autopar.placement import Shard
+from autopar.rules.base import AxisStrategy, P, R, aten, norm_dim, op_key, register, shape_of, with_hints
 
 
 def _view_groups(

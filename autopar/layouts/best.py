@@ -1,0 +1,352 @@
+"""``best_megatron``: the fastest Megatron-LM layout that fits, found as an expert tunes its knobs
+(``KNOBS``), each candidate a ``megatron`` layout planned and scored by the simulator; the search
+and its pruning are in ``best_megatron``'s docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from autopar.audit import audited
+from autopar.capture import Captured
+from autopar.cluster import Cluster
+from autopar.config import PlanConfig
+from autopar.cost.compute import itemsize
+from autopar.cost.memory import StateBytes, state_bytes_per_param
+from autopar.ir import TENSOR
+from autopar.layouts.megatron_layout import megatron, megatron_pipelined, megatron_static_bytes
+from autopar.layouts.roles import expert_weights, megatron_weight_roles
+from autopar.microbatch import MicrobatchCaptures
+from autopar.passes import PassContext, run_passes
+from autopar.passes.annotate import annotate_tensors
+from autopar.planfile import Plan
+from autopar.planner import InfeasibleError
+
+__all__ = ["KNOBS", "MegatronSearch", "best_megatron"]
+
+log = logging.getLogger("autopar.layouts.best")
+
+
+KNOBS = {
+    "tp": "tp",
+    "pp": "pp",
+    "ep": "ep",
+    "microbatch_size": "mbs",
+    "schedule": "schedule",
+    "virtual": "v",
+    "sequence_parallel": "sp",
+    "recompute": "recompute",
+    "distributed_optimizer": "distributed_optimizer",
+}
+"""The knobs ``best_megatron`` tunes (Megatron-LM's names) and their keys in
+``plan.info["megatron_candidates"]``."""
+
+
+@dataclass(eq=False)
+class MegatronSearch:
+    """One ``best_megatron`` run: the model, the knobs held, the candidates so far."""
+
+    model: nn.Module
+    example_inputs: Any
+    cluster: Cluster
+    config: PlanConfig
+    fixed: dict[str, Any]
+    args: tuple
+    kwargs: dict
+    captures: MicrobatchCaptures | None = None
+    tried: list[dict[str, Any]] = field(default_factory=list)
+    best: Plan | None = None
+
+    @property
+    def batch(self) -> int:
+        """The global batch (sequences)."""
+        from autopar.capture import batch_size
+
+        return batch_size(self.args, self.kwargs) or 1
+
+    def descent_ends(
+        self, step: float, previous: float, none_fits: str, slower: str, rest: list[dict[str, Any]]
+    ) -> bool:
+        """Whether a descent along one knob ends at ``step``: nothing fits (``step`` infinite) or
+        it is no faster than the ``previous`` value's; the ``rest`` of the knob's values (each a
+        candidate's knobs) are then skipped, with why (``none_fits`` or ``slower``)."""
+        if step < previous:
+            return False
+        for knobs in rest:
+            self.skip(none_fits if step == math.inf else slower, **knobs)
+        return True
+
+    def options(self, name: str, values: list[Any]) -> list[Any]:
+        """``values`` to try for knob ``name``, or the one value it is held at."""
+        return [self.fixed[name]] if name in self.fixed else values
+
+    def captured(self, m: int) -> Captured:
+        """The model captured on one of ``m`` micro-batches (shared by every candidate)."""
+        if self.captures is None:
+            self.captures = MicrobatchCaptures(self.model, (self.args, self.kwargs))
+        return self.captures(m)
+
+    def skip(self, why: str, **knobs: Any) -> None:
+        """Record candidates not planned: knobs not given are the held value or ``None`` (any)."""
+        row = {key: self.fixed.get(name) for name, key in KNOBS.items()}
+        self.tried.append({**row, **knobs, "feasible": False, "skipped": True, "why": why})
+
+    def plan(self, knobs: dict[str, Any], m: int, schedules: list[tuple[str, int]]) -> float:
+        """Plan one candidate (one stage plan, every schedule around it), record each schedule;
+        the fastest step that fits (``inf`` where none does)."""
+        tp, pp, ep, sp, do = (knobs[k] for k in ("tp", "pp", "ep", "sp", "distributed_optimizer"))
+        world = self.cluster.world_size
+        dp = world // (tp * pp)
+        config = self.config.replace(recompute=knobs["recompute"], pp=1)
+        t0 = time.perf_counter()
+        try:
+            if pp == 1 and m == 1:
+                got: list[tuple[str, int, Plan | str]] = [("1f1b", 1, megatron(
+                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, distributed_optimizer=do,
+                    config=config, captured=self.captured(1),
+                ))]  # fmt: skip
+            else:
+                got = megatron_pipelined(
+                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, pp=pp, microbatches=m,
+                    schedules=schedules, distributed_optimizer=do, config=config, captured=self.captured(m),
+                )  # fmt: skip
+        except (InfeasibleError, ValueError) as e:
+            got = [(schedule, v, str(e)) for schedule, v in schedules]
+        log.info("best_megatron: %s planned in %.1f s", knobs, time.perf_counter() - t0)
+        fastest = math.inf
+        for schedule, v, p in got:
+            row = {**knobs, "schedule": schedule, "v": v}
+            if isinstance(p, str):
+                self.tried.append({**row, "feasible": False, "why": p.splitlines()[0][:200]})
+                continue
+            self.tried.append({**row, "feasible": True, "step_time": p.predicted.step_time})
+            fastest = min(fastest, p.predicted.step_time)
+            if self.best is None or p.predicted.step_time < self.best.predicted.step_time:
+                self.best = p
+        return fastest
+
+    def recompute_ladder(
+        self, base: dict[str, Any], m: int, schedules: list[tuple[str, int]], optimizers: list[bool]
+    ) -> tuple[float, int]:
+        """Pruning 2: recomputation levels lightest first, stopping at the first that fits, the
+        distributed optimizer only where the layout does not fit without it. The fastest step
+        and the index of the level that fit (``inf, -1`` where none does)."""
+        levels = self.options("recompute", ["none", "selective", "full"])
+        for k, rc in enumerate(levels):
+            step = math.inf
+            for do in optimizers:
+                knobs = {**base, "recompute": rc, "distributed_optimizer": do}
+                if step < math.inf:
+                    self.skip(f"fits without the distributed optimizer at recompute={rc} (rule 2)", **knobs)
+                    continue
+                step = self.plan(knobs, m, schedules)
+            if step < math.inf:
+                for heavier in levels[k + 1 :]:
+                    self.skip(f"recompute={rc} fits with the same knobs (rule 2)", **base, recompute=heavier)
+                return step, k
+        return math.inf, -1
+
+    def tune_stage(self, tp: int, pp: int, ep: int, optimizers: list[bool], moe: bool) -> tuple[float, bool]:
+        """Sequence parallelism (pruning 3), micro-batch size (pruning 4), recomputation and the
+        distributed optimizer for one ``(tp, pp, ep)``: the fastest step (``inf`` where nothing
+        fits), and whether a candidate fits at the lightest recomputation tried."""
+        dp = self.cluster.world_size // (tp * pp)
+        per_rank = self.batch // dp
+        light, fastest = False, math.inf
+        sps = [True] if moe and tp > 1 else ([False, True] if tp > 1 else [False])
+        for sp in self.options("sequence_parallel", sps):
+            # One stage: gradient accumulation over micro-batches of 1, 2, 4, 8 sequences, or the
+            # whole per-rank batch at once.
+            mbss = (
+                sorted({b for b in (1, 2, 4, 8) if per_rank % b == 0} | {per_rank})
+                if pp == 1
+                else [b for b in (1, 2, 4, 8) if per_rank % b == 0 and per_rank // b >= pp]
+            )
+            mbss = self.options("microbatch_size", mbss)
+            previous = math.inf
+            for i, mbs in enumerate(mbss):
+                base = {"tp": tp, "pp": pp, "ep": ep, "mbs": mbs, "sp": sp}
+                if per_rank % mbs:
+                    self.skip(
+                        f"microbatch_size={mbs} does not divide the {per_rank} sequences per rank", **base
+                    )
+                    continue
+                m = per_rank // mbs
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules = [
+                        (s, self.fixed.get("virtual", 2 if s == "interleaved" else 1))
+                        for s in self.options("schedule", ["1f1b", "interleaved"])
+                        if m >= pp and not (s == "interleaved" and m % pp)
+                    ]
+                if not schedules:
+                    self.skip(f"{m} micro-batches do not fill {pp} stages", **base)
+                    continue
+                step, level = self.recompute_ladder(base, m, schedules, optimizers)
+                light |= level == 0
+                fastest = min(fastest, step)
+                if self.descent_ends(
+                    step,
+                    previous,
+                    f"microbatch_size={mbs} fits at no recomputation level (rule 4)",
+                    f"the step got slower from microbatch_size={mbss[i - 1]} to {mbs} (rule 4)",
+                    [{**base, "mbs": larger} for larger in mbss[i + 1 :]],
+                ):
+                    break
+                previous = step
+        return fastest, light
+
+
+@audited
+def best_megatron(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    *,
+    config: PlanConfig | None = None,
+    **fixed: Any,
+) -> Plan:
+    """The fastest Megatron-LM layout that fits, as an expert tunes Megatron's knobs (``KNOBS``):
+    tensor parallel size ``tp`` (powers of two up to a node), pipeline size ``pp`` (stages of whole
+    nodes, or inside one), expert parallel size ``ep`` (models with mixture-of-experts regions
+    only: powers of two dividing the data-parallel size and the experts — Megatron-LM's
+    ``ep | dp`` — 1 included), micro-batch size ``microbatch_size`` (1, 2, 4, 8 sequences per
+    data-parallel rank), ``schedule`` (1F1B, interleaved with ``virtual=2``),
+    ``sequence_parallel``, ``recompute`` (none, selective, full) and ``distributed_optimizer``.
+    Expert tensor parallel size stays 1 (``megatron`` cannot express ``etp = tp``). Any knob
+    passed in ``fixed`` is held (e.g. ``tp=8, pp=4, ep=8, recompute="full"``). Every candidate is a
+    ``megatron`` layout, planned and scored by the simulator (``plan.predicted.step_time``).
+
+    The space is pruned as Megatron's own guides prune it (Narayanan et al., SC'21, arXiv
+    2104.04473, §3.3 takeaways; Megatron-Core MoE's "guidelines for parallel mappings",
+    ``megatron/core/transformer/moe/README.md``, also arXiv 2603.07685 §9.1):
+
+    1. **static memory** — a ``(tp, pp, ep, distributed_optimizer)`` whose training state alone
+       exceeds the memory budget (``megatron_static_bytes``, a lower bound) is not planned;
+    2. **recomputation** — levels are tried lightest first and, with the same other knobs, none
+       heavier once one fits (recomputing only adds compute); the distributed optimizer only
+       where the layout does not fit without it at that level (it saves memory, not time);
+    3. **sequence parallelism** — a mixture-of-experts model with tensor parallelism runs it, as
+       Megatron-LM requires ("When using MoE and tensor parallelism, sequence parallelism must
+       be used"); dense models try both;
+    4. **micro-batch size** — swept upward while the step gets faster, stopping at the first size
+       that fits at no recomputation level (a larger one keeps more activations);
+    5. **pipeline as short as fits** — for each ``(tp, ep)`` pipeline sizes are tried upward and
+       none larger once one fits at the lightest recomputation (takeaway #2: the model-parallel
+       size only as large as memory needs, the rest data parallelism; MoE guideline 1);
+    6. **expert parallelism from the largest** — for each ``tp``, ``ep`` is tried from the largest
+       down (MoE guideline 4: prefer EP; ``ep`` = the number of experts needs no local
+       permutation) while the step gets faster, and stops at the first that fits nowhere (a
+       smaller one keeps more experts per device).
+
+    Rules 4–6 are the guides' experience, not proofs: they may skip a candidate that would have
+    won. The schedules of one ``(pp, micro-batch size, …)`` share one stage plan, and each
+    micro-batch count is captured once. ``plan.info["megatron_candidates"]`` lists every
+    candidate planned (``feasible``, its ``step_time`` or ``why`` not) and every one skipped
+    (``skipped: True`` and why; a knob it does not depend on is ``None``);
+    ``plan.info["megatron_search_time"]`` the seconds the search took."""
+    from autopar.capture import normalize_inputs
+    from autopar.planner import detect_mixed_precision
+
+    unknown = sorted(set(fixed) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"best_megatron: unknown knob(s) {unknown}; known: {sorted(KNOBS)}")
+    t_start = time.perf_counter()
+    config = PlanConfig.build(config)
+    args, kwargs = normalize_inputs(example_inputs)
+    s = MegatronSearch(model, example_inputs, cluster, config, dict(fixed), args, kwargs)
+    world, gpn, budget = (
+        cluster.world_size,
+        cluster.gpus_per_node,
+        config.resolved(cluster.device.memory).memory_budget,
+    )
+    whole = s.captured(1)
+    run_passes(whole.gm, PassContext(captured=whole, cluster=cluster, config=config), [annotate_tensors])
+    roles, experts = megatron_weight_roles(whole.gm.graph), expert_weights(whole.gm.graph)
+    if fixed.get("ep", 1) > 1 and not experts:
+        raise ValueError(
+            f"ep={fixed['ep']}, but the model has no mixture-of-experts layer autopar recognises"
+        )
+    num_experts = math.gcd(*experts.values()) if experts else 1
+    mixed = config.mixed_precision if config.mixed_precision is not None else detect_mixed_precision(whole)
+    moments = itemsize(config.optimizer_state_dtype) if config.optimizer_state_dtype else None
+    params = [
+        (n.meta[TENSOR].fqn, math.prod(n.meta[TENSOR].shape), n.meta["val"].element_size(), n.meta[TENSOR].requires_grad)
+        for n in whole.gm.graph.nodes
+        if n.op == "placeholder" and TENSOR in n.meta and n.meta[TENSOR].kind == "param"
+    ]  # fmt: skip
+
+    def state(nbytes: int) -> StateBytes:
+        return state_bytes_per_param(
+            nbytes, optimizer=config.optimizer, master_weights=mixed, state_bytes=moments
+        )
+
+    def pipelines(tp: int, ep: int) -> float | None:
+        """Pipeline sizes for one ``(tp, ep)``, smallest first (pruning 1 and 5): the fastest step
+        (``inf`` where none fits), ``None`` where ``ep`` divides no data-parallel size."""
+        fastest, applicable = math.inf, False
+        pps = s.options("pp", [p for p in range(1, world // tp + 1) if (world // tp) % p == 0])
+        for i, pp in enumerate(pps):
+            dp = world // (tp * pp)
+            if s.batch % dp or dp % ep:
+                why = (
+                    f"ep={ep} does not divide dp={dp}"
+                    if dp % ep
+                    else f"the batch of {s.batch} does not split over dp={dp}"
+                )
+                s.skip(why, tp=tp, pp=pp, ep=ep)
+                continue
+            applicable = True
+            optimizers = []
+            for do in s.options("distributed_optimizer", [False, True]):
+                static = megatron_static_bytes(
+                    params, roles, experts, tp=tp, dp=dp, ep=ep, pp=pp, distributed_optimizer=do, state=state
+                )
+                if static <= budget:
+                    optimizers.append(do)
+                    continue
+                s.skip(
+                    f"training state alone {static / 2**30:.1f} GiB per device > budget {budget / 2**30:.1f} GiB (rule 1)",
+                    tp=tp, pp=pp, ep=ep, distributed_optimizer=do,
+                )  # fmt: skip
+            if not optimizers:
+                continue
+            step, light = s.tune_stage(tp, pp, ep, optimizers, bool(experts))
+            fastest = min(fastest, step)
+            if light:
+                for larger in pps[i + 1 :]:
+                    s.skip(f"pp={pp} fits at the lightest recomputation (rule 5)", tp=tp, pp=larger, ep=ep)
+                break
+        return fastest if applicable else None
+
+    eps = [e for e in (64, 32, 16, 8, 4, 2) if e <= min(num_experts, world) and num_experts % e == 0] + [1]
+    eps = s.options("ep", eps if experts else [1])
+    for tp in s.options("tp", [t for t in (1, 2, 4, 8, 16) if t <= gpn and world % t == 0]):
+        previous, previous_ep = math.inf, None
+        for k, ep in enumerate(eps):  # largest first, while the step gets faster (rule 6)
+            step = pipelines(tp, ep)
+            if step is None:
+                continue
+            if s.descent_ends(
+                step,
+                previous,
+                f"ep={ep} fits nowhere: a smaller ep keeps more experts per device (rule 6)",
+                f"the step got slower from ep={previous_ep} to {ep} (rule 6)",
+                [{"tp": tp, "ep": smaller} for smaller in eps[k + 1 :]],
+            ):
+                break
+            previous, previous_ep = step, ep
+    if s.best is None:
+        planned = [t for t in s.tried if not t.get("skipped")]
+        raise InfeasibleError(
+            "no Megatron-LM layout fits:\n  " + "\n  ".join(f"{t}" for t in (planned or s.tried)[:20])
+        )
+    s.best.info["megatron_candidates"] = s.tried
+    s.best.info["megatron_search_time"] = time.perf_counter() - t_start
+    return s.best

@@ -1,0 +1,449 @@
+"""Megatron-LM's and FSDP's layouts as constrained plans (``autopar.layouts`` says what they fix).
+
+``megatron`` fixes the weights to the roles ``autopar.layouts.roles`` finds and lets the solver
+place everything else; ``megatron_pipelined`` is the same over pipeline stages;
+``megatron_static_bytes`` is the training state a layout holds per device, before planning it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+from autopar.audit import audited
+from autopar.capture import Captured, capture
+from autopar.cluster import Cluster
+from autopar.config import PlanConfig, stage_plan_budget
+from autopar.cost.memory import StateBytes
+from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
+from autopar.ir import TENSOR, Strategy
+from autopar.layouts.roles import (
+    expert_weights,
+    is_rms_mean,
+    megatron_weight_roles,
+    residual_adds,
+)
+from autopar.microbatch import MicrobatchCaptures
+from autopar.passes import PassContext, run_passes
+from autopar.passes.annotate import annotate_tensors
+from autopar.placement import Partial, Replicate, Shard
+from autopar.planfile import Plan
+from autopar.planner import InfeasibleError, plan_captured
+from autopar.rules.moe_regions import moe_regions
+from autopar.rules.routing import grouped_mm_operands
+
+__all__ = ["fsdp", "megatron", "megatron_mesh", "megatron_pipelined", "megatron_static_bytes"]
+
+
+def fsdp(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    *,
+    config: PlanConfig | None = None,
+    captured: Captured | None = None,
+    **options: Any,
+) -> Plan:
+    """ZeRO-3 as PyTorch FSDP runs it (Zhao et al., VLDB 2023; Rajbhandari et al., arXiv
+    1910.02054): one data-parallel axis over every device, the batch split along it, every
+    parameter stored sharded along its largest dimension that divides (replicated when none
+    does) and gathered whole for each use — no op reads a parameter shard — then freed and
+    gathered again in backward (ZeRO stage 3), its gradient reduce-scattered.
+
+    ``config`` (or its fields as keyword ``options``) holds the other planning options; the layout
+    sets the mesh, the placements and the ZeRO stage."""
+    world = cluster.world_size
+    cap = captured if captured is not None else capture(model, example_inputs)
+    fixed: dict[str, tuple[str, ...]] = {}
+    for name, p in model.named_parameters():
+        dims = sorted(range(p.dim()), key=lambda d: -p.shape[d])
+        d = next((d for d in dims if p.shape[d] % world == 0), None)
+        if d is not None:
+            fixed[name] = (f"S({d})",)
+    for n in cap.user_input_nodes():  # the batch split (dimension 0), where it divides
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % world == 0:
+            fixed[cap.inputs[n.name]] = ("S(0)",)
+
+    def gathered_for_use(node: Node, s: Strategy) -> bool:
+        return node.op != "call_function" or all(
+            spec is None or i.meta[TENSOR].kind != "param" or all(isinstance(p, Replicate) for p in spec)
+            for i, spec in zip(tensor_inputs(node), s.inputs)
+        )
+
+    config = PlanConfig.build(config, **options)
+    return plan_captured(
+        cap,
+        cluster,
+        config.with_fixed(fixed).replace(mesh_shape=(world,), zero_stage=3),
+        node_constraint=gathered_for_use,
+        layout=f"fsdp(dp={world})",
+    )
+
+
+def megatron_mesh(dp: int, tp: int, ep: int = 1) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, int]]:
+    """``(mesh, axis names, {name: axis})`` of the Megatron layout with data-parallel size ``dp``,
+    tensor-parallel size ``tp`` and expert-parallel size ``ep`` (module docstring of ``megatron``):
+    ``(dp, tp)`` (``(tp,)`` when ``dp == 1``) or, with ``ep > 1``, ``(dp / ep, ep, tp)`` without
+    its axes of size 1."""
+    if ep > 1:
+        kept = [(name, n) for name, n in (("dp", dp // ep), ("ep", ep), ("tp", tp)) if n > 1]
+    else:
+        kept = [("dp", dp), ("tp", tp)] if dp > 1 else [("tp", tp)]
+    names = tuple(name for name, _ in kept)
+    return tuple(n for _, n in kept), names, {name: a for a, name in enumerate(names)}
+
+
+@audited
+def megatron(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    tp: int,
+    dp: int | None = None,
+    sequence_parallel: bool = False,
+    *,
+    ep: int = 1,
+    pp: int = 1,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+    distributed_optimizer: bool = False,
+    config: PlanConfig | None = None,
+    captured: Captured | None = None,
+    **options: Any,
+) -> Plan:
+    """The Megatron-LM layout with tensor-parallel size ``tp``, data-parallel size ``dp`` and
+    expert-parallel size ``ep``.
+
+    ``dp`` defaults to ``world_size / tp``. The mesh is ``(dp, tp)`` (``(tp,)`` when ``dp == 1``),
+    the tensor axis innermost so it stays inside a node. With ``ep > 1`` (which must divide
+    ``dp``: Megatron-LM carves the expert-parallel group out of the data-parallel one) the mesh is
+    ``(dp / ep, ep, tp)`` (axes of size 1 dropped): every mixture-of-experts region
+    (``autopar.rules.routing``) keeps its experts' weights split by expert along ``ep`` and used
+    where they lie, so its tokens are dispatched to them and combined back by all-to-all;
+    attention and the rest are data-parallel along ``ep``, as in Megatron-LM. Experts are not
+    split along ``tp`` (expert tensor parallel size 1, Megatron-Core's
+    ``expert_tensor_parallel_size=1``; the regions' modes cannot split an expert's own matmuls,
+    so ``etp = tp`` is not expressible): each ``tp`` rank runs whole experts on the tokens it
+    routes. The plan's axes are named ``dp``, ``ep``, ``tp`` after the layout.
+
+    ``distributed_optimizer``: Megatron-LM's ``--use-distributed-optimizer`` (docs
+    ``api-guide/dist_optimizer``): every parameter's optimizer state is split over its
+    data-parallel ranks — ``dp / ep`` and ``ep`` for the dense weights, ``dp / ep`` and ``tp`` for
+    the experts (their data-parallel group, ``tp · dp / ep`` ranks with expert tensor parallel
+    size 1) — its gradients accumulated whole over the micro-batches and reduce-scattered once
+    per step, its weights all-gathered once after the step. Planned as ZeRO stage 1 on those axes
+    (``autopar.cost.memory``: Megatron's full-size gradient buffer; ``autopar.cost.reshard_cost``: the
+    reduce-scatter and all-gather, once per step in ``autopar.simulate``). Weights are still read
+    whole on those axes (gathered), never split there.
+
+    ``config`` (or its fields as keyword ``options``, e.g. ``memory_budget``) holds the other
+    planning options; the layout sets the mesh and fixes the weights. ``captured``: the model
+    already captured on ``example_inputs`` (with ``pp > 1``: on one micro-batch of them).
+
+    With ``pp > 1`` the model is cut into ``pp · virtual`` pipeline stages as Megatron-LM cuts it:
+    equal numbers of repeated layers per stage, the embedding with the first and the head with the
+    last (``autopar.passes.stages.layer_cuts``; autopar's own plans balance the stages' cost
+    instead), each stage laid out as above on ``world / pp`` devices, ``microbatches``
+    micro-batches (default ``pp``) run under ``schedule`` (``autopar.schedule``). With ``pp = 1``
+    and ``microbatches > 1``: gradient accumulation, Megatron-LM's ``--micro-batch-size`` below
+    the per-rank batch (the micro-batches one after another, gradients reduced once).
+    """
+    if pp > 1 or (microbatches or 1) > 1:
+        ((_, _, got),) = megatron_pipelined(
+            model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, pp=pp,
+            microbatches=microbatches or pp, schedules=[(schedule, virtual)],
+            distributed_optimizer=distributed_optimizer, config=PlanConfig.build(config, **options),
+            captured=captured,
+        )  # fmt: skip
+        if isinstance(got, str):
+            raise InfeasibleError(got)
+        return got
+    world = cluster.world_size
+    if dp is None:
+        if world % tp:
+            raise ValueError(f"tp={tp} does not divide the world size {world}")
+        dp = world // tp
+    if dp * tp != world:
+        raise ValueError(f"tp({tp}) × dp({dp}) = {tp * dp} ≠ world size {world}")
+    if ep < 1 or dp % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp={dp} (the expert-parallel group lies inside the data-parallel one)"
+        )
+    config = PlanConfig.build(config, **options)
+    cap = captured if captured is not None else capture(model, example_inputs)
+    ctx = PassContext(captured=cap, cluster=cluster, config=config)
+    run_passes(cap.gm, ctx, [annotate_tensors])
+    roles = megatron_weight_roles(cap.gm.graph)
+    experts = expert_weights(cap.gm.graph)
+    if ep > 1 and not experts:
+        raise ValueError(f"ep={ep}, but the model has no mixture-of-experts layer autopar recognises")
+    for fqn, n in experts.items():
+        if n % ep:
+            raise ValueError(f"ep={ep} does not divide the {n} experts of {fqn}")
+    if tp > 1:
+        _check_tp_divides(cap.gm.graph, roles, tp, world)
+    mesh, axis_names, axis = megatron_mesh(dp, tp, ep)
+    t_axis = axis.get("tp")
+    e_axis = axis.get("ep")
+    fixed: dict[str, tuple[str, ...]] = {}
+    split_dims: dict[str, set[int]] = {}
+    for fqn, role in roles.items():
+        if role.startswith(("col:", "row:")):
+            tp_p = f"S({role.split(':')[1]})"
+        elif role in ("col_bias", "vocab"):
+            tp_p = "S(0)"
+        else:  # row_bias
+            tp_p = "R"
+        spec = ["R"] * len(mesh)
+        if t_axis is not None:
+            spec[t_axis] = tp_p
+        fixed[fqn] = tuple(spec)
+        split_dims[fqn] = (
+            {int(tp_p[2:-1])} if tp_p != "R" and t_axis is not None and mesh[t_axis] > 1 else set()
+        )
+    for fqn in experts:  # split by expert along ep; whole everywhere else (expert TP size 1)
+        spec = ["R"] * len(mesh)
+        if e_axis is not None:
+            spec[e_axis] = "S(0)"
+        fixed[fqn] = tuple(spec)
+        split_dims[fqn] = {0}
+    # Data-parallel axes of each parameter: what its optimizer state is split over under the
+    # distributed optimizer, and where it is read whole.
+    data_axes: dict[str, tuple[int, ...]] = {}
+    flat_state: dict[str, tuple[int, ...]] = {}
+    if distributed_optimizer:
+        for n in cap.gm.graph.nodes:
+            info = n.meta.get(TENSOR)
+            if n.op != "placeholder" or info is None or info.kind != "param" or not info.requires_grad:
+                continue
+            own = (axis.get("dp"), t_axis if info.fqn in experts else e_axis)
+            data_axes[info.fqn] = tuple(a for a in own if a is not None and mesh[a] > 1)
+            spec = list(fixed.get(info.fqn, ("R",) * len(mesh)))
+            fixed[info.fqn] = _distributed_optimizer_spec(
+                info.shape, spec, split_dims.get(info.fqn, set()), data_axes[info.fqn], mesh
+            )
+            # Axes no dimension divides: Megatron shards the flat buffer there all the same.
+            whole = tuple(a for a in data_axes[info.fqn] if fixed[info.fqn][a] == "R")
+            if whole:
+                flat_state[info.fqn] = whole
+        config = config.replace(zero_stage=1, state_split=flat_state)
+    used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
+    residual = residual_adds(cap.gm.graph, roles)
+    # Grouped matmuls read their experts' weights through views (transformers transposes them):
+    # each must run over its own device's experts along ep.
+    expert_mms = {
+        e: tensor_inputs(e).index(grouped_mm_operands(e)[1])
+        for r in moe_regions(cap.gm.graph)
+        for e in r.experts
+    }
+
+    def megatron_execution(node: Node, s: Strategy) -> bool:
+        """Weights are used where they lie (no gathering), read whole on their data-parallel axes
+        under the distributed optimizer; norms as Megatron runs them."""
+        if node.op != "call_function":
+            return True
+        if node in expert_mms:
+            for a, got in enumerate(s.inputs[expert_mms[node]]):
+                if a == e_axis and not (isinstance(got, Shard) and got.dim == 0):
+                    return False
+                if a != e_axis and not isinstance(got, Replicate):
+                    return False
+        for j, i in enumerate(tensor_inputs(node)):
+            info = i.meta.get(TENSOR)
+            if info is None or info.kind != "param" or info.fqn not in fixed or s.inputs[j] is None:
+                continue
+            for a in used_where_they_lie:
+                want, got = fixed[info.fqn][a], s.inputs[j][a]
+                if want == "R" and not isinstance(got, (Replicate, Partial)):
+                    return False
+                if want != "R" and not (isinstance(got, Shard) and f"S({got.dim})" == want):
+                    return False
+            if any(not isinstance(s.inputs[j][a], Replicate) for a in data_axes.get(info.fqn, ())):
+                return False
+        is_norm = op_family(node) is OpFamily.NORM or (op_name(node) == "mean" and is_rms_mean(node))
+        if t_axis is None or (not is_norm and node not in residual):
+            return True
+        p = s.outputs[0][t_axis]
+        if sequence_parallel:
+            return isinstance(p, Shard) and p.dim == 1
+        return isinstance(p, Replicate)
+
+    knobs = [f"tp={tp}", f"dp={dp}"] + [f"ep={ep}"] * (ep > 1)
+    knobs += ["sequence_parallel"] * sequence_parallel + ["distributed optimizer"] * distributed_optimizer
+    plan = plan_captured(
+        cap,
+        cluster,
+        config.with_fixed(fixed).replace(mesh_shape=mesh),
+        node_constraint=megatron_execution,
+        layout=f"megatron({', '.join(knobs)})",
+    )
+    plan.mesh_axes = axis_names
+    if flat_state:
+        plan.info["state_split"] = {fqn: math.prod(mesh[a] for a in axes) for fqn, axes in flat_state.items()}
+    return plan
+
+
+def _check_tp_divides(graph: torch.fx.Graph, roles: dict[str, str], tp: int, world: int) -> None:
+    """Raise, before any planning, where tensor parallelism cannot split a weight Megatron-LM
+    splits: the dimension it cuts must divide by ``tp``. Names every such weight with its
+    arithmetic and the tensor-parallel sizes that would divide them all."""
+    shapes = {
+        n.meta[TENSOR].fqn: n.meta[TENSOR].shape
+        for n in graph.nodes
+        if n.op == "placeholder" and n.meta.get(TENSOR) is not None and n.meta[TENSOR].kind == "param"
+    }
+    split: dict[str, tuple[int, int]] = {}  # fqn -> (dim, size)
+    for fqn, role in roles.items():
+        if fqn not in shapes or role == "row_bias":
+            continue
+        d = int(role.split(":")[1]) if role.startswith(("col:", "row:")) else 0
+        split[fqn] = (d, shapes[fqn][d])
+    bad = {fqn: ds for fqn, ds in split.items() if ds[1] % tp}
+    if not bad:
+        return
+    sizes = sorted({size for _, size in split.values()})
+    fits = [t for t in range(1, world + 1) if world % t == 0 and all(size % t == 0 for size in sizes)]
+    shown = [
+        f"{fqn} {shapes[fqn]}: dimension {d} = {size}, {size} / {tp} = {size / tp:g}"
+        for fqn, (d, size) in bad.items()
+    ]
+    more = f" (and {len(shown) - 4} more)" if len(shown) > 4 else ""
+    raise ValueError(
+        f"megatron(tp={tp}): tensor parallelism splits each column-parallel weight's output dimension, each "
+        f"row-parallel weight's input dimension and the vocabulary into tp={tp} pieces, and {len(bad)} "
+        f"weight(s) have a size that does not divide by {tp}: {'; '.join(shown[:4])}{more}. The sizes "
+        f"tensor parallelism splits here are {sizes}; tp must divide all of them: tp in {fits} would "
+        f"(on {world} devices), or change the model's hidden, head or vocabulary sizes to multiples of {tp}"
+    )
+
+
+def _distributed_optimizer_spec(
+    shape: tuple[int, ...],
+    spec: list[str],
+    split: set[int],
+    data_axes: tuple[int, ...],
+    mesh: tuple[int, ...],
+) -> tuple[str, ...]:
+    """``spec`` (a parameter's tensor/expert-parallel placement) with its storage split along each
+    of ``data_axes`` too, each on the largest dimension not split yet that divides evenly (``R``
+    on an axis where none does: that axis keeps whole copies of the state)."""
+    local = list(shape)
+    for a, p in enumerate(spec):
+        if p != "R":
+            local[int(p[2:-1])] //= mesh[a]
+    taken = set(split)
+    for a in data_axes:
+        dims = [d for d in range(len(local)) if d not in taken and local[d] % mesh[a] == 0]
+        if dims:
+            d = max(dims, key=lambda d: local[d])
+            spec[a] = f"S({d})"
+            local[d] //= mesh[a]
+            taken.add(d)
+    return tuple(spec)
+
+
+def megatron_pipelined(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster,
+    tp: int,
+    dp: int | None,
+    sequence_parallel: bool,
+    *,
+    ep: int,
+    pp: int,
+    microbatches: int,
+    schedules: Sequence[tuple[str, int]],
+    distributed_optimizer: bool,
+    config: PlanConfig,
+    captured: Captured | None,
+) -> list[tuple[str, int, Plan | str]]:
+    """``megatron`` with pipeline stages (see its docstring): one stage plan, then every
+    ``(schedule, virtual)`` of ``schedules`` played around it — the plan, or why it does not fit."""
+    from autopar.search import pipelined_candidates, stage_cluster
+
+    sub = stage_cluster(cluster, pp)
+    if sub is None:
+        raise ValueError(
+            f"pp={pp} does not cut {cluster.nodes} node(s) × {cluster.gpus_per_node} devices into equal stages"
+        )
+    if captured is None:
+        captured = MicrobatchCaptures(model, example_inputs)(microbatches)
+    config = config.resolved(cluster.device.memory)
+    budget = config.memory_budget
+    stage = megatron(
+        model, None, sub, tp, dp, sequence_parallel, ep=ep, distributed_optimizer=distributed_optimizer,
+        config=config.replace(memory_budget=stage_plan_budget(budget, pp), mesh_shape=None, fixed={}), captured=captured,
+    )  # fmt: skip
+    out: list[tuple[str, int, Plan | str]] = []
+    for schedule, virtual in schedules:
+        label = f"pp={pp}, m={microbatches}, {schedule}{f', v={virtual}' if virtual > 1 else ''}"
+        why: list[str] = []
+        found = pipelined_candidates(
+            stage,
+            captured.gm,
+            cluster,
+            config.replace(schedule=schedule, virtual=virtual),
+            pp,
+            microbatches,
+            budget,
+            by_layers=True,
+            why=why,
+        )
+        if not found:
+            reasons = "; ".join(w.split(": ", 1)[-1] for w in why) or "no candidate"
+            out.append((schedule, virtual, f"megatron(tp={tp}, {label}): {reasons}"))
+            continue
+        plan = found[0].plan
+        plan.info["layout"] = stage.info.get("layout", "megatron").replace(
+            "megatron(", f"megatron({label}, ", 1
+        )
+        plan.cluster = cluster.to_dict()
+        plan.info["cluster_desc"] = cluster.describe()
+        out.append((schedule, virtual, plan))
+    return out
+
+
+def megatron_static_bytes(
+    params: Sequence[tuple[str, int, int, bool]],
+    roles: dict[str, str],
+    experts: dict[str, int],
+    *,
+    tp: int,
+    dp: int,
+    ep: int,
+    pp: int,
+    distributed_optimizer: bool,
+    state: Callable[[int], StateBytes],
+) -> float:
+    """A lower bound on the training state (weights, gradients, optimizer state) one device of
+    the Megatron layout holds: ``params`` are ``(name, elements, bytes per element, trainable)``,
+    ``state(bytes per element)`` the per-parameter accounting (``autopar.cost.memory``: ZeRO's,
+    Rajbhandari et al. Table 1). Each weight is split ``tp`` ways where Megatron splits it
+    (``roles``), experts ``ep`` ways; under the distributed optimizer its gradient and optimizer
+    state are further split over its data-parallel ranks (``dp`` for dense weights, ``dp · tp / ep``
+    for experts) as ZeRO-2 counts them (``megatron``'s docstring); the pipeline's largest stage
+    holds at least ``1/pp`` of the total. Exact splits may fall short where shapes do not divide,
+    so the true figure is at least this."""
+    total = 0.0
+    for fqn, numel, nbytes, trainable in params:
+        role = roles.get(fqn, "")
+        split = ep if fqn in experts else (tp if role and role != "row_bias" else 1)
+        n = numel / split
+        if not trainable:
+            total += n * nbytes
+            continue
+        s = state(nbytes)
+        if distributed_optimizer:
+            group = dp * tp // ep if fqn in experts else dp
+            total += n * (s.weight + (s.grad + s.optimizer) / group)
+        else:
+            total += n * s.total
+    return total / pp
