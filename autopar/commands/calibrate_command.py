@@ -9,15 +9,24 @@ from typing import Any
 
 from autopar.commands.console import Console
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
     positive_int,
 )
 
+HELP = CommandHelp(
+    summary="measure this machine's compute and collective costs into a profile",
+    examples="""
+        autopar calibrate --local 4 -o local4.json
+        autopar plan gpt-tiny --cluster local4.json
+    """,
+)
+"""What ``autopar calibrate --help`` says."""
+
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar calibrate`` to the subcommands ``subs``."""
-    p = add_command(subs, "calibrate", "measure this machine's compute and collective costs into a profile",
-                    "  autopar calibrate --local 4 -o local4.json\n  autopar plan gpt-tiny --cluster local4.json")  # fmt: skip
+    p = add_command(subs, "calibrate", HELP)
     p.add_argument("--local", type=positive_int, default=2, help="local processes to measure (default 2)")
     p.add_argument("-o", "--output", help="write the profile (a cluster JSON) to this file")
     p.set_defaults(func=run)

@@ -11,23 +11,33 @@ from autopar.commands.baselines import baseline
 from autopar.commands.console import Console
 from autopar.commands.loading import load_plan
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
     model_args,
 )
 
+HELP = CommandHelp(
+    summary="compare a plan with another plan or a Megatron-LM layout",
+    description="""
+        Compare plan A with B: a plan file, megatron:KEY=VALUE,... (the keywords of
+        autopar.layouts.megatron: tp, dp, sequence_parallel, ...) or best-megatron (the fastest
+        Megatron-LM layout that fits). Layouts are planned for the model A was made for (recorded
+        by autopar plan), on A's cluster; --model and its options name another.
+    """,
+    examples="""
+        autopar compare plan.json other.json
+        autopar compare plan.json megatron:tp=8
+        autopar compare plan.json megatron:tp=4,dp=2,sequence_parallel=true --figure cmp.png
+        autopar compare plan.json best-megatron
+        autopar compare plan.json other.json --report compare.html
+    """,
+)
+"""What ``autopar compare --help`` says."""
+
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar compare`` to the subcommands ``subs``."""
-    p = add_command(subs, "compare", "compare a plan with another plan or a Megatron-LM layout",
-                    "  autopar compare plan.json other.json\n"
-                    "  autopar compare plan.json megatron:tp=8\n"
-                    "  autopar compare plan.json megatron:tp=4,dp=2,sequence_parallel=true --figure cmp.png\n"
-                    "  autopar compare plan.json best-megatron\n"
-                    "  autopar compare plan.json other.json --report compare.html",
-                    "Compare plan A with B: a plan file, megatron:KEY=VALUE,... (the keywords of\n"
-                    "autopar.layouts.megatron: tp, dp, sequence_parallel, ...) or best-megatron (the fastest\n"
-                    "Megatron-LM layout that fits). Layouts are planned for the model A was made for (recorded\n"
-                    "by autopar plan), on A's cluster; --model and its options name another.")  # fmt: skip
+    p = add_command(subs, "compare", HELP)
     p.add_argument("a", metavar="A", help="a plan file")
     p.add_argument("b", metavar="B", help="a plan file, megatron:tp=8,... or best-megatron")
     p.add_argument("--model", help="MODEL to build for a layout baseline (default: the one A records)")

@@ -11,21 +11,31 @@ from autopar.commands.baselines import plan_megatron, rebuild_workload
 from autopar.commands.console import Console, one_line
 from autopar.commands.loading import load_plan
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
     model_args,
 )
 
+HELP = CommandHelp(
+    summary="write a plan as Megatron-LM, torchtitan or DeepSpeed configuration",
+    description="""
+        The engine's configuration for the nearest layout it can express (autopar.export): Megatron-LM
+        arguments, a torchtitan TOML job file's sections or a DeepSpeed JSON; then what autopar's plan
+        does that the engine cannot, and both predicted steps: the plan's, and the exported layout's,
+        planned with autopar.layouts.megatron for the model the plan records (or --model).
+    """,
+    examples="""
+        autopar export plan.json --to megatron
+        autopar export plan.json --to torchtitan -o parallelism.toml
+        autopar export plan.json --to deepspeed -o ds_config.json
+    """,
+)
+"""What ``autopar export --help`` says."""
+
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar export`` to the subcommands ``subs``."""
-    p = add_command(subs, "export", "write a plan as Megatron-LM, torchtitan or DeepSpeed configuration",
-                    "  autopar export plan.json --to megatron\n"
-                    "  autopar export plan.json --to torchtitan -o parallelism.toml\n"
-                    "  autopar export plan.json --to deepspeed -o ds_config.json",
-                    "The engine's configuration for the nearest layout it can express (autopar.export): Megatron-LM\n"
-                    "arguments, a torchtitan TOML job file's sections or a DeepSpeed JSON; then what autopar's plan\n"
-                    "does that the engine cannot, and both predicted steps: the plan's, and the exported layout's,\n"
-                    "planned with autopar.layouts.megatron for the model the plan records (or --model).")  # fmt: skip
+    p = add_command(subs, "export", HELP)
     p.add_argument("plan", metavar="PLAN", help="a plan file")
     p.add_argument("--to", required=True, choices=("megatron", "torchtitan", "deepspeed"), help="the engine")
     p.add_argument("-o", "--output", help="write the configuration to this file (else it is printed)")

@@ -10,6 +10,7 @@ from typing import Any
 from autopar.commands.console import Console
 from autopar.commands.loading import build_cluster, build_workload, capture_workload
 from autopar.commands.options import (
+    CommandHelp,
     UsageError,
     add_command,
     cluster_args,
@@ -23,15 +24,25 @@ _STATE_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "f
 """``--optimizer-state-dtype`` choices -> ``MemorySetup.optimizer_state_dtype``."""
 
 
+HELP = CommandHelp(
+    summary="estimate memory per device under each ZeRO stage and recomputation",
+    description="""
+        Memory per device before launch: parameters, gradients, optimizer state (each ZeRO stage)
+        and saved activations (each recomputation mode) per pipeline stage of a Megatron-style
+        dp × tp × pp layout (autopar.estimate), against the default budget.
+    """,
+    examples="""
+        autopar memory llama3-8b --batch 8 --seq 8192                # 8 × H100, data parallel
+        autopar memory llama3-70b --nodes 8 --tp 8 --pp 4 --batch 64 --seq 4096 --microbatches 16
+        autopar memory gpt3-175b --cluster A100-80GB --nodes 128 --tp 8 --pp 16 --batch 1536 --seq 2048 --recompute full
+    """,
+)
+"""What ``autopar memory --help`` says."""
+
+
 def add_parser(subs: Any) -> None:
     """Add ``autopar memory`` to the subcommands ``subs``."""
-    p = add_command(subs, "memory", "estimate memory per device under each ZeRO stage and recomputation",
-                    "  autopar memory llama3-8b --batch 8 --seq 8192                # 8 × H100, data parallel\n"
-                    "  autopar memory llama3-70b --nodes 8 --tp 8 --pp 4 --batch 64 --seq 4096 --microbatches 16\n"
-                    "  autopar memory gpt3-175b --cluster A100-80GB --nodes 128 --tp 8 --pp 16 --batch 1536 --seq 2048 --recompute full",
-                    "Memory per device before launch: parameters, gradients, optimizer state (each ZeRO stage)\n"
-                    "and saved activations (each recomputation mode) per pipeline stage of a Megatron-style\n"
-                    "dp × tp × pp layout (autopar.estimate), against the default budget.")  # fmt: skip
+    p = add_command(subs, "memory", HELP)
     model_args(p)
     cluster_args(p)
     g = p.add_argument_group("layout")

@@ -7,14 +7,23 @@ from typing import Any
 
 from autopar.commands.console import Console
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
 )
+
+HELP = CommandHelp(
+    summary="list the built-in models and cluster presets",
+    examples="""
+        autopar models
+        autopar models --clusters
+    """,
+)
+"""What ``autopar models --help`` says."""
 
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar models`` to the subcommands ``subs``."""
-    p = add_command(subs, "models", "list the built-in models and cluster presets",
-                    "  autopar models\n  autopar models --clusters")  # fmt: skip
+    p = add_command(subs, "models", HELP)
     p.add_argument("--clusters", action="store_true", help="list the cluster presets only")
     p.set_defaults(func=run)
 

@@ -9,10 +9,13 @@ or ``UsageError`` raised by a command once it has read its arguments (status 1, 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -162,15 +165,27 @@ def planning_args(p: argparse.ArgumentParser) -> None:
                    help="activation recomputation (default none; auto: the cheapest that fits)")  # fmt: skip
 
 
-def add_command(
-    subs: Any, name: str, summary: str, examples: str, description: str = ""
-) -> argparse.ArgumentParser:
-    """Add command ``name`` to ``subs`` with its one-line summary, description and examples (shown
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommandHelp:
+    """What a command's ``--help`` says. ``description`` and ``examples`` are written as indented
+    triple-quoted blocks; their common indentation is removed (``inspect.cleandoc``)."""
+
+    summary: str
+    """One line: the command's entry in ``autopar --help`` (and its description if it has none)."""
+    examples: str
+    """Command lines, one a line, shown under ``examples:``."""
+    description: str = ""
+    """Paragraphs shown under the usage line."""
+
+
+def add_command(subs: Any, name: str, text: CommandHelp) -> argparse.ArgumentParser:
+    """Add command ``name`` to ``subs`` with its ``text`` (summary, description and examples, shown
     by its ``--help``) and the output options every command takes."""
+    examples = textwrap.indent(inspect.cleandoc(text.examples), "  ")
     p = subs.add_parser(
         name,
-        help=summary,
-        description=(description or summary),
+        help=text.summary,
+        description=(inspect.cleandoc(text.description) or text.summary),
         epilog="examples:\n" + examples,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

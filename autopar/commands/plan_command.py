@@ -11,6 +11,7 @@ from typing import Any
 from autopar.commands.console import Console
 from autopar.commands.loading import build_cluster, build_workload, capture_workload, plan_config
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
     cluster_args,
     model_args,
@@ -18,14 +19,21 @@ from autopar.commands.options import (
 )
 from autopar.display import fmt_count
 
+HELP = CommandHelp(
+    summary="plan a model on a cluster and print (and save) the plan",
+    examples="""
+        autopar plan llama3-8b --cluster H100-SXM --nodes 8 --batch 64 --seq 8192 -o plan.json
+        autopar plan gpt2 --gpus-per-node 8 --batch 32 --mesh 4x2 --figures out/
+        autopar plan config.json --batch 16 --seq 2048 --memory-budget 60GiB
+        autopar plan mymodels:build --cluster local --gpus-per-node 4
+    """,
+)
+"""What ``autopar plan --help`` says."""
+
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar plan`` to the subcommands ``subs``."""
-    p = add_command(subs, "plan", "plan a model on a cluster and print (and save) the plan",
-                    "  autopar plan llama3-8b --cluster H100-SXM --nodes 8 --batch 64 --seq 8192 -o plan.json\n"
-                    "  autopar plan gpt2 --gpus-per-node 8 --batch 32 --mesh 4x2 --figures out/\n"
-                    "  autopar plan config.json --batch 16 --seq 2048 --memory-budget 60GiB\n"
-                    "  autopar plan mymodels:build --cluster local --gpus-per-node 4")  # fmt: skip
+    p = add_command(subs, "plan", HELP)
     model_args(p)
     cluster_args(p)
     planning_args(p)

@@ -10,16 +10,24 @@ from typing import Any
 from autopar.commands.console import Console
 from autopar.commands.loading import load_plan
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
 )
+
+HELP = CommandHelp(
+    summary="write a self-contained HTML report of a plan",
+    examples="""
+        autopar report plan.json -o report.html
+        autopar report plan.json -o report.html --baseline megatron:tp=8
+        autopar report plan.json -o report.html --measured run.json   # from autopar train --record
+    """,
+)
+"""What ``autopar report --help`` says."""
 
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar report`` to the subcommands ``subs``."""
-    p = add_command(subs, "report", "write a self-contained HTML report of a plan",
-                    "  autopar report plan.json -o report.html\n"
-                    "  autopar report plan.json -o report.html --baseline megatron:tp=8\n"
-                    "  autopar report plan.json -o report.html --measured run.json   # from autopar train --record")  # fmt: skip
+    p = add_command(subs, "report", HELP)
     p.add_argument("plan", metavar="PLAN", help="a plan file")
     p.add_argument("-o", "--output", required=True, help="the HTML file to write")
     p.add_argument(

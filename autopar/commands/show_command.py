@@ -9,15 +9,25 @@ from typing import Any
 from autopar.commands.console import Console
 from autopar.commands.loading import load_plan
 from autopar.commands.options import (
+    CommandHelp,
     add_command,
 )
+
+HELP = CommandHelp(
+    summary="print a saved plan",
+    examples="""
+        autopar show plan.json
+        autopar show plan.json --full
+        autopar show plan.json --nodes
+        autopar show plan.json --figures out/ --format svg
+    """,
+)
+"""What ``autopar show --help`` says."""
 
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar show`` to the subcommands ``subs``."""
-    p = add_command(subs, "show", "print a saved plan",
-                    "  autopar show plan.json\n  autopar show plan.json --full\n  autopar show plan.json --nodes\n"
-                    "  autopar show plan.json --figures out/ --format svg")  # fmt: skip
+    p = add_command(subs, "show", HELP)
     p.add_argument("plan", metavar="PLAN", help="a plan file (autopar plan -o)")
     p.add_argument("--full", action="store_true", help="every module with its ops' placements")
     p.add_argument("--nodes", action="store_true", help="every graph node with its specs (autopar.explain)")

@@ -9,19 +9,30 @@ from typing import Any
 from autopar.commands.console import Console
 from autopar.commands.loading import load_plan
 from autopar.commands.options import (
+    CommandHelp,
     UsageError,
     add_command,
     positive_int,
 )
 
+HELP = CommandHelp(
+    summary="simulate a plan's training step event by event",
+    description="""
+        Prints the step per pipeline rank, then draws it as text: a row of forward,
+        backward and weight-gradient passes per rank (one character per time slot) with their
+        micro-batches, sends and collectives, and the time inside one repeated layer.
+    """,
+    examples="""
+        autopar simulate plan.json
+        autopar simulate plan.json --gantt step.png
+    """,
+)
+"""What ``autopar simulate --help`` says."""
+
 
 def add_parser(subs: Any) -> None:
     """Add ``autopar simulate`` to the subcommands ``subs``."""
-    p = add_command(subs, "simulate", "simulate a plan's training step event by event",
-                    "  autopar simulate plan.json\n  autopar simulate plan.json --gantt step.png",
-                    "Prints the step per pipeline rank, then draws it as text: a row of forward,\n"
-                    "backward and weight-gradient passes per rank (one character per time slot) with their\n"
-                    "micro-batches, sends and collectives, and the time inside one repeated layer.")  # fmt: skip
+    p = add_command(subs, "simulate", HELP)
     p.add_argument("plan", metavar="PLAN", help="a plan file")
     p.add_argument("--width", type=positive_int, default=100, help="time slots per row (default 100)")
     p.add_argument("--gantt", metavar="FILE", help="write the step as a Gantt chart (.png or .svg)")

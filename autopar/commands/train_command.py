@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from autopar.commands.console import Console
-from autopar.commands.options import UsageError, add_command, assignments, model_args, positive_int
+from autopar.commands.options import (
+    CommandHelp,
+    UsageError,
+    add_command,
+    assignments,
+    model_args,
+    positive_int,
+)
 from autopar.commands.train_loop import TrainJob, train_rank
 
 
@@ -20,15 +27,25 @@ class RankFailure(RuntimeError):
     """Ranks of ``autopar train`` failed; the message has each distinct error once."""
 
 
+HELP = CommandHelp(
+    summary="train a model under a plan on local processes or under torchrun",
+    description="""
+        Every rank builds the same model (seeded), rank 0 plans (or --plan loads one) and
+        broadcasts it, and all ranks train on the same random global batch; rank 0 prints the
+        plan and the loss of every step.
+    """,
+    examples="""
+        autopar train gpt-tiny --local 4
+        autopar train gpt-tiny --local 2 --plan plan.json --steps 10 --record run.json
+        torchrun --nproc_per_node=8 -m autopar train gpt2 --cluster H100-SXM --batch 16 --seq 1024
+    """,
+)
+"""What ``autopar train --help`` says."""
+
+
 def add_parser(subs: Any) -> None:
     """Add ``autopar train`` to the subcommands ``subs``."""
-    p = add_command(subs, "train", "train a model under a plan on local processes or under torchrun",
-                    "  autopar train gpt-tiny --local 4\n"
-                    "  autopar train gpt-tiny --local 2 --plan plan.json --steps 10 --record run.json\n"
-                    "  torchrun --nproc_per_node=8 -m autopar train gpt2 --cluster H100-SXM --batch 16 --seq 1024",
-                    "Every rank builds the same model (seeded), rank 0 plans (or --plan loads one) and\n"
-                    "broadcasts it, and all ranks train on the same random global batch; rank 0 prints the\n"
-                    "plan and the loss of every step.")  # fmt: skip
+    p = add_command(subs, "train", HELP)
     model_args(p, dtype="fp32")
     p.add_argument(
         "--local", type=positive_int, help="spawn this many local gloo processes (else: under torchrun)"
