@@ -28,8 +28,12 @@ import torch
 
 
 def force_prefetch() -> None:
-    """Make this process's rank-program passes run ``prefetch_params`` on gloo too."""
+    """Make this process's per-rank compiler run ``prefetch_params`` on gloo too (its entry of
+    ``autopar.passes.rank_compiler.RANK_COMPILER``, the list ``parallelize`` compiles with)."""
+    import dataclasses
+
     import autopar.passes.overlap as ov
+    import autopar.passes.rank_compiler as rc
 
     original = ov.prefetch_params
 
@@ -43,7 +47,9 @@ def force_prefetch() -> None:
     def prefetch_params(gm, ctx):  # same name: PlanConfig.disable still finds it
         return original(gm, _NoCluster(ctx))
 
-    ov.RANK_PASSES = tuple(prefetch_params if p is original else p for p in ov.RANK_PASSES)
+    rc.RANK_COMPILER = tuple(
+        dataclasses.replace(p, run=prefetch_params) if p.run is original else p for p in rc.RANK_COMPILER
+    )
 
 
 def model(layers: int, hidden: int, seq: int, batch: int = 8, seed: int = 0) -> tuple[Any, tuple]:

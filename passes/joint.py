@@ -48,6 +48,7 @@ __all__ = [
     "mark_phases",
     "partition",
     "step_program",
+    "subprogram",
     "trace_joint",
 ]
 
@@ -256,32 +257,32 @@ def partition(jp: JointProgram) -> Partitioned:
         if isinstance(gnode, Node) and gnode in fwd_set and gnode not in seen:
             seen.add(gnode)
             saved.append(gnode)
-    # Forward program.
-    fg = Graph()
-    env: dict[Node, Node] = {}
-    for n in fwd_nodes:
-        env[n] = fg.node_copy(n, lambda x: env[x])
-    fg.output(
-        tuple(env[o] if isinstance(o, Node) else o for o in outs[: jp.num_outputs])
-        + tuple(env[s] for s in saved)
-    )
-    # Backward program.
-    bg = Graph()
-    benv: dict[Node, Node] = {}
-    for s in saved:
-        benv[s] = bg.placeholder(s.name)
-        benv[s].meta.update(s.meta)
-    for n in bwd_nodes:
-        benv[n] = bg.node_copy(n, lambda x: benv[x])
-    bg.output(tuple(benv[gn] if isinstance(gn, Node) else gn for gn in grads))
-    fg.lint()
-    bg.lint()
     return Partitioned(
-        forward=GraphModule(jp.gm, fg, class_name="ForwardProgram"),
-        backward=GraphModule(jp.gm, bg, class_name="BackwardProgram"),
+        forward=subprogram(jp.gm, "ForwardProgram", [], fwd_nodes, [*outs[: jp.num_outputs], *saved]),
+        backward=subprogram(jp.gm, "BackwardProgram", saved, bwd_nodes, grads),
         num_outputs=jp.num_outputs,
         saved=tuple(s.name for s in saved),
     )
+
+
+def subprogram(
+    gm: GraphModule, class_name: str, inputs: Sequence[Node], body: Sequence[Node], results: Sequence[object]
+) -> GraphModule:
+    """A program of ``gm``'s nodes: a placeholder for each of ``inputs`` (same name and meta), then
+    the nodes of ``body`` in order (``gm``'s placeholders among them copied as placeholders; those
+    already among ``inputs`` skipped), returning ``results``. Every node ``body`` reads must be
+    among ``inputs`` or earlier in ``body``."""
+    g = Graph()
+    env: dict[Node, Node] = {}
+    for i in inputs:
+        env[i] = g.placeholder(i.name)
+        env[i].meta.update(i.meta)
+    for n in body:
+        if n not in env:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[r] if isinstance(r, Node) else r for r in results))
+    g.lint()
+    return GraphModule(gm, g, class_name=class_name)
 
 
 def is_getitem(n: Node) -> bool:

@@ -93,6 +93,8 @@ __all__ = [
     "RankTarget",
     "compile_rank",
     "propagate_fake",
+    "rank_info",
+    "recompute_info",
     "uncounted",
 ]
 
@@ -205,7 +207,7 @@ class RankBuild:
 
 def rank_info(target: RankTarget, ctx: PassContext) -> RankInfo:
     """The ``RankInfo`` of the whole program: each input's role (a parameter's ZeRO stage), the axes'
-    names, and the plan's recomputation (``_recompute_info``)."""
+    names, and the plan's recomputation (``recompute_info``)."""
     plan = target.plan
     stages = {n.fqn: n.zero_stage for n in plan.nodes if n.kind == "param"}
     return RankInfo(
@@ -213,11 +215,11 @@ def rank_info(target: RankTarget, ctx: PassContext) -> RankInfo:
         num_outputs=0,
         axis_names=group_names(target.axes),
         recompute=plan.recompute,
-        **(_recompute_info(ctx, plan.recompute) if plan.recompute != "none" else {}),
+        **(recompute_info(ctx, plan.recompute) if plan.recompute != "none" else {}),
     )
 
 
-def _recompute_info(ctx: PassContext, mode: str) -> dict[str, Any]:
+def recompute_info(ctx: PassContext, mode: str) -> dict[str, Any]:
     """``RankInfo``'s recomputation fields: captured node name -> the repeated-layer instance it
     runs in (``transformer.h.3``, from the tensor annotations' module paths), and the captured
     nodes ``mode`` recomputes (``passes.strategies.recomputed``, the rule the plan was costed by)."""
@@ -450,12 +452,12 @@ RANK_COMPILER: tuple[RankPass, ...] = (
 """The per-rank compiler's passes, in order (module docstring)."""
 
 
-def compile_rank(
-    target: RankTarget, ctx: PassContext, passes: Sequence[RankPass] = RANK_COMPILER
-) -> RankStep:
-    """This rank's step record: ``passes`` run in order over a new :class:`RankBuild` for
-    ``target``, skipping those ``ctx.config.disable`` names, every collective uncounted (module
-    docstring). Raises ``ValueError`` where ``ctx.config.disable`` names a required pass."""
+def compile_rank(target: RankTarget, ctx: PassContext, passes: Sequence[RankPass] | None = None) -> RankStep:
+    """This rank's step record: ``passes`` (default: ``RANK_COMPILER``, as it is when called) run in
+    order over a new :class:`RankBuild` for ``target``, skipping those ``ctx.config.disable``
+    names, every collective uncounted (module docstring). Raises ``ValueError`` where
+    ``ctx.config.disable`` names a required pass."""
+    passes = RANK_COMPILER if passes is None else passes
     disable = set(ctx.config.disable)
     refused = [p.name for p in passes if p.required and p.name in disable]
     if refused:

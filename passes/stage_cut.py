@@ -33,7 +33,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.capture import Captured
-from autopar.passes.joint import JointProgram
+from autopar.passes.joint import JointProgram, subprogram
 from autopar.planfile import Plan
 from autopar.program.records import RankStages, StageStep
 
@@ -171,7 +171,7 @@ def cut_stages(program: GraphModule, num_stages: int) -> list[StageProgram]:
 # ------------------------------------------------------------------------------------ stage steps
 
 
-def split_backward(jp: object, num_primals: int) -> tuple:
+def split_backward(jp: JointProgram, num_primals: int) -> tuple:
     """Split the joint program ``jp`` (``passes.joint.JointProgram``) into forward, input-gradient
     and weight-gradient programs: backward nodes that the gradients of placeholders ``>=
     num_primals`` (received values) need form ``B``; the rest (parameter gradients) form ``W``."""
@@ -217,24 +217,12 @@ def split_backward(jp: object, num_primals: int) -> tuple:
     passed = list(dict.fromkeys(passed))
     saved = list(dict.fromkeys(saved_i + saved_w_nodes))
 
-    def build(name: str, inputs: list[Node], body: list[Node], results: list[object]) -> GraphModule:
-        g = Graph()
-        env: dict[Node, Node] = {}
-        for i in inputs:
-            env[i] = g.placeholder(i.name)
-            env[i].meta.update(i.meta)
-        for n in body:
-            if n in env:
-                continue
-            env[n] = g.node_copy(n, lambda x: env[x])
-        g.output(tuple(env[r] if isinstance(r, Node) else r for r in results))
-        g.lint()
-        return GraphModule(gm, g, class_name=name)
-
     primal_phs = [n for n in fwd if n.op == "placeholder"]
-    forward = build("StageForward", primal_phs, fwd, [*outs[: jp.num_outputs], *saved])
-    backward_input = build("StageBackwardInput", saved_i + tangents, b_nodes, [*input_grads, *passed])
-    backward_weight = build("StageBackwardWeight", saved_w_nodes + passed, w_nodes, weight_grads)
+    forward = subprogram(gm, "StageForward", primal_phs, fwd, [*outs[: jp.num_outputs], *saved])
+    backward_input = subprogram(
+        gm, "StageBackwardInput", saved_i + tangents, b_nodes, [*input_grads, *passed]
+    )
+    backward_weight = subprogram(gm, "StageBackwardWeight", saved_w_nodes + passed, w_nodes, weight_grads)
     return (
         forward,
         backward_input,

@@ -110,18 +110,13 @@ def bind_placeholders(cap: Captured, plan: Plan) -> Bindings:
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
         if isinstance(val, torch.Tensor):
             b.dtypes_of[cap.params.get(name, cap.buffers.get(name, name))] = val.dtype
-        if name in cap.params:
-            fqn = cap.params[name]
+        if name in cap.params or name in cap.buffers:
+            kind, fqn = ("param", cap.params[name]) if name in cap.params else ("buffer", cap.buffers[name])
             b.specs[fqn], b.shapes[fqn] = spec, shape
-            if fqn not in b.params:
-                b.params.append(fqn)
-            b.bindings.append(("param", fqn))
-        elif name in cap.buffers:
-            fqn = cap.buffers[name]
-            b.specs[fqn], b.shapes[fqn] = spec, shape
-            if fqn not in b.buffers:
-                b.buffers.append(fqn)
-            b.bindings.append(("buffer", fqn))
+            names = b.params if kind == "param" else b.buffers
+            if fqn not in names:
+                names.append(fqn)
+            b.bindings.append((kind, fqn))
         elif name in cap.inputs:
             path = cap.inputs[name]
             b.specs["input:" + path], b.shapes["input:" + path] = spec, shape

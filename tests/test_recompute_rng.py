@@ -98,13 +98,16 @@ def test_dead_code_elimination_keeps_a_forward_draw():
 
 
 def _recompute_sources(kind: str, mode: str) -> tuple[Any, frozenset[str]]:
-    from autopar.api import _recompute_info
     from autopar.capture import capture
     from autopar.config import PlanConfig
+    from autopar.passes import PassContext
+    from autopar.passes.rank_compiler import recompute_info
 
     model, inputs = build(kind)
     cap = capture(model, inputs)
-    info = _recompute_info(cap, autopar.Cluster.local(1), PlanConfig(), mode)
+    info = recompute_info(
+        PassContext(captured=cap, cluster=autopar.Cluster.local(1), config=PlanConfig()), mode
+    )
     return cap, info["recompute_sources"]
 
 
