@@ -252,5 +252,5 @@ def stage_plan_budget(device_budget: float, pp: int) -> float:
     """The memory budget a pipeline stage's plan is formulated under (bytes): that plan places the
     whole model on one stage's mesh, of which each of the ``pp`` stages holds a ``1/pp`` share, so
     it is held to ``pp ×`` one device's budget; the stages the pipeline is then cut into are held
-    to ``device_budget`` itself (``autopar.search.pipelined_candidates``)."""
+    to ``device_budget`` itself (``autopar.pipelined.pipelined_candidates``)."""
     return device_budget * pp

@@ -23,8 +23,8 @@ from autopar.config import PlanConfig
 from autopar.graph import outer_instance
 from autopar.ir import TENSOR
 from autopar.models import GPT, GPTConfig
+from autopar.pipelined import pipelined_candidates, stage_cluster
 from autopar.planner import plan_captured
-from autopar.search import pipelined_candidates, stage_cluster
 
 
 def main() -> None:

@@ -52,7 +52,17 @@ APART = {
 DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "microbatch", "input_bounds", "reshard",
         "planfile", "strategy_graph", "display", "schedule", "models", "reference_data"}  # fmt: skip
 COST = {"mesh", "config"}
-PLANNER = {"planner", "mesh_pool", "plan_record", "layouts", "simulate", "search", "audit", "audit_figures"}
+PLANNER = {
+    "planner",
+    "mesh_pool",
+    "plan_record",
+    "pipelined",
+    "layouts",
+    "simulate",
+    "search",
+    "audit",
+    "audit_figures",
+}
 
 
 def group_of(module: str) -> str:

@@ -333,8 +333,8 @@ def _meta_gpt_stage(vocab: int, pp: int, m: int, config: Any, **stage: Any) -> t
     micro-batches, its stage plan for ``pp`` ranks of one 8-A100 node (budget relaxed, ``stage``
     overriding more of ``config``): (captured, stage plan, cluster)."""
     from autopar.capture import capture, microbatch_inputs, normalize_inputs
+    from autopar.pipelined import stage_cluster
     from autopar.planner import plan_captured
-    from autopar.search import stage_cluster
 
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=vocab, block_size=1024))
@@ -352,7 +352,7 @@ def test_unequal_depth_gets_unequal_cuts_that_beat_equal_layer_counts():
     the head on top of its layers; the cost-balanced cuts (``stage_cuts``) give it fewer layers,
     and the same stage plan then simulates faster."""
     from autopar.config import PlanConfig
-    from autopar.search import pipelined_candidates
+    from autopar.pipelined import pipelined_candidates
 
     pp, m = 4, 8
     config = PlanConfig(schedule="1f1b")
@@ -403,7 +403,7 @@ def test_a_rank_over_its_memory_gets_a_memory_balanced_cut(schedule):
     the pipeline: the candidate fits, with the first rank holding fewer nodes (with two stages
     per rank, interleaved, as well)."""
     from autopar.config import PlanConfig
-    from autopar.search import pipelined_candidates
+    from autopar.pipelined import pipelined_candidates
 
     pp, m = 2, 8
     config = PlanConfig(schedule=schedule)

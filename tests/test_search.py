@@ -91,7 +91,7 @@ def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
     from types import SimpleNamespace
 
     import autopar.search as search_mod
-    from autopar.search import Scored
+    from autopar.pipelined import Scored
 
     made = {2: (1.2, recompute_at_2), 4: (0.95, "none"), 8: (0.9, "none")}
     monkeypatch.setattr(search_mod, "plan_captured", lambda cap, *a, **k: cap)

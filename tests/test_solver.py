@@ -168,8 +168,8 @@ def test_the_pipeline_pruning_bound_holds_for_every_candidate_planned():
     from autopar.config import PlanConfig
     from autopar.microbatch import MicrobatchCaptures
     from autopar.models import GPT, GPTConfig
+    from autopar.pipelined import stage_cluster
     from autopar.planner import plan_captured
-    from autopar.search import stage_cluster
 
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=4, n_head=8, n_embd=256, vocab_size=4096, block_size=256))

@@ -367,7 +367,7 @@ def megatron_pipelined(
 ) -> list[tuple[str, int, Plan | str]]:
     """``megatron`` with pipeline stages (see its docstring): one stage plan, then every
     ``(schedule, virtual)`` of ``schedules`` played around it — the plan, or why it does not fit."""
-    from autopar.search import pipelined_candidates, stage_cluster
+    from autopar.pipelined import pipelined_candidates, stage_cluster
 
     sub = stage_cluster(cluster, pp)
     if sub is None:

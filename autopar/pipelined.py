@@ -1,0 +1,232 @@
+"""Pipelined candidates of one stage plan: the stage mesh (``stage_cluster``), the cuts of the
+micro-batch graph into stages and the schedules played over them (``pipelined_candidates``),
+each scored by the simulated step (``Scored``). ``autopar.search`` drives which pipeline sizes
+and micro-batch counts are planned; the words are its module docstring's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from autopar.cluster import Cluster
+from autopar.config import PlanConfig
+from autopar.cost.timeline import play
+from autopar.display import fmt_bytes
+from autopar.passes.stages import layer_cuts, seams, stage_cuts
+from autopar.placement import local_shape, parse_spec
+from autopar.planfile import PipelinePlan, Plan
+from autopar.schedule import make_schedule, max_in_flight, stage_rank
+from autopar.simulate import graph_facts, optimizer_time, stage_costs
+
+__all__ = ["Scored", "pipelined_candidates", "stage_cluster"]
+
+log = logging.getLogger("autopar.planner")
+
+
+def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
+    """The devices of one pipeline rank (module docstring: stage mesh); ``None`` when ``pp`` does
+    not divide the cluster into equal stages."""
+    world = cluster.world_size
+    if world % pp:
+        return None
+    n = world // pp
+    if n <= cluster.gpus_per_node:
+        if cluster.gpus_per_node % n:
+            return None
+        return replace(cluster, gpus_per_node=n, nodes=1)
+    if n % cluster.gpus_per_node or cluster.nodes % pp:
+        return None
+    return replace(cluster, nodes=cluster.nodes // pp)
+
+
+@dataclass
+class Scored:
+    plan: Plan
+    step_time: float
+    what: str
+
+
+def pipelined_candidates(
+    spmd: Plan,
+    gm: Any,
+    cluster: Cluster,
+    config: PlanConfig,
+    pp: int,
+    m: int,
+    budget: float,
+    by_layers: bool = False,
+    why: list[str] | None = None,
+) -> list[Scored]:
+    """Every schedule for one ``(pp, m)`` around the stage plan ``spmd`` (module docstring).
+    ``by_layers``: cut at equal layer counts as Megatron-LM does (``passes.stages.layer_cuts``)
+    instead of balancing the stages' cost. ``why``: where given, each schedule that gives no
+    candidate appends its reason (the cut's error, or the peak memory against the budget)."""
+    why = why if why is not None else []
+    facts = graph_facts(gm)
+    by_name = {n.name: n for n in spmd.nodes}
+    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    mesh = tuple(spmd.mesh_shape)
+    link = cluster.axis_link((pp, *mesh), 0)
+
+    reshard_time: dict[str, float] = {}
+    for r in spmd.reshards:  # charged where they are consumed, as ``stage_costs`` charges them
+        if not r.grad_sync_axes:
+            reshard_time[r.consumer] = reshard_time.get(r.consumer, 0.0) + r.time
+
+    def node_time(n: Any) -> float:
+        p = by_name.get(n.name)
+        return p.compute_time + p.comm_time + reshard_time.get(n.name, 0.0) if p is not None else 0.0
+
+    def local_bytes(name: str) -> float:
+        p, v = by_name.get(name), vals.get(name)
+        if p is None or not isinstance(v, torch.Tensor):
+            return 0.0
+        return math.prod(local_shape(tuple(v.shape), parse_spec(p.outputs[0]), mesh)) * v.element_size()
+
+    # Each compute node's (static, activation) bytes, as ``stage_costs`` places them: a parameter
+    # or input with its first reader; what no compute node reads stays with stage 0 (``extra``).
+    compute = {n.name for n in gm.graph.nodes if n.op == "call_function"}
+    mem: dict[str, list[float]] = {}
+    extra = [0.0, 0.0]
+    for p in spmd.nodes:
+        at = p.name if p.name in compute else facts.first_reader.get(p.name)
+        (mem.setdefault(at, [0.0, 0.0]) if at in compute else extra)[0 if p.kind == "param" else 1] += (
+            p.memory
+        )
+
+    def node_memory(n: Any) -> tuple[float, float]:
+        s, a = mem.get(n.name, (0.0, 0.0))
+        return s, a
+
+    def play_cut(stage_of: dict[str, int], S: int, actions: Any) -> tuple[list, Any]:
+        """The stage costs of a cut, and the schedule played with them."""
+        boundary = [0.0] * S
+        for n in gm.graph.nodes:
+            s = stage_of.get(n.name)
+            if s is None:
+                continue
+            if any(stage_of.get(u.name, S - 1) > s for u in n.users if u.op == "call_function"):
+                boundary[s] += local_bytes(n.name)
+        costs = stage_costs(
+            spmd,
+            stage_of,
+            S,
+            first_reader=facts.first_reader,
+            fwd_share=facts.fwd_share.get,
+            trainable_matmul=facts.trainable_matmul,
+            boundary_bytes=boundary,
+            send_time=lambda b: link.latency + b / link.bandwidth,
+        )
+        return costs, play(actions, costs, overlap=cluster.overlap_comm)
+
+    def fit_cut(stage_of: dict[str, int], costs: list, tl: Any, S: int, actions: Any) -> tuple:
+        """Balanced by time, a rank holds more than its device: the fastest cut under per-stage
+        memory caps (a stage keeps its static bytes plus its activations times the micro-batches
+        it holds in flight) that share the budget among a rank's stages, so a cut meeting them
+        fits (a rank's peak is at most its stages' sum). One stage per rank: each may use the whole
+        budget (the memory-constrained partition is then exact). ``v`` stages per rank: the
+        shares ``(w, 1 − w)`` for ``w`` = 0.1 … 0.9 with two, else equal shares and shares as the
+        time-balanced cut holds memory. Each cut found is played; the fastest that fits wins, or
+        the time-balanced cut stays (the caller drops it)."""
+        v = S // pp
+        flight = [max_in_flight([a for a in actions[stage_rank(k, pp)] if a[1] == k]) for k in range(S)]
+        if v == 1:
+            shares = [[1.0]]
+        elif v == 2:
+            shares = [[w / 10, 1 - w / 10] for w in range(1, 10)]
+        else:
+            held = [costs[k].static + flight[k] * costs[k].activation for k in range(S)]
+            on_rank = [sum(held[r::pp]) for r in range(pp)]
+            shares = [[1 / v] * v, [held[k] / on_rank[stage_rank(k, pp)] for k in range(S)]]
+        best = (stage_of, costs, tl)
+        for share in shares:
+            caps = [budget * share[k // pp if len(share) == v else k] for k in range(S)]
+
+            def fits(k: int, static: float, act: float, caps: list[float] = caps) -> bool:
+                if k == 0:
+                    static, act = static + extra[0], act + extra[1]
+                return static + flight[k] * act <= caps[k]
+
+            try:
+                cut = stage_cuts(gm, S, node_time, node_memory=node_memory, fits=fits)
+            except ValueError:
+                continue
+            c, t = play_cut(cut, S, actions)
+            if max(t.peak_memory) <= budget and (
+                max(best[2].peak_memory) > budget or t.step_time < best[2].step_time
+            ):
+                best = (cut, c, t)
+        return best
+
+    n_seams = len(seams(gm))
+    if config.schedule:
+        schedules = [config.schedule]
+    elif pp == 1:  # gradient accumulation: one stage, its micro-batches one after another
+        schedules = ["1f1b"]
+    else:
+        schedules = ["1f1b", "zb-h1", "gpipe", "interleaved"]
+    out = []
+    for schedule in schedules:
+        vs = [config.virtual] if config.virtual else ([2] if schedule == "interleaved" else [1])
+        for v in vs:
+            label = f"pp={pp} m={m} {schedule}" + (f" v={v}" if v > 1 else "")
+            if schedule == "interleaved" and (m % pp or pp * v - 1 > n_seams):
+                why.append(
+                    f"{label}: needs m a multiple of pp and {pp * v - 1} seams (the model has {n_seams})"
+                )
+                continue
+            if v > 1 and schedule != "interleaved":
+                continue
+            S = pp * v
+            try:
+                actions = make_schedule(schedule, pp, m, v)
+                stage_of = layer_cuts(gm, S) if by_layers else stage_cuts(gm, S, node_time)
+            except ValueError as e:
+                why.append(f"{label}: {e}")
+                continue
+            costs, tl = play_cut(stage_of, S, actions)
+            if max(tl.peak_memory) > budget and not by_layers:
+                stage_of, costs, tl = fit_cut(stage_of, costs, tl, S, actions)
+            peak = max(tl.peak_memory)
+            if peak > budget:
+                log.info(
+                    "%s: peak memory %.2f GiB over the budget %.2f GiB", label, peak / 2**30, budget / 2**30
+                )
+                rank = max(range(len(tl.peak_memory)), key=lambda r: tl.peak_memory[r])
+                why.append(
+                    f"{label}: pipeline rank {rank} peaks at {fmt_bytes(peak)}, over the memory budget of "
+                    f"{fmt_bytes(budget)} per device"
+                )
+                continue
+            pipe = PipelinePlan(
+                pp=pp,
+                microbatches=m,
+                schedule=schedule,
+                virtual=v,
+                stage_of=stage_of,
+                stage_costs=tuple(
+                    {f: getattr(c, f) for f in c.__dataclass_fields__}
+                    for c in costs  # type: ignore[attr-defined]
+                ),
+                bubble_fraction=tl.bubble_fraction(),
+                peak_memory=tuple(tl.peak_memory),
+            )
+            p = replace(spmd, pipeline=pipe, info=dict(spmd.info))
+            p.info["memory_budget"] = budget  # one device's, not the stage plan's pp × budget
+            p.info["memory_reserve"] = max(0.0, cluster.device.memory - budget)
+            opt = max(optimizer_time(p, cluster, range(r, S, pp)) for r in range(pp))
+            step = tl.step_time + opt
+            p.predicted = replace(spmd.predicted, step_time=step, memory_per_device=peak)
+            p.info["simulated"] = {
+                "compute_and_comm": max(tl.busy),
+                "bubble_fraction": tl.bubble_fraction(),
+                "exposed_grad_sync": max(tl.exposed_sync),
+                "optimizer": opt,
+            }
+            out.append(Scored(p, step, label))
+    return out
