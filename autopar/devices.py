@@ -288,33 +288,29 @@ def _gpu(
 # per GPU (half the datasheet's bidirectional figure). Inter-node: one InfiniBand NIC per GPU, as
 # in DGX systems (Megatron-LM, arXiv 2104.04473, Table 1 note: 8 × 200 Gb/s HDR per DGX A100;
 # DGX H100: 8 × 400 Gb/s NDR), bandwidth per NIC and direction.
+_NVLINK2 = Link(name="NVLink2", bandwidth=150 * GB, latency=5e-6)
+_NVLINK3 = Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6)
+_NVLINK4 = Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6)
+_IB_EDR = Link(name="IB-EDR", bandwidth=12.5 * GB, latency=10e-6)
+_IB_HDR = Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6)
+_IB_NDR = Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6)
 PRESETS: dict[str, tuple[DeviceSpec, Link, Link]] = {
     "V100-32GB": (
-        _gpu("V100-32GB", 125 * TB, 0, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS),
-        Link(name="NVLink2", bandwidth=150 * GB, latency=5e-6),
-        Link(name="IB-EDR", bandwidth=12.5 * GB, latency=10e-6),
+        _gpu("V100-32GB", 125 * TB, 0, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS), _NVLINK2, _IB_EDR
     ),
     "A100-40GB": (
-        _gpu("A100-40GB", 312 * TB, 156 * TB, 19.5 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS),
-        Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6),
-        Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6),
+        _gpu("A100-40GB", 312 * TB, 156 * TB, 19.5 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR
     ),
     "A100-80GB": (
-        _gpu("A100-80GB", 312 * TB, 156 * TB, 19.5 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS),
-        Link(name="NVLink3", bandwidth=300 * GB, latency=5e-6),
-        Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6),
+        _gpu("A100-80GB", 312 * TB, 156 * TB, 19.5 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR
     ),
     "H100-SXM": (
-        _gpu("H100-SXM", 989 * TB, 494 * TB, 67 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS),
-        Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6),
-        Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6),
+        _gpu("H100-SXM", 989 * TB, 494 * TB, 67 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR
     ),
     "H200": (
-        _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS),
-        Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6),
-        Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6),
+        _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR
     ),
-}
+}  # fmt: skip
 
 
 def link_to_dict(link: Link) -> dict[str, Any]:

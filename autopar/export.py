@@ -113,18 +113,9 @@ class Layout:
 
     def megatron_knobs(self) -> dict[str, Any]:
         """The keywords of ``autopar.layouts.megatron`` that plan this layout."""
-        return {
-            "tp": self.tp,
-            "dp": self.dp,
-            "sequence_parallel": self.sequence_parallel,
-            "ep": self.ep,
-            "pp": self.pp,
-            "microbatches": self.microbatches,
-            "schedule": self.schedule,
-            "virtual": self.virtual,
-            "distributed_optimizer": self.distributed_optimizer,
-            "recompute": self.recompute,
-        }
+        knobs = ("tp", "dp", "sequence_parallel", "ep", "pp", "microbatches", "schedule", "virtual",
+                 "distributed_optimizer", "recompute")  # fmt: skip
+        return {k: getattr(self, k) for k in knobs}
 
     def describe(self) -> str:
         """``tp=2 × dp=4, pp=2 (1f1b, 4 micro-batches of 2), recompute=full``."""
