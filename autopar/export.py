@@ -13,7 +13,7 @@ can express and writing that layout in the engine's own words. Words used here:
   ``autopar.layouts.megatron`` plans it with — the exported layout's prediction is that plan's
   step, not a guess.
 * **nearest layout** (:func:`nearest_layout`) — read off the plan: ``tp`` and ``ep`` are the sizes
-  of the mesh axes the planner named ``tp``/``ep`` (``autopar.planner.axis_names``), every other
+  of the mesh axes the planner named ``tp``/``ep`` (``autopar.plan_record.axis_names``), every other
   axis is data-parallel, the pipeline, micro-batches, schedule and recomputation are the plan's,
   sequence parallelism is on where the plan splits its normalizations along the sequence on the
   tensor axis, and the distributed optimizer is on where it stores parameters sharded over data-
