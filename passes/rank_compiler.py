@@ -80,7 +80,6 @@ from autopar.program.records import (
     CompileReport,
     RankStages,
     RankStep,
-    StageStep,
     StepProgram,
     group_names,
 )
@@ -187,12 +186,6 @@ class RankBuild:
         if self.units:
             return [u.gm for u in self.units]
         return [self.program] if self.program is not None else [self.ctx.captured.gm]
-
-    def records(self) -> list[StepProgram | StageStep]:
-        """The step records built so far (``split_step``)."""
-        if self.stages is not None:
-            return list(self.stages.steps.values())
-        return [self.step] if self.step is not None else []
 
     def result(self) -> RankStep:
         assert self.program is not None, "the lower pass builds the program"
@@ -417,7 +410,7 @@ def compile_step(build: RankBuild, ctx: PassContext) -> RankBuild:
     """``compile``: with ``compile=True``, every program of the step compiled by Inductor, all ranks
     agreeing on the outcome (``passes.compile.compile_agreed``: all compiled, or all eager)."""
     if build.target.compile:
-        build.compiled = compile_agreed(build.records(), build.target.group)
+        build.compiled = compile_agreed(build.result().records, build.target.group)
     return build
 
 
