@@ -179,87 +179,33 @@ def _all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, direction: 
 # ------------------------------------------------------------------------ autograd Functions
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax, dim, blocks, grad_partial):  # type: ignore[override]
-        ctx.args = (ax, dim, blocks, grad_partial)
-        return _gather(x, ax, dim, blocks, "fwd")
+class _Conjugate(torch.autograd.Function):
+    """One op of the module docstring's table: ``forward(x)`` runs it, ``conjugate(g)`` the
+    collective its backward is (each a plain op above, its axis and dimensions bound)."""
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        ax, dim, blocks, grad_partial = ctx.args
-        if grad_partial:
-            return _reduce_scatter(g, ax, dim, blocks, "bwd"), None, None, None, None
-        return _slice(g, ax, dim, blocks), None, None, None, None
-
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax, dim, blocks):  # type: ignore[override]
-        ctx.args = (ax, dim, blocks)
-        return _slice(x, ax, dim, blocks)
+    def forward(ctx, x, forward, conjugate):  # type: ignore[override]
+        ctx.conjugate = conjugate
+        return forward(x)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        ax, dim, blocks = ctx.args
-        return _gather(g, ax, dim, blocks, "bwd"), None, None, None
+        return ctx.conjugate(g), None, None
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax):  # type: ignore[override]
-        return reduce_values(x, ax, "fwd")
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return g, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax, dim, blocks):  # type: ignore[override]
-        ctx.args = (ax, dim, blocks)
-        return _reduce_scatter(x, ax, dim, blocks, "fwd")
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        ax, dim, blocks = ctx.args
-        return _gather(g, ax, dim, blocks, "bwd"), None, None, None
+def _conjugate(
+    x: torch.Tensor,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    conjugate: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``forward(x)``, differentiable with ``conjugate`` as its backward where autograd records ``x``."""
+    if not _differentiable(x):
+        return forward(x)
+    return _Conjugate.apply(x, forward, conjugate)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax, dim, dim2):  # type: ignore[override]
-        ctx.args = (ax, dim, dim2)
-        return _all_to_all(x, ax, dim, dim2, "fwd")
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        ax, dim, dim2 = ctx.args
-        return _all_to_all(g, ax, dim2, dim, "bwd"), None, None, None
-
-
-class _ToPartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ax):  # type: ignore[override]
-        return x.clone() if ax.coord == 0 else torch.zeros_like(x)
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return g, None
-
-
-class _GradSync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axes):  # type: ignore[override]
-        ctx.axes = axes
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        for ax in ctx.axes:
-            g = reduce_values(g, ax, "bwd")
-        return g, None
+def _identity(g: torch.Tensor) -> torch.Tensor:
+    return g
 
 
 class GatheredParams:
@@ -335,51 +281,55 @@ def all_gather(
     x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1, grad_partial: bool = False
 ) -> torch.Tensor:
     """Shard(dim) → Replicate along ``ax``."""
-    if not _differentiable(x):
-        return _gather(x, ax, dim, blocks, "fwd")
-    return _AllGather.apply(x, ax, dim, blocks, grad_partial)
+
+    def conjugate(g: torch.Tensor) -> torch.Tensor:
+        if grad_partial:  # the consumer splits work: its gradient is partial (module docstring)
+            return _reduce_scatter(g, ax, dim, blocks, "bwd")
+        return _slice(g, ax, dim, blocks)
+
+    return _conjugate(x, lambda t: _gather(t, ax, dim, blocks, "fwd"), conjugate)
 
 
 def shard_slice(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1) -> torch.Tensor:
     """Replicate → Shard(dim) along ``ax`` (no communication forward)."""
-    if not _differentiable(x):
-        return _slice(x, ax, dim, blocks)
-    return _Slice.apply(x, ax, dim, blocks)
+    return _conjugate(x, lambda t: _slice(t, ax, dim, blocks), lambda g: _gather(g, ax, dim, blocks, "bwd"))
 
 
 def all_reduce(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
     """Partial → Replicate along ``ax`` (Megatron-LM's ``g``)."""
-    if not _differentiable(x):
-        return reduce_values(x, ax, "fwd")
-    return _AllReduce.apply(x, ax)
+    return _conjugate(x, lambda t: reduce_values(t, ax, "fwd"), _identity)
 
 
 def reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1) -> torch.Tensor:
     """Partial → Shard(dim) along ``ax``."""
-    if not _differentiable(x):
-        return _reduce_scatter(x, ax, dim, blocks, "fwd")
-    return _ReduceScatter.apply(x, ax, dim, blocks)
+    return _conjugate(
+        x, lambda t: _reduce_scatter(t, ax, dim, blocks, "fwd"), lambda g: _gather(g, ax, dim, blocks, "bwd")
+    )
 
 
 def all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int) -> torch.Tensor:
     """Shard(dim) → Shard(dim2) along ``ax``."""
-    if not _differentiable(x):
-        return _all_to_all(x, ax, dim, dim2, "fwd")
-    return _AllToAll.apply(x, ax, dim, dim2)
+    return _conjugate(
+        x, lambda t: _all_to_all(t, ax, dim, dim2, "fwd"), lambda g: _all_to_all(g, ax, dim2, dim, "bwd")
+    )
 
 
 def to_partial(x: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
     """Replicate → Partial along ``ax``: the value stays on coordinate 0."""
-    if not _differentiable(x):
-        return x.clone() if ax.coord == 0 else torch.zeros_like(x)
-    return _ToPartial.apply(x, ax)
+    return _conjugate(x, lambda t: t.clone() if ax.coord == 0 else torch.zeros_like(t), _identity)
 
 
 def grad_sync(x: torch.Tensor, *axes: AxisGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over ``axes`` backward (Megatron-LM's ``f``)."""
     if not _differentiable(x):
         return x
-    return _GradSync.apply(x, axes)
+
+    def sync(g: torch.Tensor) -> torch.Tensor:
+        for ax in axes:
+            g = reduce_values(g, ax, "bwd")
+        return g
+
+    return _conjugate(x, lambda t: t.view_as(t), sync)
 
 
 STEP_OPS: dict[StepKind, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
