@@ -2,9 +2,10 @@
 ranges), and agreed between the ranks before any collective of the model runs.
 
 ``InputChecks`` is ``ParallelModule``'s part that does this (a mixin: it reads the module's
-bindings, ``_specs``, ``_shapes``, ``_dtypes``, ``_mesh``, ``_coord``, ``index_inputs``,
-``check_inputs``, ``microbatches``, ``monitor``, ``world_group`` and ``device``, and its
-``_holds``/``_local`` for the parameters and buffers).
+``_bindings``, ``_constants``, ``_specs``, ``_shapes``, ``_dtypes``, ``_mesh``, ``_coord``,
+``input_specs``, ``index_inputs``, ``local_inputs``, ``check_inputs``, ``microbatches``,
+``monitor``, ``world_group`` and ``device``, and its ``_holds``/``_local`` for the parameters and
+buffers).
 """
 
 from __future__ import annotations
