@@ -28,6 +28,7 @@ such place into one form (the values are the same) and the fingerprint is taken 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,25 +155,20 @@ def drop_layout_copies(gm: torch.fx.GraphModule) -> int:
     turn every ``view`` that reads it, directly or through other views, into ``reshape`` (module
     docstring: canonical graph). Returns how many were removed."""
     aten = torch.ops.aten
-    dropped = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.contiguous.default:
-            continue
+
+    def source(node: torch.fx.Node) -> torch.fx.Node | None:
+        if node.target is not aten.contiguous.default:
+            return None
         fmt = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
         src = node.args[0]
-        if fmt not in (None, torch.contiguous_format) or not isinstance(src, torch.fx.Node):
-            continue
-        if _written(node):
-            continue  # an in-place write into the copy must not reach its source
+        return src if fmt in (None, torch.contiguous_format) and isinstance(src, torch.fx.Node) else None
+
+    def views_to_reshapes(node: torch.fx.Node) -> None:
         for _, u in uses_through(node, lambda _, u: is_view(u) and u.target is not aten.view.default):
             if u.target is aten.view.default:
                 u.target = aten.reshape.default
-        node.replace_all_uses_with(src)
-        gm.graph.erase_node(node)
-        dropped += 1
-    if dropped:
-        gm.recompile()
-    return dropped
+
+    return _drop_identities(gm, source, views_to_reshapes)
 
 
 def drop_identity_slices(gm: torch.fx.GraphModule) -> int:
@@ -182,18 +178,36 @@ def drop_identity_slices(gm: torch.fx.GraphModule) -> int:
     into stays, as ``drop_layout_copies`` keeps a written copy (the two are read alike only where
     nothing writes). Returns how many were removed."""
     aten = torch.ops.aten
-    dropped = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.slice.Tensor, aten.alias.default):
-            continue
+
+    def source(node: torch.fx.Node) -> torch.fx.Node | None:
+        if node.target not in (aten.slice.Tensor, aten.alias.default):
+            return None
         src = node.args[0]
         step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
         step = 1 if node.target is aten.alias.default else step
         out, inp = tensor_val(node), tensor_val(src) if isinstance(src, torch.fx.Node) else None
         if step != 1 or out is None or inp is None or tuple(out.shape) != tuple(inp.shape):
+            return None
+        return src
+
+    return _drop_identities(gm, source)
+
+
+def _drop_identities(
+    gm: torch.fx.GraphModule,
+    source: Callable[[torch.fx.Node], torch.fx.Node | None],
+    before: Callable[[torch.fx.Node], None] | None = None,
+) -> int:
+    """Replace each op that ``source`` finds an identity of its input (returning that input) by
+    the input, unless something writes into its result in place (the write must not reach the
+    input); ``before`` first sees each node removed. Returns how many were removed."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        src = source(node) if node.op == "call_function" else None
+        if src is None or _written(node):
             continue
-        if _written(node):
-            continue
+        if before is not None:
+            before(node)
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
         dropped += 1
