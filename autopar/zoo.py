@@ -206,6 +206,21 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters())
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Request:
+    """What ``load`` was asked to build, checked: the same for every kind of MODEL argument."""
+
+    batch: int
+    seq: int | None
+    """None: the model's usual length."""
+    dtype: torch.dtype
+    device: torch.device
+    layers: int | None
+    """None: the configuration's depth."""
+    overrides: dict[str, Any]
+    seed: int
+
+
 def names() -> list[str]:
     """The built-in model names."""
     return list(ZOO)
@@ -240,17 +255,16 @@ def load(
         raise ZooError(f"batch must be a positive number of sequences, got {batch!r}")
     if seq is not None and (not isinstance(seq, int) or seq < 1):
         raise ZooError(f"seq must be a positive number of tokens, got {seq!r}")
-    torch_dtype = parse_dtype(dtype)
-    overrides = dict(overrides or {})
-    info = {"model": spec, "batch": batch, "seq": seq, "dtype": str(torch_dtype).replace("torch.", ""),
-            "layers": layers, "overrides": overrides}  # fmt: skip
-    device = torch.device(device)
+    r = _Request(batch=batch, seq=seq, dtype=parse_dtype(dtype), device=torch.device(device), layers=layers,
+                 overrides=dict(overrides or {}), seed=seed)  # fmt: skip
+    info = {"model": spec, "batch": r.batch, "seq": r.seq, "dtype": str(r.dtype).replace("torch.", ""),
+            "layers": r.layers, "overrides": r.overrides}  # fmt: skip
     if spec in ZOO:
-        w = _load_builtin(ZOO[spec], batch, seq, torch_dtype, device, layers, overrides, seed)
+        w = _load_builtin(ZOO[spec], r)
     elif ":" in spec and not Path(spec).exists():
-        w = _load_factory(spec, batch, seq, torch_dtype, device, seed)
+        w = _load_factory(spec, r)
     elif spec.endswith(".json") or Path(spec).is_dir():
-        w = _load_config_file(spec, batch, seq, torch_dtype, device, layers, overrides, seed)
+        w = _load_config_file(spec, r)
     else:
         close = [n for n in ZOO if spec.lower().replace("_", "-") in n or n in spec.lower()]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -281,49 +295,40 @@ def _check_seq(name: str, seq: int, limit: int | None, field_name: str) -> None:
         )
 
 
-def _load_builtin(
-    s: ModelSpec,
-    batch: int,
-    seq: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    layers: int | None,
-    overrides: dict[str, Any],
-    seed: int,
-) -> Workload:
+def _load_builtin(s: ModelSpec, r: _Request) -> Workload:
     cfg = dict(s.config)
-    if layers is not None:
-        if layers < 1:
-            raise ZooError(f"layers must be at least 1, got {layers}")
-        cfg[s.layers_field] = layers
+    if r.layers is not None:
+        if r.layers < 1:
+            raise ZooError(f"layers must be at least 1, got {r.layers}")
+        cfg[s.layers_field] = r.layers
         if s.name == "t5-base":
-            cfg["num_decoder_layers"] = layers
-    unknown = sorted(set(overrides) - set(cfg)) if s.source == "autopar" else []
+            cfg["num_decoder_layers"] = r.layers
+    unknown = sorted(set(r.overrides) - set(cfg)) if s.source == "autopar" else []
     if unknown:
         raise ZooError(f"{s.name}: unknown configuration field(s) {unknown}; fields: {sorted(cfg)}")
-    cfg.update(overrides)
-    seq = seq or s.default_seq
+    cfg.update(r.overrides)
+    seq = r.seq or s.default_seq
     if s.max_seq_field:
         _check_seq(s.name, seq, int(cfg[s.max_seq_field]), s.max_seq_field)
-    torch.manual_seed(seed)
+    torch.manual_seed(r.seed)
     if s.source == "autopar":
         from autopar.models import GPT, GPTConfig
 
-        with device:
-            model = GPT(GPTConfig(**cfg)).to(dtype)
-        ids = _ids(batch, seq, int(cfg["vocab_size"]), device, seed)
-        inputs: Any = (ids, torch.roll(ids, -1, dims=1) if device.type != "meta" else ids.clone())
-        return Workload(name=s.name, model=model, example_inputs=inputs, batch=batch, seq=seq, kind=s.kind,
-                        dtype=dtype, description=s.summary)  # fmt: skip
+        with r.device:
+            model = GPT(GPTConfig(**cfg)).to(r.dtype)
+        ids = _ids(r.batch, seq, int(cfg["vocab_size"]), r.device, r.seed)
+        inputs: Any = (ids, torch.roll(ids, -1, dims=1) if r.device.type != "meta" else ids.clone())
+        return Workload(name=s.name, model=model, example_inputs=inputs, batch=r.batch, seq=seq, kind=s.kind,
+                        dtype=r.dtype, description=s.summary)  # fmt: skip
     transformers = _require_transformers(s.name)
     cls = getattr(transformers, s.source)
-    unknown = sorted(k for k in overrides if not hasattr(cls.config_class(), k))
+    unknown = sorted(k for k in r.overrides if not hasattr(cls.config_class(), k))
     if unknown:
         raise ZooError(f"{s.name}: {cls.config_class.__name__} has no field(s) {unknown}")
     config = cls.config_class(**cfg)
-    model = _build_hf(cls, config, dtype, device)
-    return Workload(name=s.name, model=model, example_inputs=_hf_inputs(s.kind, config, batch, seq, device, seed),
-                    batch=batch, seq=seq, kind=s.kind, dtype=dtype, description=s.summary)  # fmt: skip
+    model = _build_hf(cls, config, r.dtype, r.device)
+    return Workload(name=s.name, model=model, example_inputs=_hf_inputs(s.kind, config, r.batch, seq, r.device, r.seed),
+                    batch=r.batch, seq=seq, kind=s.kind, dtype=r.dtype, description=s.summary)  # fmt: skip
 
 
 def _build_hf(cls: Any, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -377,16 +382,7 @@ def _kind_of(cls_name: str) -> str:
     )
 
 
-def _load_config_file(
-    path: str,
-    batch: int,
-    seq: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    layers: int | None,
-    overrides: dict[str, Any],
-    seed: int,
-) -> Workload:
+def _load_config_file(path: str, r: _Request) -> Workload:
     transformers = _require_transformers(f"the model of {path}")
     if not Path(path).exists():
         raise ZooError(f"{path}: no such file")
@@ -405,14 +401,14 @@ def _load_config_file(
         raise ZooError(
             f"{path}: not a transformers model configuration ({str(exc).splitlines()[0]})"
         ) from exc
-    for key, value in overrides.items():
+    for key, value in r.overrides.items():
         if not hasattr(config, key):
             raise ZooError(f"{path}: the configuration has no field {key!r}")
         setattr(config, key, value)
-    if layers is not None:  # every depth field the configuration has (an encoder-decoder has two)
+    if r.layers is not None:  # every depth field the configuration has (an encoder-decoder has two)
         for key in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
             if hasattr(config, key):
-                setattr(config, key, layers)
+                setattr(config, key, r.layers)
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if archs and cls is None:
@@ -433,15 +429,15 @@ def _load_config_file(
         )
     kind = _kind_of(cls.__name__)
     if kind == "image-classifier":
-        seq = seq or config.image_size
+        seq = r.seq or config.image_size
     else:
         limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        seq = seq or min(limit or 1024, 2048)
+        seq = r.seq or min(limit or 1024, 2048)
         _check_seq(Path(path).name, seq, limit, "max_position_embeddings")
-    torch.manual_seed(seed)
-    model = _build_hf(cls, config, dtype, device)
-    return Workload(name=path, model=model, example_inputs=_hf_inputs(kind, config, batch, seq, device, seed),
-                    batch=batch, seq=seq, kind=kind, dtype=dtype, description=f"{cls.__name__} from {path}")  # fmt: skip
+    torch.manual_seed(r.seed)
+    model = _build_hf(cls, config, r.dtype, r.device)
+    return Workload(name=path, model=model, example_inputs=_hf_inputs(kind, config, r.batch, seq, r.device, r.seed),
+                    batch=r.batch, seq=seq, kind=kind, dtype=r.dtype, description=f"{cls.__name__} from {path}")  # fmt: skip
 
 
 def _named_model(path: str) -> dict[str, Any]:
@@ -460,9 +456,7 @@ def _named_model(path: str) -> dict[str, Any]:
     }
 
 
-def _load_factory(
-    spec: str, batch: int, seq: int | None, dtype: torch.dtype, device: torch.device, seed: int
-) -> Workload:
+def _load_factory(spec: str, r: _Request) -> Workload:
     target, _, attr = spec.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -480,11 +474,11 @@ def _load_factory(
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ZooError(f"{spec}: {target} has no callable {attr!r}")
-    offered = {"batch": batch, "seq": seq, "dtype": dtype, "device": device}
+    offered = {"batch": r.batch, "seq": r.seq, "dtype": r.dtype, "device": r.device}
     params = inspect.signature(factory).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
-    torch.manual_seed(seed)
+    torch.manual_seed(r.seed)
     out = factory(**kwargs)
     if isinstance(out, nn.Module):
         config = getattr(out, "config", None)
@@ -493,12 +487,12 @@ def _load_factory(
                 f"{spec} returned a model without example inputs and autopar cannot tell what it takes: "
                 f"return (model, example_inputs) instead"
             )
-        seq = seq or 1024
-        return Workload(name=spec, model=out, example_inputs=_hf_inputs("causal-lm", config, batch, seq, device, seed),
-                        batch=batch, seq=seq, kind="causal-lm", dtype=dtype, description=spec)  # fmt: skip
+        seq = r.seq or 1024
+        return Workload(name=spec, model=out, example_inputs=_hf_inputs("causal-lm", config, r.batch, seq, r.device, r.seed),
+                        batch=r.batch, seq=seq, kind="causal-lm", dtype=r.dtype, description=spec)  # fmt: skip
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
-        return Workload(name=spec, model=out[0], example_inputs=out[1], batch=batch, seq=seq, kind="custom",
-                        dtype=dtype, description=spec)  # fmt: skip
+        return Workload(name=spec, model=out[0], example_inputs=out[1], batch=r.batch, seq=r.seq, kind="custom",
+                        dtype=r.dtype, description=spec)  # fmt: skip
     raise ZooError(
         f"{spec} returned {type(out).__name__}; a factory returns a model or (model, example_inputs)"
     )
