@@ -460,20 +460,15 @@ class _Lowerer:
         if class_axes:
             xs = parse_spec(p.inputs[ins.index(x)])
             class_start = shard_slices(tuple(x.meta["val"].shape), xs, self.mesh, self.coord)[1][0][0]
-        if op_name(node) != "cross_entropy_loss" and class_axes:
+        kw: dict[str, Any] = {"ignore_index": ignore, "reduction": reduction}
+        if op_name(node) == "cross_entropy_loss":
+            fn = O.sharded_cross_entropy
+            kw |= {"class_start": class_start, "class_axes": class_axes}
+        elif class_axes:
             raise self.fail(node, "class-sharded nll_loss is not supported")
-        fn = O.sharded_cross_entropy if op_name(node) == "cross_entropy_loss" else O.sharded_nll_loss
-        return self.g.call_function(
-            fn,
-            (args[0], args[1]),
-            {
-                "ignore_index": ignore,
-                "reduction": reduction,
-                "class_start": class_start,
-                "class_axes": class_axes,
-                "row_axes": row_axes,
-            },
-        )
+        else:
+            fn = O.sharded_nll_loss
+        return self.g.call_function(fn, (args[0], args[1]), kw | {"row_axes": row_axes})
 
     def lower_output(self, node: Node) -> None:
         replicated = tuple(Replicate() for _ in self.mesh)
