@@ -103,6 +103,10 @@ class PlanConfig:
     """Fuse a CPU rank's program too, its Triton kernels run by Triton's interpreter (slow: for
     tests; ``TRITON_INTERPRET=1`` must be set before triton is imported). Off: on the CPU the
     eager ops stay; on a GPU the kernels always run (``autopar.passes.fusion``)."""
+    kernels: tuple[str, ...] | None = None
+    """Fused kernel kinds (``autopar.ir.FusionKind`` values) a GPU program uses and the planner
+    costs; ``None``: the kinds measured faster than the eager ops they replace
+    (``autopar.program.kernels.measured``: all but ``add_layer_norm``)."""
     compile: bool = False
     """The step will run compiled by Inductor (``parallelize(..., compile=True)``): the cost model
     charges each chain of memory-bound ops as one generated kernel (``autopar.passes.chains``,
@@ -210,6 +214,14 @@ class PlanConfig:
             split[name] = tuple(axes)
         object.__setattr__(self, "state_split", split)
         object.__setattr__(self, "disable", tuple(self.disable))
+        if self.kernels is not None:
+            from autopar.ir import FusionKind
+
+            known = {k.value for k in FusionKind}
+            unknown = sorted(set(self.kernels) - known)
+            if unknown:
+                fail(f"kernels names unknown fused kernel kinds {unknown}; the kinds are {sorted(known)}")
+            object.__setattr__(self, "kernels", tuple(self.kernels))
 
     def budget(self, device_memory: float) -> float:
         """Bytes per device the plan may use: ``memory_budget``, else the device's memory less

@@ -65,6 +65,8 @@ LN, RMS, GELU, SWIGLU, ROTARY, CE = (
 )
 GPT_LIKE = {LN: 5, GELU: 2, CE: 1}
 """Two pre-norm layers: two norms each and the final one, one GeLU each, one loss."""
+ALL_KERNELS = tuple(k.value for k in FusionKind)
+"""Every fused kind, the residual add + LayerNorm too (off by default: measured slower than eager)."""
 LLAMA_LIKE = {RMS: 5, SWIGLU: 2, ROTARY: 2, CE: 1}
 """Two layers: two norms each and the final one, SwiGLU and q/k rotary each, one loss (counts
 are listed in ``FusionKind`` order, as the pass logs them)."""
@@ -303,7 +305,9 @@ def test_fused_program_computes_the_eager_loss_and_gradients(
     cap = capture(model, inputs)
     eager = copy.deepcopy(cap.gm)
     ctx = PassContext(
-        captured=cap, cluster=autopar.Cluster.local(1), config=autopar.PlanConfig(interpret_kernels=True)
+        captured=cap,
+        cluster=autopar.Cluster.local(1),
+        config=autopar.PlanConfig(interpret_kernels=True, kernels=ALL_KERNELS),
     )
     with caplog.at_level(logging.INFO, logger="autopar.passes"):
         fused = run_passes(cap.gm, ctx, [fuse_kernels])
@@ -318,6 +322,29 @@ def test_fused_program_computes_the_eager_loss_and_gradients(
     assert torch.allclose(loss1, loss0, rtol=1e-5, atol=1e-5), (loss1, loss0)
     for g1, g0 in zip(grads1, grads0):
         assert torch.allclose(g1, g0, rtol=1e-5, atol=1e-5), (g1 - g0).abs().max()
+
+
+def test_a_kernel_measured_slower_than_eager_stays_eager_unless_named(caplog) -> None:
+    """The residual add + LayerNorm kernel measured 0.50× eager on an H100
+    (``autopar.program.kernels.measured``): by default neither the program (``fuse_kernels``) nor
+    the planner's costs (``annotate_fusions``) use it, and each says why; ``kernels=`` names it back."""
+    model, inputs = H.build("gpt2")
+    cap = capture(model, inputs)
+    default = PassContext(
+        captured=cap, cluster=autopar.Cluster.local(1), config=autopar.PlanConfig(interpret_kernels=True)
+    )
+    with caplog.at_level(logging.INFO, logger="autopar.passes"):
+        fused = run_passes(cap.gm, default, [fuse_kernels])
+    assert "add_layer_norm left eager (measured slower than eager: add_layer_norm 0.50×)" in caplog.text
+    kinds = {str(n.meta[FUSION].kind) for n in fused.graph.nodes if FUSION in n.meta}
+    assert kinds == {"bias_gelu", "cross_entropy"}
+    gpu = autopar.Cluster.preset("H100-SXM")
+    assumed = _annotated(*H.build("gpt2"), gpu).meta[FUSIONS]
+    assert "add_layer_norm" not in {str(g.kind) for g in assumed} and assumed
+    named = _annotated(*H.build("gpt2"), gpu, kernels=ALL_KERNELS).meta[FUSIONS]
+    assert fusion_counts(list(named))["add_layer_norm"] == GPT_LIKE["add_layer_norm"]
+    with pytest.raises(ValueError, match=r"kernels names unknown fused kernel kinds \['layernorm'\]"):
+        autopar.PlanConfig(kernels=("layernorm",))
 
 
 def test_fuse_kernels_leaves_the_program_where_the_kernels_do_not_run(monkeypatch, caplog) -> None:

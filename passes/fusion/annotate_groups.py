@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from torch.fx import GraphModule, Node
 
@@ -44,6 +45,34 @@ def fusion_assumed(ctx: PassContext) -> bool:
     return ctx.cluster.backend == "nccl" and not disabled
 
 
+def fused_kinds(config: Any) -> frozenset[str]:
+    """The kinds whose kernels a program uses and the planner costs: ``config.kernels``, else the
+    kinds measured faster than eager (``autopar.program.kernels.measured``)."""
+    from autopar.program.kernels.measured import faster_than_eager
+
+    kinds = getattr(config, "kernels", None)
+    return frozenset(kinds) if kinds is not None else faster_than_eager()
+
+
+def left_eager(groups: list[FusionGroup], config: Any) -> tuple[list[FusionGroup], str]:
+    """``groups`` less those of kinds not used (``fused_kinds``), and what was left eager and
+    why, for the passes' log lines ("" when nothing was)."""
+    from autopar.program.kernels.measured import SPEEDUPS
+
+    kinds = fused_kinds(config)
+    out = [g for g in groups if str(g.kind) in kinds]
+    dropped = sorted({str(g.kind) for g in groups} - kinds)
+    if not dropped:
+        return out, ""
+    why = (
+        "not in PlanConfig.kernels"
+        if getattr(config, "kernels", None) is not None
+        else "measured slower than eager: "
+        + ", ".join(f"{k} {SPEEDUPS.get(k, float('nan')):.2f}×" for k in dropped)
+    )
+    return out, f"{', '.join(dropped)} left eager ({why})"
+
+
 def annotate_fusions(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write every group found on its members (``node.meta[FUSION]``) and on the graph
     (``gm.meta[FUSIONS]``) when fusion is assumed (:func:`fusion_assumed`); clear them otherwise."""
@@ -54,7 +83,9 @@ def annotate_fusions(gm: GraphModule, ctx: PassContext) -> GraphModule:
         why = "the cluster is not a GPU cluster" if ctx.cluster.backend != "nccl" else "fusion is disabled"
         log.info("pass annotate_fusions: no fused kernels assumed (%s)", why)
         return gm
-    groups = find_fusions(gm.graph)
+    groups, eager = left_eager(find_fusions(gm.graph), ctx.config)
+    if eager:
+        log.info("pass annotate_fusions: %s", eager)
     by_name = {n.name: n for n in gm.graph.nodes}
     for g in groups:
         for m in g.members:

@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 from autopar.graph import op_name
 from autopar.ir import FusionKind
 from autopar.passes import PassContext
+from autopar.passes.fusion.annotate_groups import left_eager
 from autopar.passes.fusion.find_groups import find_fusions, fusion_counts
 from autopar.passes.fusion.matching import (
     FUSION,
@@ -193,7 +194,9 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if why:
         log.info("pass fuse_kernels: program unchanged: %s", why)
         return gm
-    groups = find_fusions(gm.graph)
+    groups, eager = left_eager(find_fusions(gm.graph), ctx.config)
+    if eager:
+        log.info("pass fuse_kernels: %s", eager)
     done = apply_fusions(gm, groups)
     log.info("pass fuse_kernels: fused %s", fusion_counts(done) or "nothing (no fusible group found)")
     if len(done) < len(groups):
