@@ -4,13 +4,16 @@ ZeRO-3 prefetch pass (``passes.overlap.prefetch_params``) forced on, repeated to
     python examples/stress_zero3_prefetch.py --runs 20              # each run a fresh set of processes
     python examples/stress_zero3_prefetch.py --runs 5 --no-prefetch # the same without the pass
     python examples/stress_zero3_prefetch.py --layers 4 --hidden 256 --seq 64   # bench_overlap's GPT
+    python examples/stress_zero3_prefetch.py --like-bench --layers 4 --hidden 256 --seq 64 --steps 23
 
 ``prefetch_params`` is skipped on gloo (it was seen to die of ``malloc(): unaligned tcache chunk
 detected`` about one run in four); here it is forced on by running it with the cluster hidden from
 it. Every run is a child process (``MALLOC_CHECK_=3``, ``PYTHONFAULTHANDLER=1``, a timeout), so a
 heap abort in any rank shows as that run failing with its message; the tally is printed at the end.
 One run: plan FSDP for 4 processes, every rank builds two modules from the plan and trains both,
-in turn, ``--steps`` steps each.
+in turn, ``--steps`` steps each. ``--like-bench`` is the run the abort was first seen in,
+``examples/bench_overlap.py``'s ZeRO-3 pair: the second module has the overlap passes off, the
+steps are timed and separated by a barrier.
 """
 
 from __future__ import annotations
@@ -61,7 +64,13 @@ def model(layers: int, hidden: int, seq: int, batch: int = 8, seed: int = 0) -> 
     return m, (idx, torch.randint(0, 256, (batch, seq)))
 
 
-def worker(rank: int, world: int, plan_json: str, shape: tuple, steps: int, prefetch: bool) -> list[float]:
+OVERLAP_PASSES = ("bucket_gradients", "prefetch_params", "sink_waits")
+"""What ``examples/bench_overlap.py`` turns off in its second module (``--like-bench``)."""
+
+
+def worker(
+    rank: int, world: int, plan_json: str, shape: tuple, steps: int, prefetch: bool, like_bench: bool = False
+) -> list[float]:
     """Two ZeRO-3 modules from one plan, trained in turn; returns the losses."""
     import warnings
 
@@ -73,13 +82,18 @@ def worker(rank: int, world: int, plan_json: str, shape: tuple, steps: int, pref
     plan = autopar.Plan.from_dict(json.loads(plan_json))
     cluster = autopar.Cluster.local(world)
     mods = []
-    for _ in range(2):
+    for i in range(2):
         m, inputs = model(*shape)
-        pm = autopar.parallelize(m, cluster, inputs, plan=plan)
+        disable = OVERLAP_PASSES if like_bench and i == 1 else ()
+        pm = autopar.parallelize(m, cluster, inputs, plan=plan, disable=disable)
+        if like_bench:
+            pm.step.enable_timing()
         mods.append((pm, torch.optim.AdamW(pm.parameters(), lr=1e-4), inputs))
     losses = []
     for _ in range(steps):
         for pm, opt, inputs in mods:
+            if like_bench:
+                torch.distributed.barrier()
             loss = pm(*inputs)
             opt.zero_grad()
             loss.backward()
@@ -88,13 +102,15 @@ def worker(rank: int, world: int, plan_json: str, shape: tuple, steps: int, pref
     return losses
 
 
-def one_run(world: int, shape: tuple, steps: int, prefetch: bool) -> list[list[float]]:
+def one_run(
+    world: int, shape: tuple, steps: int, prefetch: bool, like_bench: bool = False
+) -> list[list[float]]:
     import autopar
     from autopar.runtime.launch import spawn
 
     m, inputs = model(*shape)
     plan = autopar.layouts.fsdp(m, inputs, autopar.Cluster.local(world))
-    return spawn(worker, world, json.dumps(plan.to_dict()), shape, steps, prefetch, timeout=600)
+    return spawn(worker, world, json.dumps(plan.to_dict()), shape, steps, prefetch, like_bench, timeout=600)
 
 
 _HEAP = re.compile(
@@ -112,11 +128,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--like-bench", action="store_true", help="the second module without the overlap passes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = (args.layers, args.hidden, args.seq)
     if args.child:
-        res = one_run(args.world, shape, args.steps, not args.no_prefetch)
+        res = one_run(args.world, shape, args.steps, not args.no_prefetch, args.like_bench)
         print("OK", res[0][-2:], flush=True)
         return
     env = dict(os.environ, MALLOC_CHECK_="3", PYTHONFAULTHANDLER="1")

@@ -289,16 +289,25 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     about one run in four of two successive ZeRO-3 modules on 4 CPU processes; none in 14 runs
     without this pass), so CPU processes gather each parameter where it is used.
 
-    Not yet explained (issue 22, item 1). Ruled out so far: the per-rank programs keep every
-    collective's output referenced until its wait, its input is a view of a parameter shard
-    (alive, and held by gloo's work too), and they contain no in-place op at all, so nothing
-    is written while in flight; every issue has its wait within the same program. With the pass
-    forced on (``examples/stress_zero3_prefetch.py``, ``MALLOC_CHECK_=3``) the abort did not
-    come back in 18 runs of two ZeRO-3 GPTs on 4 processes (torch 2.13; 9 of 3 layers × 64, 9 of
-    ``bench_overlap``'s 4 × 256; at one abort in four, 18 clean runs have a 0.6 % chance),
-    nor in plain-torch gloo replays of its pattern (a layer of all-gathers in flight on each of two groups, with
-    reduce-scatters), which is not enough to call gloo safe; ``tests/test_zero3_prefetch_stress.py``
-    (``AUTOPAR_STRESS=1``) is the check to run before turning it on here."""
+    Not yet explained (issue 22, item 1), and never reproduced. Ruled out so far: the per-rank
+    programs keep every collective's output referenced until its wait, its input is a view of a
+    parameter shard (alive, and held by gloo's work too), and they contain no in-place op at all,
+    so nothing is written while in flight; every issue has its wait within the same program.
+    With the pass forced on (``examples/stress_zero3_prefetch.py``) the abort did not come back
+    in 18 runs of two ZeRO-3 GPTs on 4 processes (torch 2.13; 9 of 3 layers × 64, 9 of
+    ``bench_overlap``'s 4 × 256), nor in plain-torch gloo replays of its pattern (a layer of
+    all-gathers in flight on each of two groups, with reduce-scatters). Nor at the commit it was
+    reported from (7a8ae93, the parent of 9e2f9a0 that turned the pass off here; torch 2.13):
+    0 aborts in 12 runs of the stress (3 × 64, 15 steps, both modules prefetching) and 0 in 8 of
+    ``bench_overlap --world 4 --layout zero3`` (most likely the run it was reported from: one
+    module with the overlap passes, one without; ``--like-bench`` in the stress), so there is no
+    good commit and bad commit to bisect between. At one abort in four, 38 clean runs have a 2 in 100 000 chance:
+    the report's rate does not hold for this code on this machine, but a rarer fault is not
+    ruled out, and nothing here runs NCCL. The stress's ``MALLOC_CHECK_=3`` checks nothing on
+    glibc ≥ 2.34 unless ``libc_malloc_debug.so`` is preloaded (the 8 runs above preloaded it);
+    the tcache checks that printed the reported message are always on.
+    ``tests/test_zero3_prefetch_stress.py`` (``AUTOPAR_STRESS=1``) is the check to run before
+    turning it on here."""
     cluster = getattr(ctx, "cluster", None)
     if cluster is not None and cluster.backend == "gloo":
         log.info(
