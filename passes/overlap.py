@@ -301,9 +301,10 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     0 aborts in 12 runs of the stress (3 × 64, 15 steps, both modules prefetching) and 0 in 8 of
     ``bench_overlap --world 4 --layout zero3`` (most likely the run it was reported from: one
     module with the overlap passes, one without; ``--like-bench`` in the stress), so there is no
-    good commit and bad commit to bisect between. At one abort in four, 38 clean runs have a 2 in 100 000 chance:
-    the report's rate does not hold for this code on this machine, but a rarer fault is not
-    ruled out, and nothing here runs NCCL. The stress's ``MALLOC_CHECK_=3`` checks nothing on
+    good commit and bad commit to bisect between; nor in 4 ``--like-bench`` runs of 4 × 256 at
+    09a0f1c. At one abort in four, these 42 clean runs have a 6 in 1 000 000 chance: the
+    report's rate does not hold for this code on this machine, but a rarer fault is not ruled
+    out, and nothing here runs NCCL. The stress's ``MALLOC_CHECK_=3`` checks nothing on
     glibc ≥ 2.34 unless ``libc_malloc_debug.so`` is preloaded (the 8 runs above preloaded it);
     the tcache checks that printed the reported message are always on.
     ``tests/test_zero3_prefetch_stress.py`` (``AUTOPAR_STRESS=1``) is the check to run before
