@@ -222,7 +222,7 @@ def _written(value: torch.fx.Node) -> bool:
 
 
 SAME_OPS = {torch.ops.aten.reshape.default: torch.ops.aten.view.default}
-"""Ops the fingerprint (and ``passes.lower.program_difference``) reads as one:
+"""Ops the fingerprint (and ``passes.plan_check.program_difference``) reads as one:
 ``drop_layout_copies`` makes a ``view`` a ``reshape`` on one device where the other recorded
 no copy."""
 

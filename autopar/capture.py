@@ -298,7 +298,7 @@ def captured_from(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tup
 
 def traced_by(cap: Captured) -> str:
     """``"torch 2.13.0 on meta"``: the torch that exported the graph and the device it traced on
-    (a plan records it; ``passes.lower.program_difference`` names both when a plan meets another
+    (a plan records it; ``passes.plan_check.program_difference`` names both when a plan meets another
     program)."""
     dev = next(
         (v.device.type for n in cap.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)), "?"

@@ -22,7 +22,7 @@ Words:
   ``v``.
 * **gradient reduction** — the runtime sums a stage's weight gradients over its micro-batches
   and reduces them over the data-parallel axes once, inside the stage's last ``W`` (PyTorch DDP's
-  ``no_sync``, Megatron-LM's gradient accumulation; ``autopar.passes.pipeline.defer_reductions``),
+  ``no_sync``, Megatron-LM's gradient accumulation; ``autopar.passes.stage_cut.defer_reductions``),
   and a ZeRO parameter's gradient inside every ``W``; both in ``sync_chunks`` buckets issued as the
   backward produces them (PyTorch DDP's bucketing, Li et al., VLDB 2020), on a communication
   stream that runs beside the compute: a ``W``'s reduction starts no earlier than the ``W`` and

@@ -45,8 +45,8 @@ Passes:
   ``annotate_fusions`` disabled); ``annotate_cost`` and the strategies then charge each group its
   fused kernel (:func:`fused_kernels`) and count what it saves for backward.
 * ``fuse_kernels`` (rank program) rewrites this rank's forward program before the whole step is
-  traced (``autopar.api._capture_step``, the pipeline's stage programs in
-  ``autopar.passes.pipeline.build_stage_step``), so the traced step records one node per fused
+  traced (an entry of ``autopar.passes.rank_compiler.RANK_COMPILER``, before ``trace_joint``; a
+  pipeline's stage programs each), so the traced step records one node per fused
   forward op and one per backward op. It runs where the kernels run (``autopar.program.kernels
   .available``: CUDA with Triton, or Triton's interpreter on the CPU) and leaves the program as it
   is elsewhere, saying why.

@@ -189,7 +189,7 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Rank-program pass: replace every fusible group of this rank's forward program by its fused
     kernel (module docstring), where the kernels run; log the groups fused per kind, or why the
     program stays as it is. The program's values must be known (``meta["val"]``:
-    ``autopar.passes.pipeline.propagate_fake``)."""
+    ``autopar.passes.rank_compiler.propagate_fake``)."""
     why = _why_not(gm, ctx.config)
     if why:
         log.info("pass fuse_kernels: program unchanged: %s", why)
