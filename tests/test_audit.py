@@ -243,7 +243,10 @@ def test_megatron_with_sequence_parallelism_is_clean_and_without_it_norms_repeat
         plain = autopar.layouts.megatron(*gpt_batch, A100, tp=4, float32_matmul_precision="high")
     assert len(got) == 1 and got[0].filename == __file__  # one warning, at the caller's line
     tp = Audit.from_dict(plain.info["audit"]).replicated[1]
-    assert tp.axis == "tp" and tp.share > 0.1
+    # Above the warning threshold, the norms first: each LayerNorm is 2.5 % of the step (the residual
+    # add beside it no longer fused with it: that kernel measured slower than eager).
+    assert tp.axis == "tp" and tp.share > REPLICATED_WARN
+    assert [op for op, _ in tp.ops[:2]] == ["blocks.*.ln_1: layer_norm", "blocks.*.ln_2: layer_norm"]
 
 
 def _replicate_over(plan: Plan, axis: int, names: set[str]) -> Plan:
