@@ -106,7 +106,7 @@ class PlanConfig:
     kernels: tuple[str, ...] | None = None
     """Fused kernel kinds (``autopar.ir.FusionKind`` values) a GPU program uses and the planner
     costs; ``None``: the kinds measured faster than the eager ops they replace
-    (``autopar.program.kernels.measured``: all but ``add_layer_norm``)."""
+    (``autopar.cost.kernel_speedups``: all but ``add_layer_norm``)."""
     compile: bool = False
     """The step will run compiled by Inductor (``parallelize(..., compile=True)``): the cost model
     charges each chain of memory-bound ops as one generated kernel (``autopar.passes.chains``,

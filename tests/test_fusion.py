@@ -326,7 +326,7 @@ def test_fused_program_computes_the_eager_loss_and_gradients(
 
 def test_a_kernel_measured_slower_than_eager_stays_eager_unless_named(caplog) -> None:
     """The residual add + LayerNorm kernel measured 0.50× eager on an H100
-    (``autopar.program.kernels.measured``): by default neither the program (``fuse_kernels``) nor
+    (``autopar.cost.kernel_speedups``): by default neither the program (``fuse_kernels``) nor
     the planner's costs (``annotate_fusions``) use it, and each says why; ``kernels=`` names it back."""
     model, inputs = H.build("gpt2")
     cap = capture(model, inputs)

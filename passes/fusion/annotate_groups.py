@@ -22,6 +22,7 @@ from autopar.cost.fused_traffic import (
     saved_statistics_bytes,
     swiglu_kernels,
 )
+from autopar.cost.kernel_speedups import SPEEDUPS, faster_than_eager
 from autopar.ir import FusionKind
 from autopar.passes import PassContext
 from autopar.passes.fusion.find_groups import find_fusions, fusion_counts
@@ -47,18 +48,14 @@ def fusion_assumed(ctx: PassContext) -> bool:
 
 def fused_kinds(config: Any) -> frozenset[str]:
     """The kinds whose kernels a program uses and the planner costs: ``config.kernels``, else the
-    kinds measured faster than eager (``autopar.program.kernels.measured``)."""
-    from autopar.program.kernels.measured import faster_than_eager
-
-    kinds = getattr(config, "kernels", None)
+    kinds measured faster than eager (``autopar.cost.kernel_speedups``)."""
+    kinds = config.kernels
     return frozenset(kinds) if kinds is not None else faster_than_eager()
 
 
 def left_eager(groups: list[FusionGroup], config: Any) -> tuple[list[FusionGroup], str]:
     """``groups`` less those of kinds not used (``fused_kinds``), and what was left eager and
     why, for the passes' log lines ("" when nothing was)."""
-    from autopar.program.kernels.measured import SPEEDUPS
-
     kinds = fused_kinds(config)
     out = [g for g in groups if str(g.kind) in kinds]
     dropped = sorted({str(g.kind) for g in groups} - kinds)
@@ -66,7 +63,7 @@ def left_eager(groups: list[FusionGroup], config: Any) -> tuple[list[FusionGroup
         return out, ""
     why = (
         "not in PlanConfig.kernels"
-        if getattr(config, "kernels", None) is not None
+        if config.kernels is not None
         else "measured slower than eager: "
         + ", ".join(f"{k} {SPEEDUPS.get(k, float('nan')):.2f}×" for k in dropped)
     )

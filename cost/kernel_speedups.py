@@ -1,5 +1,6 @@
-"""What each fused kernel measured against the eager ops it replaces, and so which kernels a
-per-rank program uses unless told otherwise.
+"""What each fused kernel (``autopar.program.kernels``) measured against the eager ops it
+replaces, and so which kernels a per-rank program uses and the planner costs unless told
+otherwise.
 
 **speed-up** — the eager composition's time over the fused kernel's, forward and backward
 together, on one GPU at bf16 and at the shapes of a LLaMA-3-8B-sized layer (8192 tokens, hidden
