@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from torch.fx import GraphModule, Node
 
 from autopar.cluster import Cluster
-from autopar.cost.optimizer import optimizer_step_time
+from autopar.cost.memory import OPTIMIZER_MOMENTS
+from autopar.cost.optimizer import OptimizerSettings, optimizer_step_time
 from autopar.cost.timeline import Event, StageCost, Timeline, play
 from autopar.graph import OpFamily, op_family, tensor_inputs
 from autopar.ir import COST, TENSOR
@@ -217,14 +218,10 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
         tensors += 1
     opt = plan.info.get("optimizer", "adamw")
     pbytes = int(plan.info.get("param_bytes", 4))
-    return optimizer_step_time(
-        numel,
-        tensors,
-        pbytes,
-        cluster.device,
-        optimizer=opt if opt in ("adamw", "adam", "sgd", "sgd_momentum") else "adamw",
-        master_weights=pbytes < 4,
+    settings = OptimizerSettings(
+        optimizer=opt if opt in OPTIMIZER_MOMENTS else "adamw", master_weights=pbytes < 4
     )
+    return optimizer_step_time(numel, tensors, pbytes, cluster.device, settings)
 
 
 def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:

@@ -26,32 +26,52 @@ bookkeeping, exposed because a step is timed between synchronisations).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autopar.cost.memory import OPTIMIZER_MOMENTS
 from autopar.devices import DeviceSpec
 
-__all__ = ["optimizer_bytes_per_param", "optimizer_step_time"]
+__all__ = ["OptimizerSettings", "optimizer_bytes_per_param", "optimizer_step_time"]
 
 
-def optimizer_bytes_per_param(
-    param_bytes: int,
-    *,
-    optimizer: str = "adamw",
-    state_bytes: int | None = None,
-    master_weights: bool = False,
-    fused: bool = True,
-) -> float:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSettings:
+    """Which optimizer runs and how (module docstring); the defaults are the reference
+    measurement's setup (``autopar.reference``)."""
+
+    optimizer: str = "adamw"
+    """A key of ``autopar.cost.memory.OPTIMIZER_MOMENTS``."""
+    fused: bool = True
+    """``AdamW(fused=True)``; ``False``: the foreach implementation."""
+    master_weights: bool = False
+    """An fp32 master copy of low-precision weights (mixed precision)."""
+    state_bytes: int | None = None
+    """Bytes per optimizer-moment element; ``None``: ``moment_bytes``' default."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_MOMENTS)}")
+
+    def moment_bytes(self, param_bytes: int) -> int:
+        """Bytes per element of each optimizer moment: ``state_bytes``, else fp32 (4) with master
+        weights and the parameters' own size without (``torch.optim``'s ``zeros_like(param)``)."""
+        if self.state_bytes is not None:
+            return self.state_bytes
+        return 4 if self.master_weights else param_bytes
+
+
+def optimizer_bytes_per_param(param_bytes: int, settings: OptimizerSettings = OptimizerSettings()) -> float:
     """Bytes one parameter element moves in one optimizer step (module docstring)."""
-    if optimizer not in OPTIMIZER_MOMENTS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_MOMENTS)}")
-    moments = OPTIMIZER_MOMENTS[optimizer]
-    s = state_bytes if state_bytes is not None else (4 if master_weights else param_bytes)
+    moments = OPTIMIZER_MOMENTS[settings.optimizer]
+    s = settings.moment_bytes(param_bytes)
     w, g = param_bytes, param_bytes
-    if optimizer.startswith("sgd") or fused:
-        update = 2 * 4 + w if master_weights else 2 * w  # r/w master and write the weight, or r/w weight
+    if settings.optimizer.startswith("sgd") or settings.fused:
+        # r/w master and write the weight, or r/w weight
+        update = 2 * 4 + w if settings.master_weights else 2 * w
         return g + 2 * moments * s + update
     # foreach AdamW, on the master weight when there is one (then written to the weight)
-    master = (2 * 4 + w) if master_weights else 0
-    return 4 * (4 if master_weights else w) + 2 * g + 13 * s + master
+    master = (2 * 4 + w) if settings.master_weights else 0
+    return 4 * (4 if settings.master_weights else w) + 2 * g + 13 * s + master
 
 
 def optimizer_step_time(
@@ -59,14 +79,8 @@ def optimizer_step_time(
     tensors: int,
     param_bytes: int,
     device: DeviceSpec,
-    *,
-    optimizer: str = "adamw",
-    state_bytes: int | None = None,
-    master_weights: bool = False,
-    fused: bool = True,
+    settings: OptimizerSettings = OptimizerSettings(),
 ) -> float:
     """Seconds of one optimizer step over ``numel`` parameter elements in ``tensors`` tensors."""
-    per = optimizer_bytes_per_param(
-        param_bytes, optimizer=optimizer, state_bytes=state_bytes, master_weights=master_weights, fused=fused
-    )
+    per = optimizer_bytes_per_param(param_bytes, settings)
     return numel * per / device.optimizer_bandwidth + tensors * device.optimizer_overhead

@@ -183,7 +183,7 @@ OPT_SWEEP = [  # (tensors, elements each, dtype, fused): one optimizer.step() ov
 
 def optimizer_sweep(preset: str) -> None:
     """AdamW steps over tensors of several counts and sizes (bandwidth and per-tensor cost apart)."""
-    from autopar.cost.optimizer import optimizer_step_time
+    from autopar.cost.optimizer import OptimizerSettings, optimizer_step_time
 
     dev = autopar.Cluster.preset(preset, gpus_per_node=1).device
     print(
@@ -198,7 +198,7 @@ def optimizer_sweep(preset: str) -> None:
             opt.step()
         meas = statistics.median(_timed(opt.step) for _ in range(5))
         size = torch.empty((), dtype=dtype).element_size()
-        pred = optimizer_step_time(count * numel, count, size, dev, fused=fused)
+        pred = optimizer_step_time(count * numel, count, size, dev, OptimizerSettings(fused=fused))
         print(f"{f'{count} × {numel}':<30} {str(dtype)[6:]:<9} {'fused' if fused else 'foreach':<8} "
               f"{pred * 1e3:>8.2f} {meas * 1e3:>8.2f} {pred / meas:>6.3f}", flush=True)  # fmt: skip
         del opt, params

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 
 from autopar.cost.compute import OpKernels, kernel_time
 from autopar.cost.memory import state_bytes_per_param
-from autopar.cost.optimizer import optimizer_step_time
+from autopar.cost.optimizer import OptimizerSettings, optimizer_step_time
 from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
 from autopar.graph import OpFamily, op_family, op_name
 from autopar.ir import TENSOR
@@ -38,17 +37,9 @@ from autopar.passes.annotate import (
 __all__ = ["StepOptions", "single_device_step"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepOptions:
-    """How the single-device step is run (the reference measurement's setup by default)."""
-
-    optimizer: str = "adamw"
-    fused: bool = True
-    """``AdamW(fused=True)``; ``False``: the foreach implementation."""
-    master_weights: bool = False
-    """An fp32 master copy of low-precision weights (mixed precision)."""
-    state_bytes: int | None = None
-    """Bytes per optimizer-moment element; ``None``: as ``autopar.cost.memory`` defaults."""
+StepOptions = OptimizerSettings
+"""How the single-device step is run: its optimizer's settings (the reference measurement's setup
+by default)."""
 
 
 def _pass_through(node: Node, i: Node) -> bool:
@@ -243,18 +234,8 @@ def single_device_step(gm: GraphModule, ctx: PassContext, options: StepOptions |
 
     # -- optimizer step: parameters, gradients and state alive; foreach keeps a denominator list
     if not opts.fused and opts.optimizer in ("adam", "adamw"):
-        s = opts.state_bytes if opts.state_bytes is not None else (4 if opts.master_weights else pbytes)
-        mem.alloc(numel * s, "optimizer step (foreach denominators)")
-    opt_time = optimizer_step_time(
-        numel,
-        len(trainable),
-        pbytes,
-        device,
-        optimizer=opts.optimizer,
-        state_bytes=opts.state_bytes,
-        master_weights=opts.master_weights,
-        fused=opts.fused,
-    )
+        mem.alloc(numel * opts.moment_bytes(pbytes), "optimizer step (foreach denominators)")
+    opt_time = optimizer_step_time(numel, len(trainable), pbytes, device, opts)
     return StepEstimate(
         forward=max(t_fwd, host_fwd),
         backward=backward,

@@ -12,7 +12,7 @@ import pytest
 from autopar import Cluster
 from autopar.cost.compute import gemm_efficiency
 from autopar.cost.memory import zero_bytes_per_param
-from autopar.cost.optimizer import optimizer_bytes_per_param
+from autopar.cost.optimizer import OptimizerSettings, optimizer_bytes_per_param
 from autopar.reference import check_calibration, read_matmul_rows, read_step_rows
 
 TOLERANCE = 0.10
@@ -57,7 +57,7 @@ def test_zero_bytes_per_parameter_match_the_paper():
 def test_fused_adamw_moves_each_state_once():
     """fused AdamW with fp32 master weights: read the gradient (2), r/w both fp32 moments (16),
     r/w the master (8) and write the bf16 weight (2)."""
-    assert optimizer_bytes_per_param(2, master_weights=True, fused=True) == 2 + 16 + 8 + 2
+    assert optimizer_bytes_per_param(2, OptimizerSettings(master_weights=True, fused=True)) == 2 + 16 + 8 + 2
 
 
 def test_alpha_beta_fit_and_its_bound_for_noisy_local_measurements():
