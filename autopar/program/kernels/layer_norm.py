@@ -25,6 +25,8 @@ mean, rstd)`` (``sum`` is empty without a residual: the public function returns 
 ``autopar::add_layer_norm_backward``. Statistics are fp32; ``out`` and ``sum`` have ``x``'s dtype.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,18 @@ if HAS_TRITON:
 
 
 __all__ = ["add_layer_norm", "add_layer_norm_reference"]
+
+
+class _Saved(NamedTuple):
+    """What the forward keeps for the backward (``_setup_context``), in the backward op's order:
+    the normalized rows ``s`` (``x + residual``, or ``x`` without a residual), the affine
+    parameters, and the per-row fp32 statistics."""
+
+    s: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    mean: Tensor
+    rstd: Tensor
 
 
 def add_layer_norm_reference(
@@ -180,15 +194,9 @@ def _forward_triton(
 
 
 def _backward_triton(
-    g: Tensor,
-    g_sum: Tensor | None,
-    s: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    block_size: int,
+    g: Tensor, g_sum: Tensor | None, saved: _Saved, block_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
+    s, weight, bias, mean, rstd = saved
     n = s.shape[-1]
     s2, g2, ds, dx, programs, per = norm_rows.backward_rows(g, g_sum, s)
     dw = norm_rows.partial_rows(programs, n, weight, dx)
@@ -221,15 +229,8 @@ def _forward_eager(
     return y.to(x.dtype), s if residual is not None else x.new_empty(0), mean, rstd
 
 
-def _backward_eager(
-    g: Tensor,
-    g_sum: Tensor | None,
-    s: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_eager(g: Tensor, g_sum: Tensor | None, saved: _Saved) -> tuple[Tensor, Tensor, Tensor]:
+    s, weight, bias, mean, rstd = saved
     gf = g.float()
     xhat = (s.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     wg = gf * weight.float() if weight is not None else gf
@@ -282,9 +283,10 @@ def _add_layer_norm_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)``; ``dweight``/``dbias`` are empty where ``weight``/``bias`` is None
     (``bias`` is read for its dtype only)."""
+    saved = _Saved(s, weight, bias, mean, rstd)
     if backend(s) == "triton" and s.numel() > 0:
-        return _backward_triton(grad_out, grad_sum, s, weight, bias, mean, rstd, block_size)
-    return tuple(t.contiguous() for t in _backward_eager(grad_out, grad_sum, s, weight, bias, mean, rstd))
+        return _backward_triton(grad_out, grad_sum, saved, block_size)
+    return tuple(t.contiguous() for t in _backward_eager(grad_out, grad_sum, saved))
 
 
 @_add_layer_norm_backward_op.register_fake
@@ -299,22 +301,22 @@ def _setup_context(ctx, inputs, output) -> None:
     _out, s, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(s if residual is not None else x, weight, bias, mean, rstd)
+    ctx.save_for_backward(*_Saved(s if residual is not None else x, weight, bias, mean, rstd))
     ctx.has_residual = residual is not None
     ctx.block_size = block_size
 
 
 def _backward(ctx, g_out, g_sum, _g_mean, _g_rstd):
-    s, weight, bias, mean, rstd = ctx.saved_tensors
+    saved = _Saved(*ctx.saved_tensors)
     g_sum = g_sum if ctx.has_residual else None
     if g_out is None:  # only the residual stream was used: the norm contributes nothing
         return g_sum, g_sum, None, None, None, None
-    dx, dw, db = _add_layer_norm_backward_op(g_out, g_sum, s, weight, bias, mean, rstd, ctx.block_size)
+    dx, dw, db = _add_layer_norm_backward_op(g_out, g_sum, *saved, ctx.block_size)
     return (
         dx,
         dx if ctx.has_residual else None,
-        dw if weight is not None else None,
-        db if bias is not None else None,
+        dw if saved.weight is not None else None,
+        db if saved.bias is not None else None,
         None,
         None,
     )
