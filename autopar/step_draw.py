@@ -26,23 +26,12 @@ from collections.abc import Sequence
 
 from autopar.display import fmt_bytes, fmt_time
 from autopar.layer_breakdown import LayerBreakdown
-from autopar.step_trace import KIND_NAMES, PASSES, Bar, StepTrace
+from autopar.step_trace import BAR_KINDS, KIND_NAMES, PASSES, Bar, StepTrace
 
 __all__ = ["COLOURS", "breakdown_svg", "memory_svg", "timeline_svg", "timeline_text"]
 
-COLOURS = {
-    "F": "#4c72b0",
-    "B": "#c44e52",
-    "W": "#55a868",
-    "idle": "#ececec",
-    "wait": "#f2d479",
-    "optimizer": "#8172b3",
-    "send": "#dd8452",
-    "recv": "#3a9bb5",
-    "reduce": "#9467bd",
-    "gather": "#2ca02c",
-}
-"""Bar kind -> fill colour (a later model chunk's passes are drawn lighter)."""
+COLOURS = {k: b.colour for k, b in BAR_KINDS.items()}
+"""Bar kind -> fill colour (``autopar.step_trace.BAR_KINDS``)."""
 
 RANK_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 PART_COLOURS = {

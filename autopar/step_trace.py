@@ -33,26 +33,40 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopar.cluster import Cluster
 from autopar.display import mesh_text
 from autopar.planfile import Plan
 from autopar.simulate import StepSimulation, optimizer_time, simulate
 
-__all__ = ["KIND_NAMES", "Bar", "RankTrack", "StepTrace", "step_trace"]
+__all__ = ["BAR_KINDS", "KIND_NAMES", "Bar", "BarKind", "RankTrack", "StepTrace", "step_trace"]
 
-KIND_NAMES = {
-    "F": "forward",
-    "B": "backward (input gradient)",
-    "W": "backward (weight gradient)",
-    "idle": "idle (pipeline bubble)",
-    "wait": "waiting for the step's last gradient reduction or another rank's optimizer step",
-    "optimizer": "optimizer step",
-    "send": "send to a neighbouring pipeline rank",
-    "recv": "receive from a neighbouring pipeline rank",
-    "reduce": "gradient reduction (data parallel)",
-    "gather": "parameter gather (ZeRO)",
+
+class BarKind(NamedTuple):
+    """One kind of bar (module docstring): what it is, for legends, and its fill colour in the
+    drawings (``autopar.step_draw``; a later model chunk's passes are drawn lighter)."""
+
+    what: str
+    colour: str
+
+
+BAR_KINDS = {
+    "F": BarKind("forward", "#4c72b0"),
+    "B": BarKind("backward (input gradient)", "#c44e52"),
+    "W": BarKind("backward (weight gradient)", "#55a868"),
+    "idle": BarKind("idle (pipeline bubble)", "#ececec"),
+    "wait": BarKind(
+        "waiting for the step's last gradient reduction or another rank's optimizer step", "#f2d479"
+    ),
+    "optimizer": BarKind("optimizer step", "#8172b3"),
+    "send": BarKind("send to a neighbouring pipeline rank", "#dd8452"),
+    "recv": BarKind("receive from a neighbouring pipeline rank", "#3a9bb5"),
+    "reduce": BarKind("gradient reduction (data parallel)", "#9467bd"),
+    "gather": BarKind("parameter gather (ZeRO)", "#2ca02c"),
 }
+"""Bar kind -> what it is and how it is drawn: the one table of the kinds."""
+KIND_NAMES = {k: b.what for k, b in BAR_KINDS.items()}
 """Bar kind -> what it is, for legends."""
 
 PASSES = ("F", "B", "W")
