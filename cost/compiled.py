@@ -68,10 +68,38 @@ eager costs never charged (they predict 145.47 ms for it): this model gives 0.99
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autopar.cost.compute import Kernel, KernelKind, OpKernels, TensorArg, itemsize
 
-__all__ = ["chain_share_kernels"]
+__all__ = ["ChainShare", "chain_share_kernels"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainShare:
+    """What a member's share of its chain's kernels depends on (module docstring: share), found
+    by ``autopar.passes.chains`` (its role's ``share``)."""
+
+    reads: tuple[bool, ...]
+    """Per tensor argument (``autopar.passes.annotate.ordered_tensor_args``): an external value
+    this member reads first in its chain."""
+    writes: bool
+    """Its output is read outside the chain (directly or through views in it)."""
+    extern_grads: int
+    """Gradients it receives from outside the chain."""
+    launch_fwd: bool
+    """It carries the chain's forward launch (its first member)."""
+    launch_bwd: bool
+    """It carries the chain's backward launch (its first member a gradient flows through)."""
+    reread: bool = True
+    """The chain's backward needs values: some member's derivative reads its operands
+    (``autopar.passes.annotate.saved_inputs``, or it keeps its output), recomputed from the
+    chain's external inputs, so they are read again."""
+    view: bool = False
+    """A view (no kernel of its own); ``extern_grads`` then counts the gradients a view of an
+    external value receives from outside, which one generated kernel adds up."""
+    shared_grad: bool = False
+    """Its derivative hands each input the same gradient (``add``), written once."""
 
 
 def _full_bytes(t: TensorArg) -> float:
@@ -82,35 +110,28 @@ def _full_bytes(t: TensorArg) -> float:
 def chain_share_kernels(
     args: Sequence[TensorArg],
     outs: Sequence[TensorArg],
+    share: ChainShare,
     *,
-    reads: Sequence[bool],
-    writes: bool,
-    extern_grads: int,
-    launch_fwd: bool,
-    launch_bwd: bool,
     requires_grad: bool,
-    reread: bool = True,
-    view: bool = False,
-    shared_grad: bool = False,
 ) -> OpKernels:
     """One member's share of its chain's kernels (module docstring). ``args``/``outs``: its
     tensor arguments (``grad`` set on those that take a gradient) and results, global or local
-    shapes; ``reads[j]``: ``args[j]`` is an external value this member reads first; ``writes``:
-    its output crosses the boundary; ``extern_grads``: gradients it receives from outside the
-    chain; ``launch_fwd``/``launch_bwd``: it carries the chain's forward / backward launch;
-    ``reread``: the chain's backward needs values (some member's derivative reads its operands),
-    recomputed from the external inputs, so they are read again. ``view``: a view in the chain,
-    free, but the ``extern_grads > 1`` gradients of a view of an external value are added up in
-    one kernel (read each, write the sum). ``shared_grad``: its derivative hands every input the
-    same gradient (``add``), written once."""
+    shapes; ``share``: its part of the chain (``share.reads[j]``: ``args[j]`` is an external value
+    it reads first); ``requires_grad``: a gradient flows into its output. A view is free, but the
+    ``extern_grads > 1`` gradients of a view of an external value are added up in one kernel
+    (read each, write the sum)."""
     out_bytes = sum(o.nbytes for o in outs)
-    if view:
-        k = extern_grads if requires_grad else 0
+    if share.view:
+        k = share.extern_grads if requires_grad else 0
         return OpKernels((), (Kernel(KernelKind.MEMORY, (k + 1) * out_bytes),) if k > 1 else ())
     out_numel = max((o.numel for o in outs), default=1)
-    external = [a for a, r in zip(args, reads) if r]
-    fwd_bytes = sum(a.nbytes for a in external) + (out_bytes if writes else 0.0)
-    fwd = (Kernel(KernelKind.MEMORY, fwd_bytes, launches=int(launch_fwd)),) if fwd_bytes or launch_fwd else ()
+    external = [a for a, r in zip(args, share.reads) if r]
+    fwd_bytes = sum(a.nbytes for a in external) + (out_bytes if share.writes else 0.0)
+    fwd = (
+        (Kernel(KernelKind.MEMORY, fwd_bytes, launches=int(share.launch_fwd)),)
+        if fwd_bytes or share.launch_fwd
+        else ()
+    )
     if not requires_grad:
         return OpKernels(fwd)
 
@@ -119,13 +140,15 @@ def chain_share_kernels(
 
     whole = [a for a in external if a.grad and not broadcast(a)]
     summed = [a for a in external if a.grad and broadcast(a)]
-    flows_on = any(a.grad and not r for a, r in zip(args, reads))  # into the chain's other members
-    incoming = out_bytes * extern_grads if writes and (whole or flows_on or not summed) else 0.0
+    flows_on = any(a.grad and not r for a, r in zip(args, share.reads))  # into the chain's other members
+    incoming = out_bytes * share.extern_grads if share.writes and (whole or flows_on or not summed) else 0.0
     written = (
-        max((_full_bytes(a) for a in whole), default=0.0) if shared_grad else sum(map(_full_bytes, whole))
+        max((_full_bytes(a) for a in whole), default=0.0)
+        if share.shared_grad
+        else sum(map(_full_bytes, whole))
     )
-    bwd_bytes = (sum(a.nbytes for a in external) if reread else 0.0) + incoming + written
-    bwd = (Kernel(KernelKind.MEMORY, bwd_bytes, launches=int(launch_bwd)),) if bwd_bytes else ()
+    bwd_bytes = (sum(a.nbytes for a in external) if share.reread else 0.0) + incoming + written
+    bwd = (Kernel(KernelKind.MEMORY, bwd_bytes, launches=int(share.launch_bwd)),) if bwd_bytes else ()
     if summed:  # one reduction over the rows for all of them (a norm's weight and bias together)
-        bwd += (Kernel(KernelKind.MEMORY, out_bytes * (1 + reread) + sum(a.nbytes for a in summed)),)
+        bwd += (Kernel(KernelKind.MEMORY, out_bytes * (1 + share.reread) + sum(a.nbytes for a in summed)),)
     return OpKernels(fwd, bwd)

@@ -467,19 +467,7 @@ def node_kernels(
         return fused_kernels(node, args, outs)
     role = node.meta.get(CHAIN) if compiled else None
     if role is not None:
-        return chain_share_kernels(
-            args,
-            outs,
-            reads=role.reads,
-            writes=role.writes,
-            extern_grads=role.extern_grads,
-            launch_fwd=role.launch_fwd,
-            launch_bwd=role.launch_bwd,
-            requires_grad=grad_flows(node),
-            reread=role.reread,
-            view=role.view,
-            shared_grad=role.shared_grad,
-        )
+        return chain_share_kernels(args, outs, role.share, requires_grad=grad_flows(node))
     f = op_facts(node)
     return op_kernels(
         op_name(node),

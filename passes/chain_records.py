@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost.compiled import ChainShare
 from autopar.passes import PassContext
 
 __all__ = ["CHAIN", "CHAINS", "Chain", "ChainRole", "compile_assumed"]
@@ -38,37 +39,14 @@ class ChainRole:
 
     chain: int
     """Index of its chain in ``gm.meta[CHAINS]``."""
-    reads: tuple[bool, ...]
-    """Per tensor argument (``autopar.passes.annotate.ordered_tensor_args``): an external value
-    this member reads first in its chain."""
-    writes: bool
-    """Its output is read outside the chain (directly or through views in it)."""
-    extern_grads: int
-    """Gradients it receives from outside the chain."""
-    launch_fwd: bool
-    launch_bwd: bool
-    reread: bool
-    """The chain's backward needs values: some member's derivative reads its operands
-    (``autopar.passes.annotate.saved_inputs``, or it keeps its output), recomputed from the
-    chain's external inputs (``autopar.cost.compiled``)."""
-    view: bool = False
-    """A view (no kernel of its own); ``extern_grads`` then counts the gradients a view of an
-    external value receives from outside, which one generated kernel adds up."""
-    shared_grad: bool = False
-    """Its derivative hands each input the same gradient (``add``)."""
+    share: ChainShare
+    """What its share of the chain's kernels depends on (``autopar.cost.compiled``)."""
 
     def key(self) -> tuple:
         """What costing the member depends on (repeated layers share strategies only with nodes of
         the same key)."""
-        return (
-            "chain",
-            self.reads,
-            self.writes,
-            self.extern_grads,
-            self.launch_fwd,
-            self.launch_bwd,
-            self.reread,
-        )
+        s = self.share
+        return ("chain", s.reads, s.writes, s.extern_grads, s.launch_fwd, s.launch_bwd, s.reread)
 
 
 def compile_assumed(ctx: PassContext) -> bool:

@@ -34,6 +34,7 @@ import logging
 
 from torch.fx import Graph, GraphModule, Node
 
+from autopar.cost.compiled import ChainShare
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import TENSOR
 from autopar.passes import PassContext
@@ -152,8 +153,7 @@ def find_chains(graph: Graph, fused: bool = False) -> tuple[list[Chain], dict[No
             if alias[m]:  # free; gradients from outside count only on a view of an external value
                 ext = _root(m, inside, alias) not in inside
                 outside = [u for u in m.users if u not in inside] if ext and _rg(m) else []
-                roles[m] = ChainRole(
-                    index,
+                share = ChainShare(
                     tuple(False for _ in ordered_tensor_args(m)),
                     False,
                     sum(1 for u in outside if _rg(u)),
@@ -162,6 +162,7 @@ def find_chains(graph: Graph, fused: bool = False) -> tuple[list[Chain], dict[No
                     False,
                     view=True,
                 )
+                roles[m] = ChainRole(index, share)
                 continue
             reads = []
             for a in ordered_tensor_args(m):
@@ -175,8 +176,7 @@ def find_chains(graph: Graph, fused: bool = False) -> tuple[list[Chain], dict[No
             if outside:
                 outputs.append(m.name)
             grads = sum(1 for u in outside if (u.op == "output" and _rg(m)) or (u.op != "output" and _rg(u)))
-            roles[m] = ChainRole(
-                index,
+            share = ChainShare(
                 tuple(reads),
                 bool(outside),
                 grads if _rg(m) else 0,
@@ -185,6 +185,7 @@ def find_chains(graph: Graph, fused: bool = False) -> tuple[list[Chain], dict[No
                 reread,
                 shared_grad=op_name(m) == "add",
             )
+            roles[m] = ChainRole(index, share)
         chains.append(
             Chain(tuple(m.name for m in ms), depth[ms[0]], tuple(inputs), tuple(outputs), len(kernels))
         )

@@ -23,7 +23,7 @@ import torch
 
 import autopar
 from autopar.capture import capture
-from autopar.cost.compiled import chain_share_kernels
+from autopar.cost.compiled import ChainShare, chain_share_kernels
 from autopar.cost.compute import KernelKind, TensorArg, kernel_time
 from autopar.graph import OpFamily, op_family, op_name
 from autopar.ir import COST
@@ -117,18 +117,14 @@ def test_a_members_share_is_its_boundary_bytes() -> None:
     x = TensorArg((8, 16), "bfloat16", grad=True)  # 256 bytes
     w = TensorArg((16,), "bfloat16", grad=True)  # broadcast: 32 bytes
     out = TensorArg((8, 16), "bfloat16")
-    ks = chain_share_kernels(
-        [x, w], [out], reads=(True, True), writes=True, extern_grads=2, launch_fwd=True, launch_bwd=False,
-        requires_grad=True,
-    )  # fmt: skip
+    share = ChainShare(reads=(True, True), writes=True, extern_grads=2, launch_fwd=True, launch_bwd=False)
+    ks = chain_share_kernels([x, w], [out], share, requires_grad=True)
     assert [k.nbytes for k in ks.fwd] == [256 + 32 + 256] and ks.fwd[0].launches == 1
     # backward: x and w again, the output's two gradients, x's gradient; w's a reduction of its own
     assert [k.nbytes for k in ks.bwd] == [256 + 32 + 2 * 256 + 256, 2 * 256 + 32]
     assert [k.launches for k in ks.bwd] == [0, 1]
-    inner = chain_share_kernels(
-        [x], [out], reads=(False,), writes=False, extern_grads=0, launch_fwd=False, launch_bwd=False,
-        requires_grad=True,
-    )  # fmt: skip
+    interior = ChainShare(reads=(False,), writes=False, extern_grads=0, launch_fwd=False, launch_bwd=False)
+    inner = chain_share_kernels([x], [out], interior, requires_grad=True)
     assert inner.fwd == () and inner.bwd == ()  # an interior op costs nothing of its own
 
 
