@@ -77,6 +77,11 @@ class StageProgram:
     """The model's outputs this stage returns after the sent values (the last stage: all)."""
 
 
+BOUNDARY = ("stage", "primals", "received", "sent", "producer", "readers", "num_outputs")
+"""The fields of a ``StageProgram`` its step record (``StageStep``) takes over as they are: which
+stage it is and how it connects to the others (``stage_step``)."""
+
+
 def _stage(n: Node) -> int | None:
     return n.meta.get(STAGE)
 
@@ -283,19 +288,13 @@ def stage_step(
     fwd, bwd_i, bwd_w, n_saved_i, saved_w = split_backward(jp, len(sp.primals))
     local_w, last_w, deferred = defer_reductions(bwd_w) if microbatches > 1 else (None, bwd_w, 0)
     return StageStep(
-        stage=sp.stage,
+        **{f: getattr(sp, f) for f in BOUNDARY},
         forward=fwd,
         backward_input=bwd_i,
         backward_weight=last_w,
         backward_weight_local=local_w,
         num_deferred=deferred,
         joint=jp.gm,
-        primals=sp.primals,
-        received=sp.received,
-        sent=sp.sent,
-        producer=sp.producer,
-        readers=sp.readers,
-        num_outputs=sp.num_outputs,
         num_saved_i=n_saved_i,
         saved_w=saved_w,
         tangent_outputs=jp.tangent_outputs,
