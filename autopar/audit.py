@@ -77,7 +77,7 @@ import functools
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from autopar.audit_figures import (
@@ -121,6 +121,15 @@ MFU_ERROR = 0.9
 """MFU above which the prediction is an error."""
 
 SEVERITIES = ("info", "warning", "error")
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as JSON data: a record as the dict of its fields, a tuple as a list."""
+    if is_dataclass(value):
+        return {f.name: _as_json(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_as_json(v) for v in value]
+    return value
 
 
 class AuditWarning(UserWarning):
@@ -179,41 +188,11 @@ class Audit:
         return max((f.severity for f in self.findings), key=SEVERITIES.index, default="info")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (lists, no tuples, no NaN), so a plan that stores it round-trips exactly."""
-        return {
-            "lines": self.lines(),
-            "findings": [
-                {"severity": f.severity, "kind": f.kind, "message": f.message, "share": f.share}
-                for f in self.findings
-            ],
-            "replicated": [
-                {
-                    "axis": r.axis,
-                    "size": r.size,
-                    "share": r.share,
-                    "stage": r.stage,
-                    "ops": [[name, s] for name, s in r.ops],
-                }
-                for r in self.replicated
-            ],
-            "unruled": list(self.unruled),
-            "unruled_share": self.unruled_share,
-            "comm": [
-                {
-                    "axis": c.axis,
-                    "size": c.size,
-                    "plan_bytes": c.plan_bytes,
-                    "bound_bytes": c.bound_bytes,
-                    "gradient_bytes": c.gradient_bytes,
-                    "bound_time": c.bound_time,
-                }
-                for c in self.comm
-            ],
-            "model_flops": self.model_flops,
-            "peak_flops": self.peak_flops,
-            "devices": self.devices,
-            "mfu": self.mfu,
-        }
+        """Plain JSON data (lists, no tuples, no NaN), so a plan that stores it round-trips exactly:
+        every field but ``time``, and the printed ``lines``."""
+        d = _as_json(self)
+        del d["time"]
+        return {"lines": self.lines(), **d}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Audit:
