@@ -124,14 +124,8 @@ class Cluster:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-        dev, intra, inter = PRESETS[name]
         cl = cls(
-            device=dev,
-            gpus_per_node=gpus_per_node,
-            nodes=nodes,
-            intra_node=intra,
-            inter_node=inter,
-            nics_per_node=nics_per_node,
+            **PRESETS[name]._asdict(), gpus_per_node=gpus_per_node, nodes=nodes, nics_per_node=nics_per_node
         )
         return cl.with_profile(profile) if profile is not None else cl
 

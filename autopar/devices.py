@@ -10,11 +10,20 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["PRESETS", "DeviceSpec", "Link", "check_count", "check_number", "link_from_dict", "link_to_dict"]
+__all__ = [
+    "PRESETS",
+    "DeviceSpec",
+    "Link",
+    "Preset",
+    "check_count",
+    "check_number",
+    "link_from_dict",
+    "link_to_dict",
+]
 
 TB = 1e12
 GB = 1e9
@@ -294,20 +303,33 @@ _NVLINK4 = Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6)
 _IB_EDR = Link(name="IB-EDR", bandwidth=12.5 * GB, latency=10e-6)
 _IB_HDR = Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6)
 _IB_NDR = Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6)
-PRESETS: dict[str, tuple[DeviceSpec, Link, Link]] = {
-    "V100-32GB": (
+
+
+class Preset(NamedTuple):
+    """One preset's published figures, named as the ``Cluster`` fields they fill
+    (``Cluster.preset``)."""
+
+    device: DeviceSpec
+    intra_node: Link
+    """The node's GPU interconnect (NVLink)."""
+    inter_node: Link
+    """One inter-node NIC (InfiniBand)."""
+
+
+PRESETS: dict[str, Preset] = {
+    "V100-32GB": Preset(
         _gpu("V100-32GB", 125 * TB, 0, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS), _NVLINK2, _IB_EDR
     ),
-    "A100-40GB": (
+    "A100-40GB": Preset(
         _gpu("A100-40GB", 312 * TB, 156 * TB, 19.5 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR
     ),
-    "A100-80GB": (
+    "A100-80GB": Preset(
         _gpu("A100-80GB", 312 * TB, 156 * TB, 19.5 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR
     ),
-    "H100-SXM": (
+    "H100-SXM": Preset(
         _gpu("H100-SXM", 989 * TB, 494 * TB, 67 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR
     ),
-    "H200": (
+    "H200": Preset(
         _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR
     ),
 }  # fmt: skip
