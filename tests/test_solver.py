@@ -123,6 +123,28 @@ def test_the_solver_meets_brute_force_and_its_cutoffs_refuse_exactly_what_they_s
     assert again.objective == pytest.approx(best, abs=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cutoff_is_beaten_only_by_more_than_the_relative_gap(seed):
+    """Under ``relative_gap`` g a candidate whose optimum lies within g under the cutoff cannot
+    improve the plan by more than the precision the solves stop at: ``NotBetter``, up front or
+    live; one that beats the cutoff by more gives a plan below ``(1 − g) ×`` the cutoff."""
+    rng = random.Random(200 + seed)
+    graph = _random_graph(rng, 6, extra_edges=3, weights=2)
+    every = _brute(graph)
+    budget = sorted(m for _, _, m in every)[len(every) // 3]
+    best = min(o for o, _, m in every if m <= budget)
+    gapped = SolverConfig(relative_gap=0.05)
+    for live in (False, True):
+        near = Cutoff(best * 1.02)
+        kw = {"live_cutoff": lambda c=near: c} if live else {"cutoff": near}
+        with pytest.raises(NotBetter):
+            solve(graph, memory_budget=budget, config=gapped, **kw)
+        far = Cutoff(best * 1.10)
+        kw = {"live_cutoff": lambda c=far: c} if live else {"cutoff": far}
+        won = solve(graph, memory_budget=budget, config=gapped, **kw)
+        assert won.objective <= best * 1.10 * 0.95 + 1e-9
+
+
 def test_decisions_over_the_budget_are_infeasible_before_any_edge_is_costed():
     rng = random.Random(7)
     graph = _random_graph(rng, 5, extra_edges=2)
