@@ -92,6 +92,11 @@ class PlanConfig:
     per parameter."""
     time_limit: float = 60.0
     """Seconds CP-SAT may search one mesh before returning its best plan."""
+    relative_gap: float = 0.005
+    """Each mesh's plan is proven within this fraction of its optimum, and a mesh must beat the
+    best one solved before or beside it by more than this (``autopar.solver``'s ``SolverConfig``
+    and constraint (g)); 0 proves every optimum. The 3D search screens pipelined candidates at a
+    coarser gap first (``autopar.search.SCREEN_GAP``)."""
     workers: int | None = None
     """Candidate meshes solved side by side in forked processes (default: up to 2); 1: one after
     another in this process."""
@@ -157,6 +162,15 @@ class PlanConfig:
             and self.time_limit > 0
         ):
             fail(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
+        if not (
+            isinstance(self.relative_gap, (int, float))
+            and not isinstance(self.relative_gap, bool)
+            and 0 <= self.relative_gap < 1
+        ):
+            fail(
+                f"relative_gap must be a fraction in [0, 1) (0.005: plans within 0.5 % of their optimum), "
+                f"got {self.relative_gap!r}"
+            )
         if self.pp not in ("auto", "search") and (
             not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1
         ):

@@ -228,7 +228,7 @@ def plan_captured(
             sol = solve(
                 gm.meta[STRATEGY_GRAPH],
                 memory_budget=budget,
-                config=SolverConfig(time_limit=config.time_limit),
+                config=SolverConfig(time_limit=config.time_limit, relative_gap=config.relative_gap),
                 cutoff=cutoff,
                 path_cutoff=path_cutoff,
                 live_cutoff=live,

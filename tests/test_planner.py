@@ -113,6 +113,9 @@ def test_bad_arguments_are_rejected_with_the_reason(make_gpt, a100x8):
         autopar.plan(make_gpt(), (idx, idx.clone()), a100x8, mesh_shape=(4, 3))
     with pytest.raises(ValueError, match="memory_budget must be positive"):
         autopar.plan(make_gpt(), (idx, idx.clone()), a100x8, memory_budget=0)
+    for gap in (-0.1, 1.0, float("nan"), True):
+        with pytest.raises(ValueError, match=r"relative_gap must be a fraction in \[0, 1\)"):
+            autopar.plan(make_gpt(), (idx, idx.clone()), a100x8, relative_gap=gap)
 
 
 class _TwoUsers(torch.nn.Module):
@@ -280,7 +283,16 @@ def test_auto_pipeline_search_stops_after_slower_pipeline_sizes(make_gpt):
     planned = sorted({r["pp"] for r in rows if "step_time" in r})
     skipped = sorted({r["pp"] for r in rows if "skipped" in r and "microbatches" not in r})
     assert skipped and max(planned) < min(skipped), rows
-    step = {pp: min(r["step_time"] for r in rows if r["pp"] == pp and "step_time" in r) for pp in planned}
+    # A screened candidate's step counts less its gap, the least its refined step would be
+    # (``autopar.search``: screening).
+    step = {
+        pp: min(
+            r["step_time"] * (1 - r.get("screened_gap", 0.0))
+            for r in rows
+            if r["pp"] == pp and "step_time" in r
+        )
+        for pp in planned
+    }
 
     def best_before(pp: int) -> float:
         return min(step[q] for q in planned if q < pp)
@@ -329,14 +341,19 @@ def test_a_cutoff_keeps_plans_that_beat_it_and_refuses_the_rest():
     """``solve(cutoff=…)``: a hand-built two-decision program whose optimum is 3 s (strategy 1 then
     strategy 0, the edge between them costing 1 s). A cutoff above it gives the same plan; one
     below, or equal to it when strict, is ``NotBetter``; equal and not strict keeps it (the
-    planner's tie goes to the earlier mesh)."""
-    from autopar.solver import Cutoff, NotBetter, solve
+    planner's tie goes to the earlier mesh). Those hold when solving exactly; at the default
+    relative gap (0.5 %) a cutoff the optimum beats by less than the gap is ``NotBetter`` too."""
+    from functools import partial
+
+    from autopar.solver import Cutoff, NotBetter, SolverConfig
+    from autopar.solver import solve as solve_at_gap
     from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
     a = Decision("a", ("a",), unary=[3.0, 1.0], memory=[0.0, 0.0], allowed=[True, True])
     b = Decision("b", ("b",), unary=[1.0, 4.0], memory=[0.0, 0.0], allowed=[True, True])
     e = Edge(0, 1, ((0,), (1,)), ((0,), (1,)), cost=[[0.0, 0.5], [1.0, 0.0]], memory=[[0.0, 0.0], [0.0, 0.0]])
     g = StrategyGraph([a, b], [e], {"a": (0, (0, 1)), "b": (1, (0, 1))}, (2,))
+    solve = partial(solve_at_gap, config=SolverConfig(relative_gap=0.0))
     best = solve(g, memory_budget=1.0)
     assert best.objective == pytest.approx(3.0) and best.choice == {"a": 1, "b": 0}
     assert solve(g, memory_budget=1.0, cutoff=Cutoff(3.5)).choice == best.choice
@@ -344,6 +361,9 @@ def test_a_cutoff_keeps_plans_that_beat_it_and_refuses_the_rest():
     for cut in (Cutoff(3.0), Cutoff(2.9, strict=False)):
         with pytest.raises(NotBetter):
             solve(g, memory_budget=1.0, cutoff=cut)
+    with pytest.raises(NotBetter):
+        solve_at_gap(g, memory_budget=1.0, cutoff=Cutoff(3.01))
+    assert solve_at_gap(g, memory_budget=1.0, cutoff=Cutoff(3.02)).choice == best.choice
 
 
 @pytest.mark.timeout(300)

@@ -109,3 +109,49 @@ def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
     search.size(1)
     assert [r["microbatches"] for r in search.tried if "step_time" in r] == counts
     assert any("were slower" in r.get("skipped", "") for r in search.tried) == (recompute_at_2 == "none")
+
+
+def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_where_they_may_win(monkeypatch):
+    """Once a plan exists to beat, each micro-batch count's stage plan is solved at ``SCREEN_GAP``
+    first, and again at the configured ``relative_gap`` only where its step less that gap could
+    beat the best: 1.2 s against 1.0 s stays screened (and says so), 1.03 s is refined (1.03 ×
+    0.95 < 1.0) and its refined 0.99 s wins."""
+    from types import SimpleNamespace
+
+    import autopar.search as search_mod
+    from autopar.pipelined import Scored
+    from autopar.search import SCREEN_GAP
+
+    gaps: list[tuple[int, float]] = []
+
+    def plan_captured(cap, cluster, config, **kw):
+        gaps.append((cap.m, config.relative_gap))
+        return SimpleNamespace(m=cap.m, gap=config.relative_gap)
+
+    steps = {(2, SCREEN_GAP): 1.2, (4, SCREEN_GAP): 1.03, (4, 0.005): 0.99}
+    monkeypatch.setattr(search_mod, "plan_captured", plan_captured)
+    monkeypatch.setattr(search_mod, "seams", lambda gm: [])
+    monkeypatch.setattr(
+        search_mod,
+        "pipelined_candidates",
+        lambda spmd, gm, cluster, config, pp, m, budget: [
+            Scored(SimpleNamespace(recompute="selective"), steps[(spmd.m, spmd.gap)], f"pp=1 m={m}")
+        ],
+    )
+    cluster = autopar.Cluster.preset("H100-SXM", nodes=8)
+    config = PlanConfig(recompute="auto", microbatches=None)
+    search = PipelineSearch(lambda m: SimpleNamespace(gm=None, m=m), cluster, config, 64)  # type: ignore[arg-type]
+    search.scored = [Scored(SimpleNamespace(recompute="selective"), 1.0, "pp=1")]
+    monkeypatch.setattr(search, "counts", lambda pp: [2, 4])
+    search.size(1)
+    assert gaps == [(2, SCREEN_GAP), (4, SCREEN_GAP), (4, 0.005)]
+    rows = {r["microbatches"]: r for r in search.tried if "step_time" in r}
+    assert rows[2]["screened_gap"] == SCREEN_GAP and rows[2]["step_time"] == 1.2
+    assert "screened_gap" not in rows[4] and rows[4]["step_time"] == 0.99
+    assert search.best() == 0.99
+    # Where no plan exists yet there is nothing to screen against: the configured gap at once.
+    gaps.clear()
+    search = PipelineSearch(lambda m: SimpleNamespace(gm=None, m=m), cluster, config, 64)  # type: ignore[arg-type]
+    monkeypatch.setattr(search, "counts", lambda pp: [4])
+    search.size(1)
+    assert gaps == [(4, 0.005)]

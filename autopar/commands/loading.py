@@ -62,6 +62,7 @@ def plan_config(args: argparse.Namespace) -> Any:
     return PlanConfig.build(
         mesh_shape=args.mesh, memory_budget=args.memory_budget, memory_reserve=args.memory_reserve,
         zero_stage=args.zero_stage, optimizer=args.optimizer, time_limit=args.time_limit, workers=args.workers,
+        relative_gap=getattr(args, "relative_gap", None),
         fixed=fixed or None, pp=getattr(args, "pp", None), microbatches=getattr(args, "microbatches", None),
         schedule=getattr(args, "schedule", None), recompute=getattr(args, "recompute", None),
     )  # fmt: skip

@@ -151,6 +151,8 @@ def planning_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--optimizer", default=None, help="optimizer whose state is counted (default adamw)")
     g.add_argument("--time-limit", type=float, help="seconds the solver may spend per mesh (default 60)")
+    g.add_argument("--relative-gap", type=fraction,
+                   help="how close to its optimum each mesh's plan is proven, e.g. 1%% (default 0.5%%)")  # fmt: skip
     g.add_argument("--workers", type=positive_int, help="meshes solved side by side (default 2)")
     g.add_argument("--fixed", action="append", metavar="NAME=SPEC",
                    help="fix a parameter's or input's placement, e.g. lm_head.weight=S(0),R (repeatable)")  # fmt: skip
