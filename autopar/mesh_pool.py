@@ -65,8 +65,9 @@ class Background:
 def _cutoff(i: int, objectives: dict[int, float]) -> Cutoff | None:
     """The best finished mesh's objective (``objectives``: mesh index -> objective), for mesh ``i``
     to beat (``autopar.solver.Cutoff``): strictly where that mesh comes earlier in the planner's
-    order (it wins a tie), else at most equal, so the winner is the one a full solve of every mesh
-    picks."""
+    order (it wins a tie), else at most equal; the solver asks a rival to beat it by more than the
+    relative gap its solves stop at, so the winner is within that gap of the one a full solve of
+    every mesh picks."""
     if not objectives:
         return None
     objective, j = min((o, j) for j, o in objectives.items())
