@@ -6,6 +6,11 @@ with DCP; load under a data-parallel plan (2 processes) and under tp=2 × dp=2 (
 tolerances of ``_runtime_helpers``). Without the optimizer state, AdamW's moments restart and the
 resumed losses differ (the test shows the check can fail). A pipelined module (pp=2 × dp=2 on 4
 processes) saves the same way and resumes under dp=2 and under pp=2 on 2 processes.
+
+Every plan is made once, here, and every case runs in one of three spawns, in the order the
+checkpoints need (starting processes and importing torch costs seconds, a case a fraction of
+that): the Megatron save on 2 processes; the tp=2 × dp=2 resume and the pipelined save on 4; the
+resumes on 2. The tests read the results (``runs``), each asserting its own case.
 """
 
 from __future__ import annotations
@@ -21,102 +26,63 @@ import autopar
 from autopar.runtime import checkpoint
 from autopar.runtime.launch import spawn
 
-pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:autopar. no sharding rule")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.filterwarnings("ignore:autopar. no sharding rule"),
+    pytest.mark.filterwarnings("ignore:autopar. the plan audit"),  # the plans are made here, not per rank
+]
 
 KIND = "gpt2"  # fused QKV (block-sharded under tensor parallelism), tied LM head
+PP_KIND = "gpt"  # autopar's GPT: its tied embedding and head sit in the first and the last stage
 
 
-def _plan(layout: str, model: Any, inputs: Any, world: int) -> Any:
-    cluster = autopar.Cluster.local(world)
-    if layout == "megatron":
-        return autopar.layouts.megatron(model, inputs, cluster, tp=2, dp=world // 2)
-    fixed = {n: ("R",) for n, _ in model.named_parameters()}
-    return autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
-
-
-def save_worker(rank: int, world: int, path: str) -> list[float]:
-    H.quiet()
+def _plans() -> dict[str, Any]:
+    """Every plan of the module, by name: ``KIND`` under Megatron (tp=2 on 2, tp=2 × dp=2 on 4) and
+    data parallelism (dp=2); ``PP_KIND`` under pp=2 × dp=2 on 4 processes (the save), dp=2 and
+    pp=2 on 2 (the loads)."""
     model, inputs = H.build(KIND)
-    pm = autopar.parallelize(
-        model, autopar.Cluster.local(world), inputs, plan=_plan("megatron", model, inputs, world)
-    )
+    replicated = {n: ("R",) for n, _ in model.named_parameters()}
+    pp_model, pp_inputs = H.build(PP_KIND)
+    batch = {k: ("S(0)",) for k in H.input_paths(pp_inputs)}
+    pp_replicated = {n: ("R",) for n, _ in pp_model.named_parameters()}
+    two, four = autopar.Cluster.local(2), autopar.Cluster.local(4)
+    return {
+        "megatron 2": autopar.layouts.megatron(model, inputs, two, tp=2, dp=1),
+        "megatron 4": autopar.layouts.megatron(model, inputs, four, tp=2, dp=2),
+        "dp 2": autopar.plan(model, inputs, two, fixed=replicated, mesh_shape=(2,)),
+        "pp2xdp2": autopar.plan(
+            pp_model, pp_inputs, four, pp=2, microbatches=2, schedule="1f1b", fixed={**batch, **pp_replicated},
+        ),
+        "pp dp2": autopar.plan(pp_model, pp_inputs, two, fixed=pp_replicated, mesh_shape=(2,), pp=1),
+        "pp2": autopar.plan(pp_model, pp_inputs, two, pp=2, microbatches=2, schedule="1f1b"),
+    }  # fmt: skip
+
+
+def save(rank: int, world: int, path: str, plan: Any) -> list[float]:
+    """``KIND`` trained 2 AdamW steps under ``plan``, saved with its optimizer to ``path``."""
+    model, inputs = H.build(KIND)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
     opt = H.make_optimizer("adamw", pm.parameters())
     losses = H.train(pm, inputs, opt, steps=2)
     checkpoint.save(pm, path, optimizer=opt)
     return losses
 
 
-def resume_worker(rank: int, world: int, path: str, layout: str, with_optimizer: bool) -> Any:
-    H.quiet()
-    model, _ = H.build(KIND, seed=1)  # other weights: everything must come from the checkpoint
-    _, inputs = H.build(KIND)  # the same batch as the reference
-    pm = autopar.parallelize(
-        model, autopar.Cluster.local(world), inputs, plan=_plan(layout, model, inputs, world)
-    )
+def resume(rank: int, world: int, kind: str, path: str, plan: Any, with_optimizer: bool = True) -> Any:
+    """``kind`` built with other weights (everything must come from the checkpoint), loaded from
+    ``path`` under ``plan`` and trained 2 more steps on the reference's batch."""
+    model, _ = H.build(kind, seed=1)
+    _, inputs = H.build(kind)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
     opt = H.make_optimizer("adamw", pm.parameters())
     checkpoint.load(pm, path, optimizer=opt if with_optimizer else None)
     losses = H.train(pm, inputs, opt, steps=2)
     return losses, pm.full_state_dict(), tuple(pm.plan.mesh_shape)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
-    path = str(tmp_path_factory.mktemp("ckpt") / "step2")
-    losses = spawn(save_worker, 2, path, timeout=200)[0]
-    assert os.path.exists(os.path.join(path, ".metadata"))
-    return path, losses
-
-
-@pytest.fixture(scope="module")
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return H.reference(KIND, "adamw", steps=4)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("layout", "world"), [("dp", 2), ("megatron", 4)])
-def test_resume_under_another_plan_continues_exactly(saved, reference, layout, world):
-    path, first = saved
-    ref_losses, ref_sd = reference
-    assert all(abs(a - b) <= H.LOSS_RTOL * abs(b) for a, b in zip(first, ref_losses[:2])), (first, ref_losses)
-    runs = spawn(resume_worker, world, path, layout, True, timeout=250)
-    losses, sd, mesh = runs[0]
-    assert mesh == ((world,) if layout == "dp" else (2, 2))
-    problems = H.compare_training(
-        (ref_losses[2:], ref_sd), (losses, sd), "adamw", f"resumed under {layout} on {world}"
-    )
-    assert not problems, "\n".join(problems)
-
-
-@pytest.mark.timeout(300)
-def test_resuming_without_the_optimizer_state_is_detected(saved, reference):
-    path, _ = saved
-    ref_losses, _ = reference
-    losses, _, _ = spawn(resume_worker, 2, path, "dp", False, timeout=250)[0]
-    assert abs(losses[0] - ref_losses[2]) <= H.LOSS_RTOL * abs(ref_losses[2])  # the weights were restored
-    assert abs(losses[1] - ref_losses[3]) > H.LOSS_RTOL * abs(ref_losses[3])  # AdamW's moments restarted
-
-
-# ------------------------------------------------------------------------------ pipelined modules
-
-PP_KIND = "gpt"  # autopar's GPT: its tied embedding and head sit in the first and the last stage
-
-
-def _pp_plans(model: Any, inputs: Any) -> dict[str, Any]:
-    """pp=2 × dp=2 on 4 processes (the save), dp=2 and pp=2 on 2 (the loads)."""
-    batch = {k: ("S(0)",) for k in H.input_paths(inputs)}
-    replicated = {n: ("R",) for n, _ in model.named_parameters()}
-    return {
-        "pp2xdp2": autopar.plan(
-            model, inputs, autopar.Cluster.local(4), pp=2, microbatches=2, schedule="1f1b",
-            fixed={**batch, **replicated},
-        ),
-        "dp2": autopar.plan(model, inputs, autopar.Cluster.local(2), fixed=replicated, mesh_shape=(2,), pp=1),
-        "pp2": autopar.plan(model, inputs, autopar.Cluster.local(2), pp=2, microbatches=2, schedule="1f1b"),
-    }  # fmt: skip
-
-
-def pp_save_worker(rank: int, world: int, path: str, plan: Any) -> dict[str, Any]:
-    H.quiet()
+def pp_save(rank: int, world: int, path: str, plan: Any) -> dict[str, Any]:
+    """``PP_KIND`` trained 2 AdamW steps under the pipelined ``plan`` and saved: its losses, its
+    pipeline coordinate, and the model keys and elements this rank's state dict holds."""
     model, inputs = H.build(PP_KIND)
     pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
     opt = H.make_optimizer("adamw", pm.parameters())
@@ -132,21 +98,80 @@ def pp_save_worker(rank: int, world: int, path: str, plan: Any) -> dict[str, Any
     }
 
 
-def pp_resume_worker(rank: int, world: int, path: str, plan: Any) -> Any:
+CASES = {"save": save, "resume": resume, "pp_save": pp_save}
+
+
+def cases_worker(rank: int, world: int, cases: list[tuple[str, str, tuple]]) -> dict[str, Any]:
+    """Run each ``(name, case, args)`` in turn in one process group: ``CASES[case](rank, world,
+    *args)``, its result under ``name``; a failure names the case."""
     H.quiet()
-    model, _ = H.build(PP_KIND, seed=1)  # other weights: everything must come from the checkpoint
-    _, inputs = H.build(PP_KIND)
-    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
-    opt = H.make_optimizer("adamw", pm.parameters())
-    checkpoint.load(pm, path, optimizer=opt)
-    losses = H.train(pm, inputs, opt, steps=2)
-    return losses, pm.full_state_dict()
+    out = {}
+    for name, case, args in cases:
+        try:
+            out[name] = CASES[case](rank, world, *args)
+        except Exception as e:
+            raise RuntimeError(f"checkpoint case {name!r} failed on rank {rank} of {world}") from e
+    return out
 
 
-def pp_resume_each_worker(rank: int, world: int, path: str, plans: dict[str, Any]) -> dict[str, Any]:
-    """``pp_resume_worker`` under each plan in turn, each from a fresh model: one spawn for all
-    (starting processes and importing torch costs seconds, a resume a fraction of that)."""
-    return {name: pp_resume_worker(rank, world, path, plan) for name, plan in plans.items()}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every case's per-rank results by name, from three spawns in the order the checkpoints need."""
+    plans = _plans()
+    tmp = tmp_path_factory.mktemp("ckpt")
+    step2, pp = str(tmp / "step2"), str(tmp / "pp2xdp2")
+    out = {"plans": plans}
+    out |= _by_name(spawn(cases_worker, 2, [("save", "save", (step2, plans["megatron 2"]))], timeout=200))
+    assert os.path.exists(os.path.join(step2, ".metadata"))
+    four = [
+        ("megatron 4", "resume", (KIND, step2, plans["megatron 4"])),
+        ("pp save", "pp_save", (pp, plans["pp2xdp2"])),
+    ]
+    out |= _by_name(spawn(cases_worker, 4, four, timeout=400))
+    assert os.path.exists(os.path.join(pp, ".metadata"))
+    two = [
+        ("dp 2", "resume", (KIND, step2, plans["dp 2"])),
+        ("dp 2 without the optimizer", "resume", (KIND, step2, plans["dp 2"], False)),
+        ("pp dp2", "resume", (PP_KIND, pp, plans["pp dp2"])),
+        ("pp2", "resume", (PP_KIND, pp, plans["pp2"])),
+    ]
+    out |= _by_name(spawn(cases_worker, 2, two, timeout=400))
+    return out
+
+
+def _by_name(results: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Per-rank results (one dict of cases per rank) as one list by rank per case."""
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return H.reference(KIND, "adamw", steps=4)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("layout", "world"), [("dp", 2), ("megatron", 4)])
+def test_resume_under_another_plan_continues_exactly(runs, reference, layout, world):
+    first = runs["save"][0]
+    ref_losses, ref_sd = reference
+    assert all(abs(a - b) <= H.LOSS_RTOL * abs(b) for a, b in zip(first, ref_losses[:2])), (first, ref_losses)
+    losses, sd, mesh = runs[f"{layout} {world}"][0]
+    assert mesh == ((world,) if layout == "dp" else (2, 2))
+    problems = H.compare_training(
+        (ref_losses[2:], ref_sd), (losses, sd), "adamw", f"resumed under {layout} on {world}"
+    )
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(900)
+def test_resuming_without_the_optimizer_state_is_detected(runs, reference):
+    ref_losses, _ = reference
+    losses, _, _ = runs["dp 2 without the optimizer"][0]
+    assert abs(losses[0] - ref_losses[2]) <= H.LOSS_RTOL * abs(ref_losses[2])  # the weights were restored
+    assert abs(losses[1] - ref_losses[3]) > H.LOSS_RTOL * abs(ref_losses[3])  # AdamW's moments restarted
+
+
+# ------------------------------------------------------------------------------ pipelined modules
 
 
 def _relative_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -157,19 +182,17 @@ def _relative_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
 
 
 @pytest.mark.timeout(900)
-def test_pipelined_checkpoint_resumes_under_another_pipeline_shape(tmp_path):
+def test_pipelined_checkpoint_resumes_under_another_pipeline_shape(runs):
     """pp=2 × dp=2 on 4 processes, 2 AdamW steps, saved with DCP (each rank writes its stages'
     pieces, keyed by the model's names; none holds the whole model); loaded under dp=2 and under
     pp=2 on 2 processes, 2 more steps: the losses and parameters of 4 steps on one process."""
-    model, inputs = H.build(PP_KIND)
-    plans = _pp_plans(model, inputs)
+    plans = runs["plans"]
     assert plans["pp2xdp2"].pipeline.pp == 2 and plans["pp2xdp2"].mesh_shape == (2,)
-    assert plans["dp2"].pipeline is None and plans["pp2"].pipeline.pp == 2
+    assert plans["pp dp2"].pipeline is None and plans["pp2"].pipeline.pp == 2
+    model, _ = H.build(PP_KIND)
     ref_losses, ref_sd = H.reference(PP_KIND, "adamw", steps=4)
     total = sum(p.numel() for p in model.parameters())  # tied weights once, as the state dict stores them
-    path = str(tmp_path / "pp2xdp2")
-    saved = spawn(pp_save_worker, 4, path, plans["pp2xdp2"], timeout=300)
-    assert os.path.exists(os.path.join(path, ".metadata"))
+    saved = runs["pp save"]
     for r in saved:
         assert all(abs(a - b) <= H.LOSS_RTOL * abs(b) for a, b in zip(r["losses"], ref_losses[:2])), r[
             "losses"
@@ -179,10 +202,8 @@ def test_pipelined_checkpoint_resumes_under_another_pipeline_shape(tmp_path):
     assert keys[0] != keys[1] and keys[0] | keys[1] == {
         checkpoint.MODEL + n for n, _ in model.named_parameters()
     }
-    resumed = spawn(
-        pp_resume_each_worker, 2, path, {name: plans[name] for name in ("dp2", "pp2")}, timeout=300
-    )[0]
-    for name, (losses, sd) in resumed.items():
+    for name in ("pp dp2", "pp2"):
+        losses, sd, _ = runs[name][0]
         assert all(abs(a - b) <= H.LOSS_RTOL * abs(b) for a, b in zip(losses, ref_losses[2:])), (
             name,
             losses,
