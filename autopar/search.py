@@ -104,6 +104,16 @@ def _more_microbatches(batch: int, pp: int, m: int) -> int | None:
     return next((k for k in counts if k % pp == 0), counts[0] if counts else None)
 
 
+def _solved_to(plan: Plan, gap: float) -> bool:
+    """Whether every mesh of ``plan``'s solve ended as a solve at ``gap`` would have: each one
+    that fits solved within ``gap`` of its optimum, none ended by another's cutoff (at a coarser
+    gap a cutoff spares less)."""
+    tried = plan.info.get("meshes_tried", ())
+    return bool(tried) and all(
+        ("pruned" not in t) and (not t.get("feasible") or t.get("gap", 1.0) <= gap) for t in tried
+    )
+
+
 @dataclass
 class _Size:
     """What planning one pipeline size gave: its fastest step (``inf`` where nothing fits),
@@ -281,6 +291,8 @@ class PipelineSearch:
             if self.seam_count is None:
                 self.seam_count = len(seams(cap.gm))
             found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, self.budget)
+            if screen and _solved_to(spmd, config.relative_gap):
+                screen = False  # CP-SAT's first plans already met the configured gap: nothing to refine
             if screen and found and min(c.step_time for c in found) * (1 - SCREEN_GAP) <= best_before:
                 try:  # it may win: the stage plan at the configured gap
                     spmd = plan_captured(cap, sub, stage_config, path_cutoff=far)

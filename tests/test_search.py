@@ -104,7 +104,9 @@ def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
         ],
     )
     cluster = autopar.Cluster.preset("H100-SXM", nodes=8)
-    search = PipelineSearch(lambda m: SimpleNamespace(gm=None), cluster, PlanConfig(recompute="auto"), 64)  # type: ignore[arg-type]
+    search = PipelineSearch(
+        lambda m: SimpleNamespace(gm=None, info={}), cluster, PlanConfig(recompute="auto"), 64
+    )  # type: ignore[arg-type]
     search.scored = [Scored(SimpleNamespace(recompute="selective"), 1.0, "pp=1")]
     search.size(1)
     assert [r["microbatches"] for r in search.tried if "step_time" in r] == counts
@@ -126,7 +128,7 @@ def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_wher
 
     def plan_captured(cap, cluster, config, **kw):
         gaps.append((cap.m, config.relative_gap))
-        return SimpleNamespace(m=cap.m, gap=config.relative_gap)
+        return SimpleNamespace(m=cap.m, gap=config.relative_gap, info={})
 
     steps = {(2, SCREEN_GAP): 1.2, (4, SCREEN_GAP): 1.03, (4, 0.005): 0.99}
     monkeypatch.setattr(search_mod, "plan_captured", plan_captured)
@@ -155,3 +157,20 @@ def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_wher
     monkeypatch.setattr(search, "counts", lambda pp: [4])
     search.size(1)
     assert gaps == [(4, 0.005)]
+
+
+def test_a_screened_solve_already_within_the_gap_is_not_solved_again():
+    """``_solved_to``: every mesh that fits solved within the configured gap, none pruned by a
+    cutoff: the screened plan is what a solve at that gap gives."""
+    from types import SimpleNamespace
+
+    from autopar.search import _solved_to
+
+    def plan(*rows):
+        return SimpleNamespace(info={"meshes_tried": list(rows)})
+
+    fits = {"mesh": [8, 8], "feasible": True, "gap": 0.002}
+    assert _solved_to(plan({"mesh": [64], "feasible": False}, fits), 0.005)
+    assert not _solved_to(plan(fits | {"gap": 0.03}), 0.005)
+    assert not _solved_to(plan(fits, {"mesh": [16, 4], "feasible": False, "pruned": "cutoff"}), 0.005)
+    assert not _solved_to(plan(), 0.005)
