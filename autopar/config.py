@@ -97,6 +97,9 @@ class PlanConfig:
     best one solved before or beside it by more than this (``autopar.solver``'s ``SolverConfig``
     and constraint (g)); 0 proves every optimum. The 3D search screens pipelined candidates at a
     coarser gap first (``autopar.search.SCREEN_GAP``)."""
+    screen_gap: float | None = None
+    """Where set (the 3D search's screening), CP-SAT stops at this coarser gap while a mesh must
+    still beat its rivals by ``relative_gap`` (``SolverConfig.cutoff_gap``)."""
     workers: int | None = None
     """Candidate meshes solved side by side in forked processes (default: up to 2); 1: one after
     another in this process."""
@@ -170,6 +173,12 @@ class PlanConfig:
             fail(
                 f"relative_gap must be a fraction in [0, 1) (0.005: plans within 0.5 % of their optimum), "
                 f"got {self.relative_gap!r}"
+            )
+        if self.screen_gap is not None and not (
+            isinstance(self.screen_gap, (int, float)) and self.relative_gap <= self.screen_gap < 1
+        ):
+            fail(
+                f"screen_gap must lie in [relative_gap, 1) = [{self.relative_gap}, 1), got {self.screen_gap!r}"
             )
         if self.pp not in ("auto", "search") and (
             not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1

@@ -228,7 +228,11 @@ def plan_captured(
             sol = solve(
                 gm.meta[STRATEGY_GRAPH],
                 memory_budget=budget,
-                config=SolverConfig(time_limit=config.time_limit, relative_gap=config.relative_gap),
+                config=SolverConfig(
+                    time_limit=config.time_limit,
+                    relative_gap=config.screen_gap if config.screen_gap is not None else config.relative_gap,
+                    cutoff_gap=config.relative_gap,
+                ),
                 cutoff=cutoff,
                 path_cutoff=path_cutoff,
                 live_cutoff=live,

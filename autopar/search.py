@@ -106,11 +106,11 @@ def _more_microbatches(batch: int, pp: int, m: int) -> int | None:
 
 def _solved_to(plan: Plan, gap: float) -> bool:
     """Whether every mesh of ``plan``'s solve ended as a solve at ``gap`` would have: each one
-    that fits solved within ``gap`` of its optimum, none ended by another's cutoff (at a coarser
-    gap a cutoff spares less)."""
+    solved within ``gap`` of its optimum, or pruned (screening keeps the cutoffs at ``gap``:
+    ``SolverConfig.cutoff_gap``), or not fitting."""
     tried = plan.info.get("meshes_tried", ())
     return bool(tried) and all(
-        ("pruned" not in t) and (not t.get("feasible") or t.get("gap", 1.0) <= gap) for t in tried
+        "pruned" in t or not t.get("feasible") or t.get("gap", 1.0) <= gap for t in tried
     )
 
 
@@ -270,7 +270,7 @@ class PipelineSearch:
                 spmd = plan_captured(
                     cap,
                     sub,
-                    stage_config.replace(relative_gap=SCREEN_GAP) if screen else stage_config,
+                    stage_config.replace(screen_gap=SCREEN_GAP) if screen else stage_config,
                     path_cutoff=far,
                     background=self.prefetch(then) if m == ms[0] else None,
                 )

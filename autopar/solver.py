@@ -127,6 +127,11 @@ class SolverConfig:
     fp32 plan take 44 s to prove optimal and 25 s at 0.5 %, ten of the eleven plans identical and
     one 0.1 % slower (by this program's objective, a model of the step that the simulator then
     refines). ``Solution.gap`` and ``Predicted.gap`` report the gap a plan was stopped at."""
+    cutoff_gap: float | None = None
+    """How much a plan must beat a cutoff by, as a fraction (constraint (g)); ``None``: the
+    ``relative_gap``. The 3D search's screening stops its solves at a coarse gap but keeps the
+    configured one here, so a mesh it prunes is one a solve at that gap would prune too (its
+    rival's objective, solved coarsely, is no lower than solved finely)."""
     probing_level: int = 0
     """CP-SAT's ``cp_model_probing_level``. 0: no probing of the Booleans when the search starts.
     Probing spends a fixed second of deterministic time on these programs (58 000 Booleans) fixing
@@ -160,6 +165,7 @@ def solve(
     from ortools.sat.python import cp_model
 
     config = config or SolverConfig()
+    cut_gap = config.relative_gap if config.cutoff_gap is None else config.cutoff_gap
     t0 = time.perf_counter()
     if graph.min_memory() > memory_budget:  # (d) cannot hold: no need to ask CP-SAT
         raise _infeasible(graph, memory_budget)
@@ -176,7 +182,7 @@ def solve(
             raise NotBetter(cutoff.objective if cutoff is not None else math.inf, path_cutoff)
         floor = graph.tree_bound()
         first = cutoff if cutoff is not None else live_cutoff() if live_cutoff is not None else None
-        if first is not None and _above(floor, first.objective * (1 - config.relative_gap)):
+        if first is not None and _above(floor, first.objective * (1 - cut_gap)):
             raise NotBetter(first.objective, path_cutoff)
     model = cp_model.CpModel()
     proto = model.proto  # built directly (variables by index): a third of the time of LinearExpr
@@ -246,7 +252,7 @@ def solve(
                 linear(vs + [first + k for k in ks], [1] * len(vs) + [-1] * len(ks), 0, 0)
     linear(mem_vars, mem_coeffs, 0, int(memory_budget))  # (d)
     if cutoff is not None:  # in the objective's integer units, as the other solve counted them
-        linear(obj_vars, obj_coeffs, 0, _limit(cutoff, config.relative_gap))
+        linear(obj_vars, obj_coeffs, 0, _limit(cutoff, cut_gap))
     if path_cutoff is not None:  # (h)
         linear([obj_vars[i] for i in path], [obj_coeffs[i] for i in path], 0, math.floor(path_cutoff * SCALE))
     proto.objective.vars.extend(obj_vars)
@@ -270,7 +276,7 @@ def solve(
             c = live_cutoff()
             if c is None:
                 return
-            limit = _limit(c, config.relative_gap)
+            limit = _limit(c, cut_gap)
             with lock:
                 if not beaten and bound[0] > limit:  # no objective within (g)
                     beaten.append(c)

@@ -116,6 +116,8 @@ def test_bad_arguments_are_rejected_with_the_reason(make_gpt, a100x8):
     for gap in (-0.1, 1.0, float("nan"), True):
         with pytest.raises(ValueError, match=r"relative_gap must be a fraction in \[0, 1\)"):
             autopar.plan(make_gpt(), (idx, idx.clone()), a100x8, relative_gap=gap)
+    with pytest.raises(ValueError, match=r"screen_gap must lie in \[relative_gap, 1\) = \[0.005, 1\)"):
+        autopar.plan(make_gpt(), (idx, idx.clone()), a100x8, screen_gap=0.001)
 
 
 class _TwoUsers(torch.nn.Module):

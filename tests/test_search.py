@@ -127,8 +127,9 @@ def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_wher
     gaps: list[tuple[int, float]] = []
 
     def plan_captured(cap, cluster, config, **kw):
-        gaps.append((cap.m, config.relative_gap))
-        return SimpleNamespace(m=cap.m, gap=config.relative_gap, info={})
+        gap = config.screen_gap if config.screen_gap is not None else config.relative_gap
+        gaps.append((cap.m, gap))
+        return SimpleNamespace(m=cap.m, gap=gap, info={})
 
     steps = {(2, SCREEN_GAP): 1.2, (4, SCREEN_GAP): 1.03, (4, 0.005): 0.99}
     monkeypatch.setattr(search_mod, "plan_captured", plan_captured)
@@ -160,8 +161,8 @@ def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_wher
 
 
 def test_a_screened_solve_already_within_the_gap_is_not_solved_again():
-    """``_solved_to``: every mesh that fits solved within the configured gap, none pruned by a
-    cutoff: the screened plan is what a solve at that gap gives."""
+    """``_solved_to``: every mesh that fits solved within the configured gap or pruned by a cutoff
+    kept at it: the screened plan is what a solve at that gap gives."""
     from types import SimpleNamespace
 
     from autopar.search import _solved_to
@@ -172,5 +173,6 @@ def test_a_screened_solve_already_within_the_gap_is_not_solved_again():
     fits = {"mesh": [8, 8], "feasible": True, "gap": 0.002}
     assert _solved_to(plan({"mesh": [64], "feasible": False}, fits), 0.005)
     assert not _solved_to(plan(fits | {"gap": 0.03}), 0.005)
-    assert not _solved_to(plan(fits, {"mesh": [16, 4], "feasible": False, "pruned": "cutoff"}), 0.005)
+    # A mesh pruned by a cutoff kept at the configured gap is one a solve at that gap prunes too.
+    assert _solved_to(plan(fits, {"mesh": [16, 4], "feasible": False, "pruned": "cutoff"}), 0.005)
     assert not _solved_to(plan(), 0.005)

@@ -143,6 +143,10 @@ def test_a_cutoff_is_beaten_only_by_more_than_the_relative_gap(seed):
         kw = {"live_cutoff": lambda c=far: c} if live else {"cutoff": far}
         won = solve(graph, memory_budget=budget, config=gapped, **kw)
         assert won.objective <= best * 1.10 * 0.95 + 1e-9
+    # Stopping at the coarse gap while cutoffs keep a fine one (the 3D search's screening).
+    screening = SolverConfig(relative_gap=0.05, cutoff_gap=0.0)
+    won = solve(graph, memory_budget=budget, config=screening, cutoff=Cutoff(best * 1.02))
+    assert won.objective < best * 1.02
 
 
 def test_decisions_over_the_budget_are_infeasible_before_any_edge_is_costed():
