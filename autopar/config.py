@@ -175,7 +175,9 @@ class PlanConfig:
                 f"got {self.relative_gap!r}"
             )
         if self.screen_gap is not None and not (
-            isinstance(self.screen_gap, (int, float)) and self.relative_gap <= self.screen_gap < 1
+            isinstance(self.screen_gap, (int, float))
+            and not isinstance(self.screen_gap, bool)
+            and self.relative_gap <= self.screen_gap < 1
         ):
             fail(
                 f"screen_gap must lie in [relative_gap, 1) = [{self.relative_gap}, 1), got {self.screen_gap!r}"

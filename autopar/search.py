@@ -53,7 +53,10 @@ everything.
   of memory-bound pipelines are the slow ones: their root LP sits 2-3 % under the optimum (the
   budget is a knapsack over 50 000 Booleans), so closing the last half per cent took 40 s per
   mesh on LLaMA-3-8B's pp = 2 (16, 2) and (8, 4) stages, for candidates 23 % slower than the
-  whole-batch plan; at 5 % CP-SAT stops at its first plans, in about two seconds. The stop
+  whole-batch plan; at 5 % CP-SAT stops at its first plans, in about two seconds. Cutoffs
+  between the meshes keep the configured gap (``PlanConfig.screen_gap``), so where every mesh
+  was pruned or already solved within that gap the screened plan is kept as it is
+  (``_solved_to``). The stop
   rules below read a screened candidate's step less the gap (the least its refined step would
   be), so screening ends no search that a full solve would have continued.
 * The parent process exports the model with a symbolic batch while the one-stage plan's meshes
