@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from autopar.audit import audited
-from autopar.capture import capture
+from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.planfile import Plan
@@ -86,6 +86,7 @@ def parallelize(
     timeout: float = DEFAULT_TIMEOUT,
     check_inputs: str | None = "digest",
     compile: bool | None = None,
+    captured: Captured | None = None,
     **options: Any,
 ) -> ParallelModule:
     """This rank's module. Call on every rank after ``torch.distributed.init_process_group``.
@@ -106,6 +107,10 @@ def parallelize(
     rank cannot compile one, every rank runs the eager programs and one warning says why.
     ``compile=None`` (the default): as the plan says (``Plan.compile``, set by planning with
     ``compile=True``: ``PlanConfig.compile``, whose step the plan's prediction is).
+    ``captured``: ``autopar.capture(model, example_inputs)`` made before, reused instead of
+    exporting the model again (parallelizing one model under several plans exports it once); it
+    is checked to be a capture of this model's parameters and these inputs' shapes. A pipelined
+    plan runs the model captured on one micro-batch, so it reads ``captured`` only to plan.
 
     The step is built by the per-rank compiler (``autopar.passes.rank_compiler``: lowering, the
     stage cut, fused kernels, the traced step, the rank-program passes, Inductor), a list of passes
@@ -124,14 +129,16 @@ def parallelize(
     from autopar.passes.stage_cut import params_held
 
     config = PlanConfig.build(config, **options)
+    if captured is not None:
+        _check_captured(captured, model, example_inputs)
     check_world(plan, cluster)
-    cap = capture(model, example_inputs)
     if plan is None:
+        captured = captured or capture(model, example_inputs)
         plan = _plan_on_rank_zero(
-            model, example_inputs, cluster, config.replace(compile=True) if compile else config, cap
+            model, example_inputs, cluster, config.replace(compile=True) if compile else config, captured
         )
     compile = plan.compile if compile is None else compile
-    cap, batch = _captured_as_planned(model, example_inputs, plan, cap)
+    cap, batch = _captured_as_planned(model, example_inputs, plan, captured)
     check_plan(cap, plan)  # before any process group or collective: every rank refuses the same plan
     world = join_mesh(plan, device_for_backend(dist.get_backend()), timeout)
     held = params_held(cap, plan, world.pp.coord if world.pp is not None else 0)
@@ -157,17 +164,37 @@ def _plan_on_rank_zero(
     )
 
 
-def _captured_as_planned(model: nn.Module, example_inputs: Any, plan: Plan, cap: Any) -> tuple[Any, tuple]:
+def _check_captured(cap: Any, model: nn.Module, example_inputs: Any) -> None:
+    """Refuse a ``captured`` that is not this model on these inputs (every rank refuses the same
+    one, before any process group or collective)."""
+    from autopar.capture import Captured, capture_difference, normalize_inputs
+
+    if not isinstance(cap, Captured):
+        raise TypeError(
+            f"captured must be what autopar.capture(model, example_inputs) returns, got {type(cap).__name__}"
+        )
+    why = capture_difference(cap, model, *normalize_inputs(example_inputs))
+    if why is not None:
+        raise ValueError(
+            f"captured is not a capture of this model on these example inputs: {why}. Capture again with "
+            "autopar.capture(model, example_inputs), or leave captured out"
+        )
+
+
+def _captured_as_planned(
+    model: nn.Module, example_inputs: Any, plan: Plan, cap: Captured | None
+) -> tuple[Captured, tuple]:
     """The captured program ``plan`` was made for, and the batch the compiler reads shapes from as
-    ``(args, kwargs)``: ``cap`` and ``example_inputs`` themselves, or for a pipelined plan the
-    model captured on one micro-batch (as the planner captured it) and that micro-batch."""
+    ``(args, kwargs)``: ``cap`` (captured here where not given) and ``example_inputs`` themselves,
+    or for a pipelined plan the model captured on one micro-batch (as the planner captured it) and
+    that micro-batch."""
     from autopar.capture import microbatch_inputs, normalize_inputs
     from autopar.microbatch import MicrobatchCaptures
     from autopar.passes.plan_check import program_difference
 
     args, kwargs = normalize_inputs(example_inputs)
     if plan.pipeline is None:
-        return cap, (args, kwargs)
+        return (cap if cap is not None else capture(model, (args, kwargs))), (args, kwargs)
     microbatches = plan.pipeline.microbatches
     cap = MicrobatchCaptures(model, (args, kwargs))(microbatches)
     if cap.fingerprint != plan.fingerprint:

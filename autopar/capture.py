@@ -387,3 +387,47 @@ def input_paths(args: tuple, kwargs: dict) -> list[str]:
                 key = pytree.keystr(path)
                 out.append(f"args{key}" if prefix else key.strip("[]'\""))
     return out
+
+
+def capture_difference(cap: Captured, model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """How ``cap`` is not a capture of ``model`` on the inputs ``args``/``kwargs`` (the first
+    difference found, in words), or None where it is one: the same parameters (names, shapes,
+    dtypes) and the same user inputs (paths, shapes, dtypes). Parameter values are not compared:
+    a capture holds none."""
+    placeholders = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+
+    def described(v: Any) -> str:
+        return f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else repr(v)
+
+    def differs(ph: str, value: Any) -> str | None:
+        held = placeholders[ph].meta.get("val") if ph in placeholders else None
+        if not isinstance(value, torch.Tensor) or not isinstance(held, torch.Tensor):
+            return None
+        same = tuple(held.shape) == tuple(value.shape) and held.dtype == value.dtype
+        return None if same else f"the capture has {described(held)}, the model {described(value)}"
+
+    fqns = {fqn: ph for ph, fqn in cap.params.items()}
+    firsts: dict[int, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if firsts.setdefault(id(p), fqn) != fqn:
+            continue  # a tied name: the capture holds the first
+        if fqn not in fqns:
+            return f"parameter {fqn!r} is not in the capture"
+        why = differs(fqns[fqn], p)
+        if why:
+            return f"parameter {fqn!r}: {why}"
+    if len(firsts) != len(fqns):
+        extra = sorted(set(fqns) - {fqn for fqn, _ in model.named_parameters()})
+        return f"the capture has parameters the model lacks: {extra[:3]}"
+    values: dict[str, Any] = {}
+    for prefix, tree in (("args", args), ("", kwargs)):
+        for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+            key = pytree.keystr(path)
+            values[f"args{key}" if prefix else key.strip("[]'\"")] = leaf
+    for ph, path in cap.inputs.items():
+        if path not in values:
+            return f"input {path!r} of the capture is not among these inputs ({', '.join(values) or 'none'})"
+        why = differs(ph, values[path])
+        if why:
+            return f"input {path!r}: {why.replace('the model', 'these inputs')}"
+    return None

@@ -369,3 +369,40 @@ def test_canonical_graph_keeps_the_values_and_the_copies_written_into():
             base, num = re.fullmatch(r"(.*?)(?:_(\d+))?", n.name).groups()
             numbers.setdefault(base, []).append(int(num or 0))
     assert all(nums == list(range(nums[0], nums[0] + len(nums))) for nums in numbers.values()), numbers
+
+
+def test_a_capture_is_recognised_as_its_model_and_inputs_and_a_different_one_is_named(make_gpt2, batch):
+    """``capture_difference`` (what ``parallelize(captured=...)`` checks): None for the model and
+    inputs captured, the first difference in words otherwise; ``parallelize`` refuses a capture
+    of another model before anything distributed starts."""
+    from autopar.capture import capture_difference
+
+    model, inputs = make_gpt2(), batch(2, 16, 256)
+    cap = autopar.capture(model, inputs)
+    assert capture_difference(cap, model, *normalize_inputs(inputs)) is None
+    assert capture_difference(cap, make_gpt2(), *normalize_inputs(inputs)) is None  # values are not compared
+
+    longer = capture_difference(cap, model, *normalize_inputs(batch(2, 32, 256)))
+    assert (
+        longer == "input 'input_ids': the capture has (2, 16) torch.int64, these inputs (2, 32) torch.int64"
+    )
+    renamed = capture_difference(cap, model, (), {"ids": inputs["input_ids"], "labels": inputs["labels"]})
+    assert renamed is not None and "'input_ids'" in renamed and "ids, labels" in renamed
+    wider = capture_difference(cap, make_gpt2(n_embd=32), *normalize_inputs(inputs))
+    assert wider is not None and wider.startswith(
+        "parameter 'transformer.wte.weight': the capture has (256, 64)"
+    )
+    deeper = capture_difference(cap, make_gpt2(n_layer=3), *normalize_inputs(inputs))
+    assert deeper == "parameter 'transformer.h.2.ln_1.weight' is not in the capture"
+    shallower = capture_difference(
+        autopar.capture(make_gpt2(n_layer=3), inputs), model, *normalize_inputs(inputs)
+    )
+    assert shallower is not None and "the capture has parameters the model lacks" in shallower
+
+    cluster = autopar.Cluster.local(1)
+    with pytest.raises(
+        ValueError, match=r"captured is not a capture of this model .*: parameter 'transformer.h.2"
+    ):
+        autopar.parallelize(make_gpt2(n_layer=3), cluster, inputs, captured=cap)
+    with pytest.raises(TypeError, match=r"captured must be what autopar\.capture"):
+        autopar.parallelize(model, cluster, inputs, captured=cap.gm)

@@ -52,13 +52,14 @@ def state_worker(rank: int, world: int, plans: dict[str, Any]) -> dict[str, dict
     H.quiet()
     cluster = autopar.Cluster.local(world)
     out: dict[str, dict[str, Any]] = {}
+    cap = autopar.capture(*H.build(KIND))  # one export for every module below (the same structure)
     for mode, plan in plans.items():
         model, inputs = H.build(KIND)
         res: dict[str, Any] = {}
-        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
+        pm = autopar.parallelize(model, cluster, inputs, plan=plan, captured=cap)
 
         # local inputs: each rank passes its shard of the global batch
-        local_pm = autopar.parallelize(model, cluster, inputs, plan=pm.plan, local_inputs=True)
+        local_pm = autopar.parallelize(model, cluster, inputs, plan=pm.plan, local_inputs=True, captured=cap)
         shards = pm.shard_inputs(**inputs)
         res["input_specs"] = dict(pm.input_specs)
         res["shard_shapes"] = {k: tuple(v.shape) for k, v in shards.items()}

@@ -26,19 +26,20 @@ MODES = {2: H.MODES_2, 4: H.MODES_4}
 
 
 def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """For each layout: build the ParallelModule, train with AdamW, reload the initial weights
-    (``load_full_state_dict``), train with SGD; return the losses, the gathered state dicts, the
-    collectives issued per mesh axis (AdamW run) and how many ZeRO-3 shards backward gathered
-    again."""
+    """For each layout: build the ParallelModule (every layout's from one capture), train with
+    AdamW, reload the initial weights (``load_full_state_dict``), train with SGD; return the
+    losses, the gathered state dicts, the collectives issued per mesh axis (AdamW run) and how many
+    ZeRO-3 shards backward gathered again."""
     H.quiet()
     import autopar
 
     model, inputs = H.build(kind)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cluster = autopar.Cluster.local(world)
+    cap = autopar.capture(model, inputs)  # exported once, every layout's module built from it
     results: dict[str, dict[str, Any]] = {}
     for mode, plan in plans.items():
-        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
+        pm = autopar.parallelize(model, cluster, inputs, plan=plan, captured=cap)
         res: dict[str, Any] = {
             "mesh": tuple(pm.plan.mesh_shape),
             "plan_inputs": dict(pm.plan.inputs),
