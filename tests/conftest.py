@@ -135,3 +135,15 @@ def a100x16() -> autopar.Cluster:
 def gpt2_plan(a100x8: autopar.Cluster) -> autopar.Plan:
     """Tiny GPT-2 (batch 8 × 32 tokens) planned on a 1-D mesh of 8 A100s; tests only read it."""
     return autopar.plan(gpt2(), lm_batch(8, 32, 256), a100x8, mesh_shape=(8,))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that spawn processes (a test marked ``distributed``) run first, each kept whole.
+
+    With the README's ``-n 2 --dist loadscope`` (pytest-xdist: a module's tests, and so its
+    module-scoped spawn fixtures, stay on one worker) the long multi-process modules then start
+    at once, and the short single-process ones fill the workers' tails instead of one long module
+    running alone at the end. Serially the order changes nothing a test depends on.
+    """
+    heavy = {item.module.__name__ for item in items if item.get_closest_marker("distributed") is not None}
+    items.sort(key=lambda item: item.module.__name__ not in heavy)  # stable: each module stays in order

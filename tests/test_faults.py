@@ -169,7 +169,11 @@ def test_a_dead_or_frozen_rank_is_named_by_every_survivor_within_the_timeout(fau
     for survivor in (0, 2):
         assert f"rank {survivor} " in text, text
     assert "CollectiveFailure" in text and "waiting in" in text, text
-    assert took < 60, took
+    # Bounded from the fault on, whatever start-up cost on a loaded machine: each survivor stops
+    # within the module's collective timeout, the monitor's grace for notes, and a margin.
+    stopped = [float(s) for s in re.findall(r"\[stopped ([0-9.]+) s into", text)]
+    assert len(stopped) >= 2 and max(stopped) < TIMEOUT + GRACE + 10, (stopped, text)
+    assert took < 90, took
 
 
 @pytest.mark.timeout(120)
