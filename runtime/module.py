@@ -37,6 +37,7 @@ Data-parallel weight gradients are all-reduced in buckets while backward runs
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -113,12 +114,14 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
         self.device_mesh = world.device_mesh
         """The ``torch.distributed.DeviceMesh`` over this module's axis groups (DTensor checkpoints)."""
         self.world_group = world.world_group
-        """A process group of every rank with this module's collective timeout (input checks)."""
+        """A process group of every rank with this module's collective timeout (input checks).
+        ``None`` once released (``autopar.runtime.monitor``: a step failed)."""
         self._world = world
         self.monitor = StepMonitor(
             rank=dist.get_rank() if dist.is_initialized() else 0,
             world=dist.get_world_size() if dist.is_initialized() else 1,
             timeout=world.timeout,
+            release=self._release_groups,
         )
         self.microbatches = 1
         """Micro-batches a call's batch is cut into (a pipelined plan; the plan is for one)."""
@@ -136,6 +139,13 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
         or why they run eagerly; ``None`` without ``compile=True``."""
         self.passes: tuple[str, ...] = ()
         """The per-rank compiler's passes that built this rank's step, in order."""
+
+    def _release_groups(self) -> None:
+        """Destroy this module's process groups and drop every reference it holds to them
+        (``autopar.runtime.monitor``: what a rank whose step failed does for its peers)."""
+        self._world.release()
+        self.world_group, self.device_mesh = None, None
+        gc.collect()  # a group closes its connections when its last reference goes
 
     # ------------------------------------------------------------------ shards
     def _holds(self, fqn: str) -> bool:
@@ -201,6 +211,7 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
             self.step = record.step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.monitor.check_usable()
         try:
             values = self.primal_values(args, kwargs)
         except CollectiveFailure:  # another rank refused its inputs: its note names it, not this rank
@@ -233,7 +244,7 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
                 finally:
                     gathered.clear()
         except Exception as exc:  # noted for the other ranks; a peer's failure is named (runtime.monitor)
-            err = self.monitor.fail(exc, "the forward program")
+            err = self.monitor.step_failed(exc, "the forward program")
             if err is None:
                 raise
             raise err from exc

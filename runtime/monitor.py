@@ -17,12 +17,21 @@ Words:
   at once (``peer_errors``) and raise, instead of waiting in a collective it will never join.
 * **waiting** — every wait of a step program goes through :meth:`StepMonitor.wait`, which records
   which collective the rank is blocked in (and, when timing is on, for how long).
+* **release** — a rank whose step program fails (its own error or a peer's) has left the ranks
+  out of step: a peer may be blocked in a collective this rank will never join, and catching the
+  error does not change that. So after writing its note it releases its process groups
+  (:meth:`StepMonitor.step_failed`, ``RankWorld.release``): a blocked peer fails at once with
+  "Connection closed by peer", reads the note, and names this rank's error — within ``GRACE``
+  seconds, not the collective timeout — and releases its own groups in turn. The module refuses
+  to run afterwards. Input errors are not step failures: the input agreement keeps the ranks in
+  step, and the module stays usable.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +67,10 @@ class StepMonitor:
     timing: bool = False
     noted: bool = False
     """A note of this rank's failure is in the store (``note``; removed by ``clear_note``)."""
+    release: Callable[[], None] | None = None
+    """Releases the module's process groups (``step_failed``; ``RankWorld.release``)."""
+    released: str = ""
+    """Why the groups were released (the failure, in one line), or "" while they are not."""
 
     def start_step(self) -> None:
         self.waiting = 0.0
@@ -125,6 +138,23 @@ class StepMonitor:
             f"rank {self.rank} stopped in {where} while waiting in {waiting_in}: {cause}. "
             f"(this rank saw: {note['error']})"
         )
+
+    def step_failed(self, exc: BaseException, where: str) -> CollectiveFailure | None:
+        """``fail`` for a failure inside a step program, then the release (module docstring)."""
+        err = self.fail(exc, where)
+        if self.release is not None and not self.released:
+            self.released = f"{type(exc).__name__} in {where}: {_first_line(exc)}"
+            self.release()
+        return err
+
+    def check_usable(self) -> None:
+        """Raise if the groups were released: the ranks are out of step, nothing can run."""
+        if self.released:
+            raise RuntimeError(
+                f"this module released its process groups when a training step failed on rank {self.rank} "
+                f"({self.released}): the ranks are out of step. Build the module again with autopar.parallelize on "
+                f"every rank (load the weights you kept, e.g. from a checkpoint)"
+            )
 
     def note(self, exc: BaseException, where: str) -> None:
         """Publish this rank's own failure now, as it is raised (before user code can catch it):

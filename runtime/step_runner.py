@@ -88,7 +88,7 @@ class _RunStep(torch.autograd.Function):
         try:
             res = step.program("forward")(*primals)
         except Exception as exc:  # noted for the other ranks; a peer's failure is named (runtime.monitor)
-            err = monitor.fail(exc, "the forward program")
+            err = monitor.step_failed(exc, "the forward program")
             if err is None:
                 raise
             raise err from exc
@@ -123,7 +123,7 @@ class _RunStep(torch.autograd.Function):
                 saved.insert(i, v)
             grads = step.program("backward")(*saved, *tangents)
         except Exception as exc:
-            err = monitor.fail(exc, "the backward program")
+            err = monitor.step_failed(exc, "the backward program")
             if err is None:
                 raise
             raise err from exc

@@ -8,6 +8,7 @@ Every rank calls these in the same order (process groups are created collectivel
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -129,6 +130,19 @@ def mesh_axes(
     return axes, mesh, world_group
 
 
+class _Released:
+    """Stands for a process group ``RankWorld.release`` destroyed: any use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            "this process group was released after a training step failed on this rank: build the module again "
+            "with autopar.parallelize on every rank"
+        )
+
+
+_RELEASED: Any = _Released()
+
+
 @dataclass(eq=False)
 class RankWorld:
     """This rank's process groups for a plan (``join_mesh``)."""
@@ -148,6 +162,26 @@ class RankWorld:
     def all_axes(self) -> list[AxisGroup]:
         """Every axis: the pipeline axis first where there is one."""
         return [self.pp, *self.axes] if self.pp is not None else list(self.axes)
+
+    def release(self) -> None:
+        """Destroy every process group of this world that this rank is in, and drop this world's
+        references to them (its axes', the device mesh's, the all-rank group's). A gloo group
+        closes its connections only when its last reference goes: a peer blocked in one of its
+        collectives then fails at once ("Connection closed by peer") instead of waiting out the
+        collective timeout — what a rank whose step failed does for the others
+        (``ParallelModule``). The world runs nothing afterwards. Idempotent."""
+        seen: set[int] = set()
+        axes = [*self.all_axes, *(c for ax in self.all_axes for c in ax.combined.values())]
+        groups = [ax.group for ax in axes] + [self.world_group]
+        for ax in axes:
+            ax.group = _RELEASED
+        self.world_group, self.device_mesh = None, None
+        for g in groups:
+            if g is None or g is _RELEASED or id(g) in seen or g == dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            seen.add(id(g))
+            with contextlib.suppress(Exception):  # already destroyed (the user's destroy_process_group())
+                dist.destroy_process_group(g)
 
     def pp_groups(self) -> list[list[int]]:
         """The global ranks of every pipeline group (the outermost mesh axis), by coordinate."""

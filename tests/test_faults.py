@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:autopa
 
 TIMEOUT = 6.0
 """Collective timeout of the modules under test (seconds)."""
+RELEASE_TIMEOUT = 60.0
+"""The collective timeout under which a step failure must release its peers in seconds."""
 SETTLE = TIMEOUT + GRACE + 3
 """Seconds ``spawn`` keeps collecting after the first failure: a survivor that learns of the fault
 only by its collective timing out raises ``TIMEOUT`` and the monitor's ``GRACE`` later (the wait
@@ -132,7 +134,10 @@ def peer_faults_worker(rank: int, world: int, fault: str) -> tuple[str, float]:
     model, inputs = H.build("gpt")
     fixed = {n: ("R",) for n, _ in model.named_parameters()}
     plan = autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
-    pm = autopar.parallelize(model, cluster, inputs, plan=plan, timeout=TIMEOUT, local_inputs=True)
+    # A failure inside the step must release the peers at once, not after the collective timeout:
+    # that case runs under a timeout far longer than the bound it is held to.
+    timeout = RELEASE_TIMEOUT if fault == "backward error, caught" else TIMEOUT
+    pm = autopar.parallelize(model, cluster, inputs, plan=plan, timeout=timeout, local_inputs=True)
     shards = pm.shard_inputs(*inputs)
     local = (shards["args[0]"], shards["args[1]"])
     _step(pm, local)  # one good step
@@ -141,6 +146,26 @@ def peer_faults_worker(rank: int, world: int, fault: str) -> tuple[str, float]:
             threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         elif fault == "frozen":
             threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        elif fault == "backward error, caught":
+            step, program = pm.step, pm.step.program
+
+            def failing(kind: str) -> Any:  # this rank's backward program fails as it starts
+                if kind != "backward":
+                    return program(kind)
+
+                def fail(*_: Any) -> Any:
+                    raise RuntimeError("injected: rank 1's backward failed")
+
+                return fail
+
+            step.program = failing
+            msg, took = _catch(lambda: _step(pm, local))
+            again, _ = _catch(lambda: _step(pm, local))  # the module refuses to run out of step
+            try:  # ... and the user's code carries on, into a barrier the others never reach
+                dist.barrier()
+            except Exception as exc:  # rank 0 stopped: say what this rank saw
+                raise RuntimeError(f"rank 1 caught [{msg}], then [{again}], then [{exc}]") from exc
+            return msg, took
         elif fault == "bad shape, caught":
             msg, took = _catch(lambda: _step(pm, (local[0][:, :-1], local[1])))
             # ... and carries on elsewhere: into a barrier the others never reach.
@@ -187,3 +212,26 @@ def test_one_ranks_shape_error_caught_and_carried_on_does_not_hang_the_others():
     assert "shape" in text
     took = float(re.search(r"\[stopped ([0-9.]+) s into", text).group(1))
     assert took < TIMEOUT / 2, took
+
+
+@pytest.mark.timeout(120)
+def test_a_step_failure_caught_on_one_rank_releases_the_others_at_once():
+    """Rank 1's backward program fails and its caller catches the error and carries on: rank 1
+    releases its process groups, so rank 0, blocked in a gradient reduction rank 1 will never
+    join, stops at once (not after the 60 s collective timeout) with an error naming rank 1's;
+    rank 1's module then refuses to run."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(peer_faults_worker, 2, "backward error, caught", timeout=90, pg_timeout=20, settle=SETTLE)
+    text = str(info.value)
+    assert (
+        "rank 1 failed first, in the backward program: RuntimeError: injected: rank 1's backward failed"
+        in text
+    )
+    assert "CollectiveFailure" in text and "waiting in" in text, text
+    took = float(re.search(r"\[stopped ([0-9.]+) s into", text).group(1))
+    assert took < RELEASE_TIMEOUT / 6, took
+    assert "rank 1 caught [RuntimeError: injected: rank 1's backward failed]" in text, text
+    assert (
+        "then [RuntimeError: this module released its process groups when a training step failed on rank 1"
+        in text
+    )
