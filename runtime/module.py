@@ -37,6 +37,7 @@ Data-parallel weight gradients are all-reduced in buckets while backward runs
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
@@ -145,6 +146,11 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
         (``autopar.runtime.monitor``: what a rank whose step failed does for its peers)."""
         self._world.release()
         self.world_group, self.device_mesh = None, None
+        if self.pipeline is not None:  # the groups summing tied weights' gradients across stages
+            for _, group in self.pipeline.shared:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+            self.pipeline.shared = []
         gc.collect()  # a group closes its connections when its last reference goes
 
     # ------------------------------------------------------------------ shards
@@ -205,6 +211,7 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
                 pp_groups=self._world.pp_groups(), actions=pipe.actions()[self._world.pp.coord],
                 microbatches=pipe.microbatches, timeout=self._world.timeout,
             )  # fmt: skip
+            self.pipeline.monitor = self.monitor
             self.microbatches = pipe.microbatches
         elif record.step is not None:
             bind_step(record.step, self.axes, self.monitor)

@@ -324,7 +324,13 @@ class PipelineRunner:
     def loss(self, primals: Sequence[Any], params: Sequence[torch.Tensor]) -> torch.Tensor:
         """One training step's loss (see module docstring)."""
         grad = torch.is_grad_enabled()
-        (loss,) = self.run(primals, grad)
+        try:
+            (loss,) = self.run(primals, grad)
+        except Exception as exc:  # noted and released for the other ranks (autopar.runtime.monitor)
+            err = self.monitor.step_failed(exc, "the pipeline schedule") if self.monitor is not None else None
+            if err is None:
+                raise
+            raise err from exc
         if not grad:
             return loss
         return _Loss.apply(self, loss, *params)

@@ -133,24 +133,31 @@ def peer_faults_worker(rank: int, world: int, fault: str) -> tuple[str, float]:
     cluster = autopar.Cluster.local(world)
     model, inputs = H.build("gpt")
     fixed = {n: ("R",) for n, _ in model.named_parameters()}
-    plan = autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
+    if fault == "pipelined stage error, caught":
+        plan = autopar.plan(model, inputs, cluster, pp=2, microbatches=2, schedule="1f1b")
+    else:
+        plan = autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(world,))
     # A failure inside the step must release the peers at once, not after the collective timeout:
     # that case runs under a timeout far longer than the bound it is held to.
-    timeout = RELEASE_TIMEOUT if fault == "backward error, caught" else TIMEOUT
+    timeout = RELEASE_TIMEOUT if fault.endswith("error, caught") else TIMEOUT
     pm = autopar.parallelize(model, cluster, inputs, plan=plan, timeout=timeout, local_inputs=True)
-    shards = pm.shard_inputs(*inputs)
-    local = (shards["args[0]"], shards["args[1]"])
+    if pm.pipeline is None:
+        shards = pm.shard_inputs(*inputs)
+        local = (shards["args[0]"], shards["args[1]"])
+    else:  # a pipeline takes the global batch on every rank
+        local = inputs
     _step(pm, local)  # one good step
     if rank == 1:
         if fault == "killed":
             threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         elif fault == "frozen":
             threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
-        elif fault == "backward error, caught":
-            step, program = pm.step, pm.step.program
+        elif fault.endswith("error, caught"):
+            step = pm.step if pm.pipeline is None else pm.pipeline.steps[max(pm.pipeline.steps)]
+            program, fails = step.program, "backward" if pm.pipeline is None else "backward_input"
 
             def failing(kind: str) -> Any:  # this rank's backward program fails as it starts
-                if kind != "backward":
+                if kind != fails:
                     return program(kind)
 
                 def fail(*_: Any) -> Any:
@@ -215,18 +222,23 @@ def test_one_ranks_shape_error_caught_and_carried_on_does_not_hang_the_others():
 
 
 @pytest.mark.timeout(120)
-def test_a_step_failure_caught_on_one_rank_releases_the_others_at_once():
-    """Rank 1's backward program fails and its caller catches the error and carries on: rank 1
-    releases its process groups, so rank 0, blocked in a gradient reduction rank 1 will never
+@pytest.mark.parametrize(
+    "fault, where",
+    [
+        ("backward error, caught", "the backward program"),
+        ("pipelined stage error, caught", "the pipeline schedule"),
+    ],
+)
+def test_a_step_failure_caught_on_one_rank_releases_the_others_at_once(fault: str, where: str) -> None:
+    """Rank 1's backward program fails (data parallel; or the last stage's input-gradient program
+    of a 2-stage pipeline) and its caller catches the error and carries on: rank 1 releases its
+    process groups, so rank 0, blocked in a gradient reduction or a receive rank 1 will never
     join, stops at once (not after the 60 s collective timeout) with an error naming rank 1's;
     rank 1's module then refuses to run."""
     with pytest.raises(RuntimeError) as info:
-        spawn(peer_faults_worker, 2, "backward error, caught", timeout=90, pg_timeout=20, settle=SETTLE)
+        spawn(peer_faults_worker, 2, fault, timeout=90, pg_timeout=20, settle=SETTLE)
     text = str(info.value)
-    assert (
-        "rank 1 failed first, in the backward program: RuntimeError: injected: rank 1's backward failed"
-        in text
-    )
+    assert f"rank 1 failed first, in {where}: RuntimeError: injected: rank 1's backward failed" in text, text
     assert "CollectiveFailure" in text and "waiting in" in text, text
     took = float(re.search(r"\[stopped ([0-9.]+) s into", text).group(1))
     assert took < RELEASE_TIMEOUT / 6, took
