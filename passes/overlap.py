@@ -284,31 +284,21 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Issue each layer's ZeRO-3 gathers while the previous layer computes (see module
     docstring, 3): gathers are grouped by layer, and the groups ordered by first use.
 
-    Not on gloo (``ctx.cluster.backend``): with a layer's gathers in flight at once on one gloo
-    group, processes intermittently died of heap corruption (``malloc(): unaligned tcache chunk``,
-    about one run in four of two successive ZeRO-3 modules on 4 CPU processes; none in 14 runs
-    without this pass), so CPU processes gather each parameter where it is used.
-
-    Not yet explained (issue 22, item 1), and never reproduced. Ruled out so far: the per-rank
-    programs keep every collective's output referenced until its wait, its input is a view of a
-    parameter shard (alive, and held by gloo's work too), and they contain no in-place op at all,
-    so nothing is written while in flight; every issue has its wait within the same program.
-    With the pass forced on (``examples/stress_zero3_prefetch.py``) the abort did not come back
-    in 18 runs of two ZeRO-3 GPTs on 4 processes (torch 2.13; 9 of 3 layers × 64, 9 of
-    ``bench_overlap``'s 4 × 256), nor in plain-torch gloo replays of its pattern (a layer of
-    all-gathers in flight on each of two groups, with reduce-scatters). Nor at the commit it was
-    reported from (7a8ae93, the parent of 9e2f9a0 that turned the pass off here; torch 2.13):
-    0 aborts in 12 runs of the stress (3 × 64, 15 steps, both modules prefetching) and 0 in 8 of
-    ``bench_overlap --world 4 --layout zero3`` (most likely the run it was reported from: one
-    module with the overlap passes, one without; ``--like-bench`` in the stress), so there is no
-    good commit and bad commit to bisect between; nor in 4 ``--like-bench`` runs of 4 × 256 at
-    09a0f1c. At one abort in four, these 42 clean runs have a 6 in 1 000 000 chance: the
-    report's rate does not hold for this code on this machine, but a rarer fault is not ruled
-    out, and nothing here runs NCCL. The stress's ``MALLOC_CHECK_=3`` checks nothing on
-    glibc ≥ 2.34 unless ``libc_malloc_debug.so`` is preloaded (the 8 runs above preloaded it);
-    the tcache checks that printed the reported message are always on.
-    ``tests/test_zero3_prefetch_stress.py`` (``AUTOPAR_STRESS=1``) is the check to run before
-    turning it on here."""
+    Not on gloo (``ctx.cluster.backend``): several all-gathers in flight at once on one gloo
+    group corrupt the heap now and then (``malloc(): unaligned tcache chunk detected``), a fault
+    of torch's gloo backend, not of these programs — ``examples/gloo_inflight_gathers.py``
+    reproduces it in plain torch, with no autopar (torch 2.13, 4 processes on the 2-core
+    development machine): 8 functional ``all_gather_into_tensor`` of a layer's shards in flight on
+    one group aborted 4 of 22 runs, one at a time 0 of 4. So CPU processes gather each parameter
+    where it is used. Variants that did not abort, too few runs to build on: the same gathers
+    through ``dist.all_gather_into_tensor(async_op=True)`` (0 of 15), each in flight on a group of
+    its own (0 of 8). ``examples/stress_zero3_prefetch.py`` (two ZeRO-3 GPTs on 4 processes, this
+    pass forced on) aborted 2 of 6 runs at 5026f82, after 0 of 42 in earlier sessions under
+    heavier load: the rate depends on the machine's timing. The per-rank programs were checked
+    for the usual causes and have none: every collective's output is referenced until its wait
+    and every issue has its wait in the same program, its input is a view of a parameter shard
+    (alive), and there is no in-place op. ``tests/test_zero3_prefetch_stress.py``
+    (``AUTOPAR_STRESS=1``) is the check to run before turning it on here."""
     cluster = getattr(ctx, "cluster", None)
     if cluster is not None and cluster.backend == "gloo":
         log.info(
