@@ -291,7 +291,7 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     development machine): 8 functional ``all_gather_into_tensor`` of a layer's shards in flight on
     one group aborted 7 of 32 runs, one at a time 0 of 4. So CPU processes gather each parameter
     where it is used. The same 8 gathers did not abort through ``dist.all_gather_into_tensor(
-    async_op=True)`` (0 of 25; at 7 in 32, 0 of 25 has a chance of 0.002) nor each in flight on a
+    async_op=True)`` (0 of 28; at 7 in 32, 0 of 28 has a chance of 0.001) nor each in flight on a
     group of its own (0 of 18; chance 0.01): the fault is the functional collectives' with several
     in flight on one gloo group, and either way round it is the workaround to build. ``examples/stress_zero3_prefetch.py`` (two ZeRO-3 GPTs on 4 processes, this
     pass forced on) aborted 2 of 6 runs at 5026f82, after 0 of 42 in earlier sessions under
