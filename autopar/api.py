@@ -133,7 +133,8 @@ def parallelize(
         _check_captured(captured, model, example_inputs)
     check_world(plan, cluster)
     if plan is None:
-        captured = captured or capture(model, example_inputs)
+        if captured is None:
+            captured = capture(model, example_inputs)
         plan = _plan_on_rank_zero(
             model, example_inputs, cluster, config.replace(compile=True) if compile else config, captured
         )
@@ -167,7 +168,7 @@ def _plan_on_rank_zero(
 def _check_captured(cap: Any, model: nn.Module, example_inputs: Any) -> None:
     """Refuse a ``captured`` that is not this model on these inputs (every rank refuses the same
     one, before any process group or collective)."""
-    from autopar.capture import Captured, capture_difference, normalize_inputs
+    from autopar.capture import capture_difference, normalize_inputs
 
     if not isinstance(cap, Captured):
         raise TypeError(

@@ -377,16 +377,24 @@ def _merge_tied_placeholders(
     gm.recompile()
 
 
-def input_paths(args: tuple, kwargs: dict) -> list[str]:
-    """Names of the user inputs in export's order: ``args[i]`` then keyword names."""
+def _leaves_by_path(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of every leaf of the inputs in export's order: ``args[i]`` then keyword
+    names."""
     out = []
     for prefix, tree in (("args", args), ("", kwargs)):
-        leaves, _ = pytree.tree_flatten_with_path(tree)
-        for path, leaf in leaves:
-            if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (int, float, bool)):
-                key = pytree.keystr(path)
-                out.append(f"args{key}" if prefix else key.strip("[]'\""))
+        for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+            key = pytree.keystr(path)
+            out.append((f"args{key}" if prefix else key.strip("[]'\""), leaf))
     return out
+
+
+def input_paths(args: tuple, kwargs: dict) -> list[str]:
+    """Names of the user inputs in export's order: ``args[i]`` then keyword names."""
+    return [
+        path
+        for path, leaf in _leaves_by_path(args, kwargs)
+        if isinstance(leaf, torch.Tensor) or leaf is None or isinstance(leaf, (int, float, bool))
+    ]
 
 
 def capture_difference(cap: Captured, model: nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -419,11 +427,7 @@ def capture_difference(cap: Captured, model: nn.Module, args: tuple, kwargs: dic
     if len(firsts) != len(fqns):
         extra = sorted(set(fqns) - {fqn for fqn, _ in model.named_parameters()})
         return f"the capture has parameters the model lacks: {extra[:3]}"
-    values: dict[str, Any] = {}
-    for prefix, tree in (("args", args), ("", kwargs)):
-        for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
-            key = pytree.keystr(path)
-            values[f"args{key}" if prefix else key.strip("[]'\"")] = leaf
+    values = dict(_leaves_by_path(args, kwargs))
     for ph, path in cap.inputs.items():
         if path not in values:
             return f"input {path!r} of the capture is not among these inputs ({', '.join(values) or 'none'})"

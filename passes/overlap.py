@@ -290,16 +290,18 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     reproduces it in plain torch, with no autopar (torch 2.13, 4 processes on the 2-core
     development machine): 8 functional ``all_gather_into_tensor`` of a layer's shards in flight on
     one group aborted 7 of 32 runs, one at a time 0 of 4. So CPU processes gather each parameter
-    where it is used. The same 8 gathers did not abort through ``dist.all_gather_into_tensor(
-    async_op=True)`` (0 of 28; at 7 in 32, 0 of 28 has a chance of 0.001) nor each in flight on a
-    group of its own (0 of 18; chance 0.01): the fault is the functional collectives' with several
-    in flight on one gloo group, and either way round it is the workaround to build. ``examples/stress_zero3_prefetch.py`` (two ZeRO-3 GPTs on 4 processes, this
-    pass forced on) aborted 2 of 6 runs at 5026f82, after 0 of 42 in earlier sessions under
-    heavier load: the rate depends on the machine's timing. The per-rank programs were checked
-    for the usual causes and have none: every collective's output is referenced until its wait
-    and every issue has its wait in the same program, its input is a view of a parameter shard
-    (alive), and there is no in-place op. ``tests/test_zero3_prefetch_stress.py``
-    (``AUTOPAR_STRESS=1``) is the check to run before turning it on here."""
+    where it is used. The same 8 gathers did not abort through
+    ``dist.all_gather_into_tensor(async_op=True)`` (0 of 28; at 7 in 32, 0 of 28 has a chance of
+    0.001) nor each in flight on a group of its own (0 of 18; chance 0.01): the fault is the
+    functional collectives' with several in flight on one gloo group, and either way round it is
+    the workaround to build. ``examples/stress_zero3_prefetch.py`` (two ZeRO-3 GPTs on 4
+    processes, this pass forced on) aborted 2 of 6 runs at 5026f82, after 0 of 42 in earlier
+    sessions: the rate depends on the machine's timing, for reasons not known. The per-rank
+    programs were checked for the usual causes and have none: every collective's output is
+    referenced until its wait and every issue has its wait in the same program, its input is a
+    view of a parameter shard (alive), and there is no in-place op.
+    ``tests/test_zero3_prefetch_stress.py`` (``AUTOPAR_STRESS=1``) is the check to run before
+    turning it on here."""
     cluster = getattr(ctx, "cluster", None)
     if cluster is not None and cluster.backend == "gloo":
         log.info(
