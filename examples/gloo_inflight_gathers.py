@@ -6,6 +6,7 @@ programs (this script has none).
 
     python examples/gloo_inflight_gathers.py --runs 10                 # 8 functional gathers in flight
     python examples/gloo_inflight_gathers.py --runs 10 --inflight 1    # one at a time: the control
+    python examples/gloo_inflight_gathers.py --runs 10 --mode out      # the functional op's out= form
     python examples/gloo_inflight_gathers.py --runs 10 --mode async_op # dist.all_gather_into_tensor(async_op=True)
     python examples/gloo_inflight_gathers.py --runs 10 --mode lanes    # each gather in flight on its own group
 
@@ -13,7 +14,25 @@ One trial: 4 gloo processes on one group, ``--steps`` times: issue ``--inflight`
 ``all_gather_into_tensor`` of the shards of a transformer layer's weights (shapes of a 64-wide GPT
 layer over 4 ranks) with a small matmul between issues, then wait for them in issue order. Each
 trial is a fresh child process; its verdict (ok, or the heap message) and the tally are printed.
-Measured on the 2-core development machine (torch 2.13, gloo): see ``prefetch_params``' docstring.
+
+Which path aborts. ``_c10d_functional.all_gather_into_tensor`` reaches gloo as
+``allgather_into_tensor_coalesced`` (gloo's ``AsyncAllgatherCoalescedWork``, which allocates a flat
+output and copies out of it on gloo's worker thread); its ``out=`` form and
+``dist.all_gather_into_tensor`` reach it as ``_allgather_base`` (``AsyncAllgatherWork``). Measured
+on the 2-core development machine (torch 2.13, gloo, 400 steps, 4 processes):
+
+=====================================================  ====  ============================
+what is in flight                                      runs  aborted
+=====================================================  ====  ============================
+8 functional gathers on one group                      47    11 (heap message or SIGSEGV)
+1 functional gather at a time                          4     0
+8 through the functional op's ``out=`` form            30    0
+8 through ``dist.all_gather_into_tensor(async_op=1)``  28    0
+8 functional gathers, each on a group of its own       18    0
+=====================================================  ====  ============================
+
+``passes.gather_buffers`` is the workaround autopar builds from this: on gloo every gather is
+issued in the ``out=`` form.
 """
 
 from __future__ import annotations
@@ -50,12 +69,14 @@ def trial(rank: int, inflight: int, steps: int, port: int, mode: str) -> None:
             p = shards[i % len(shards)].reshape(-1)
             if mode in ("functional", "lanes"):  # "lanes": each gather in flight on a group of its own
                 pending.append(fc.all_gather_into_tensor(p, 4, lanes[i % len(lanes)].group_name))
+            elif mode == "out":  # the functional op's out= form: ProcessGroupGloo::_allgather_base
+                pending.append(fc.all_gather_into_tensor_out(p, 4, group.group_name, out=torch.empty(4 * p.numel())))
             else:
                 out = torch.empty(4 * p.numel())
                 pending.append((out, dist.all_gather_into_tensor(out, p, group=group, async_op=True)))
             x = torch.tanh(x @ torch.randn(64, 64) * 0.1)  # compute between issues
         for t in pending:
-            if mode in ("functional", "lanes"):
+            if mode in ("functional", "lanes", "out"):
                 w = fc.wait_tensor(t)
             else:
                 t[1].wait()
@@ -69,7 +90,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--inflight", type=int, default=8)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--mode", choices=("functional", "async_op", "lanes"), default="functional")
+    ap.add_argument("--mode", choices=("functional", "out", "async_op", "lanes"), default="functional")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # the port of one trial
     args = ap.parse_args()
     if args.child:

@@ -1,14 +1,16 @@
 """Stress run for issue 22 item 1: two successive ZeRO-3 modules on 4 gloo processes with the
-ZeRO-3 prefetch pass (``passes.overlap.prefetch_params``) forced on, repeated to get a crash rate.
+ZeRO-3 prefetch pass (``passes.overlap.prefetch_params``) on, repeated to get a crash rate.
 
-    python examples/stress_zero3_prefetch.py --runs 20              # each run a fresh set of processes
+    python examples/stress_zero3_prefetch.py --runs 50              # each run a fresh set of processes
     python examples/stress_zero3_prefetch.py --runs 5 --no-prefetch # the same without the pass
+    python examples/stress_zero3_prefetch.py --runs 10 --coalesced  # without the workaround: aborts
     python examples/stress_zero3_prefetch.py --layers 4 --hidden 256 --seq 64   # bench_overlap's GPT
     python examples/stress_zero3_prefetch.py --like-bench --layers 4 --hidden 256 --seq 64 --steps 23
 
-``prefetch_params`` is skipped on gloo (it was seen to die of ``malloc(): unaligned tcache chunk
-detected`` about one run in four); here it is forced on by running it with the cluster hidden from
-it. Every run is a child process (``MALLOC_CHECK_=3``, ``PYTHONFAULTHANDLER=1``, a timeout), so a
+With a layer's gathers in flight at once, torch's gloo backend corrupts the heap now and then
+(``malloc(): unaligned tcache chunk detected``) through the functional all-gather's own path;
+``gather_into_buffers`` (``passes.gather_buffers``) rewrites every gather on gloo onto the path
+that does not. ``--coalesced`` turns that pass off, to see the fault. Every run is a child process (``MALLOC_CHECK_=3``, ``PYTHONFAULTHANDLER=1``, a timeout), so a
 heap abort in any rank shows as that run failing with its message; the tally is printed at the end.
 One run: plan FSDP for 4 processes, every rank builds two modules from the plan and trains both,
 in turn, ``--steps`` steps each. ``--like-bench`` is the run the abort was first seen in,
@@ -30,31 +32,6 @@ from typing import Any
 import torch
 
 
-def force_prefetch() -> None:
-    """Make this process's per-rank compiler run ``prefetch_params`` on gloo too (its entry of
-    ``autopar.passes.rank_compiler.RANK_COMPILER``, the list ``parallelize`` compiles with)."""
-    import dataclasses
-
-    import autopar.passes.overlap as ov
-    import autopar.passes.rank_compiler as rc
-
-    original = ov.prefetch_params
-
-    class _NoCluster:
-        def __init__(self, ctx: Any) -> None:
-            self._ctx = ctx
-
-        def __getattr__(self, name: str) -> Any:
-            return None if name == "cluster" else getattr(self._ctx, name)
-
-    def prefetch_params(gm, ctx):  # same name: PlanConfig.disable still finds it
-        return original(gm, _NoCluster(ctx))
-
-    rc.RANK_COMPILER = tuple(
-        dataclasses.replace(p, run=prefetch_params) if p.run is original else p for p in rc.RANK_COMPILER
-    )
-
-
 def model(layers: int, hidden: int, seq: int, batch: int = 8, seed: int = 0) -> tuple[Any, tuple]:
     from autopar.models import GPT, GPTConfig
 
@@ -69,7 +46,14 @@ OVERLAP_PASSES = ("bucket_gradients", "prefetch_params", "sink_waits")
 
 
 def worker(
-    rank: int, world: int, plan_json: str, shape: tuple, steps: int, prefetch: bool, like_bench: bool = False
+    rank: int,
+    world: int,
+    plan_json: str,
+    shape: tuple,
+    steps: int,
+    prefetch: bool,
+    like_bench: bool = False,
+    coalesced: bool = False,
 ) -> list[float]:
     """Two ZeRO-3 modules from one plan, trained in turn; returns the losses."""
     import warnings
@@ -77,14 +61,13 @@ def worker(
     import autopar
 
     warnings.simplefilter("ignore")
-    if prefetch:
-        force_prefetch()
+    off = ("prefetch_params",) * (not prefetch) + ("gather_into_buffers",) * coalesced
     plan = autopar.Plan.from_dict(json.loads(plan_json))
     cluster = autopar.Cluster.local(world)
     mods = []
     for i in range(2):
         m, inputs = model(*shape)
-        disable = OVERLAP_PASSES if like_bench and i == 1 else ()
+        disable = tuple({*off, *(OVERLAP_PASSES if like_bench and i == 1 else ())})
         pm = autopar.parallelize(m, cluster, inputs, plan=plan, disable=disable)
         if like_bench:
             pm.step.enable_timing()
@@ -103,14 +86,16 @@ def worker(
 
 
 def one_run(
-    world: int, shape: tuple, steps: int, prefetch: bool, like_bench: bool = False
+    world: int, shape: tuple, steps: int, prefetch: bool, like_bench: bool = False, coalesced: bool = False
 ) -> list[list[float]]:
     import autopar
     from autopar.runtime.launch import spawn
 
     m, inputs = model(*shape)
     plan = autopar.layouts.fsdp(m, inputs, autopar.Cluster.local(world))
-    return spawn(worker, world, json.dumps(plan.to_dict()), shape, steps, prefetch, like_bench, timeout=600)
+    return spawn(
+        worker, world, json.dumps(plan.to_dict()), shape, steps, prefetch, like_bench, coalesced, timeout=600
+    )
 
 
 _HEAP = re.compile(
@@ -128,12 +113,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument(
+        "--coalesced",
+        action="store_true",
+        help="gathers on the functional op's own path (the workaround off)",
+    )
     ap.add_argument("--like-bench", action="store_true", help="the second module without the overlap passes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = (args.layers, args.hidden, args.seq)
     if args.child:
-        res = one_run(args.world, shape, args.steps, not args.no_prefetch, args.like_bench)
+        res = one_run(args.world, shape, args.steps, not args.no_prefetch, args.like_bench, args.coalesced)
         print("OK", res[0][-2:], flush=True)
         return
     env = dict(os.environ, MALLOC_CHECK_="3", PYTHONFAULTHANDLER="1")
@@ -159,7 +149,8 @@ def main() -> None:
             timed_out += 1
             verdict = "timed out"
         print(f"run {i + 1}/{args.runs}: {verdict} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"prefetch {'off' if args.no_prefetch else 'on'}: {ok} ok, {crashed} failed, {timed_out} timed out")
+    how = f"prefetch {'off' if args.no_prefetch else 'on'}, gathers {'coalesced' if args.coalesced else 'into buffers'}"
+    print(f"{how}: {ok} ok, {crashed} failed, {timed_out} timed out")
 
 
 if __name__ == "__main__":

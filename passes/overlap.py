@@ -14,11 +14,14 @@ per-rank compiler, ``passes.rank_compiler``, runs it after tracing the step):
    Li et al., VLDB 2020).
 3. ``prefetch_params`` — each ZeRO-3 gather is issued while the previous gathered layer
    computes (one layer ahead), in forward and in backward (FSDP's prefetch), rather than just
-   before its first use (not on gloo: see the pass).
+   before its first use.
 4. ``sink_waits`` — every collective is issued as early as its input allows (except parameter
    gathers, which ``prefetch_params`` places to bound memory) and waited for as late as its first
    use allows (lightning-thunder's ``sort_waits``), so communication overlaps whatever compute
    lies between.
+5. ``gather_into_buffers`` (``passes.gather_buffers``) — on gloo only, every all-gather writes
+   into a buffer the program allocates (the functional op's ``out=`` form), the workaround for a
+   heap fault of torch's gloo backend with several gathers in flight on one group.
 
 Words: a collective is an *issue* node (``_c10d_functional.all_reduce`` …) and a *wait* node
 (``wait_tensor``); the issue starts the transfer and returns at once, the wait blocks until it is
@@ -37,6 +40,7 @@ from torch.fx import GraphModule, Node
 from autopar.graph import OpFamily, op_family, op_info, outer_instance, output_node
 from autopar.ir import PHASE, RANK, Phase
 from autopar.passes import PassContext
+from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
 from autopar.program.records import FUNCTIONAL_COLLECTIVES
 
@@ -284,30 +288,11 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Issue each layer's ZeRO-3 gathers while the previous layer computes (see module
     docstring, 3): gathers are grouped by layer, and the groups ordered by first use.
 
-    Not on gloo (``ctx.cluster.backend``): several all-gathers in flight at once on one gloo
-    group corrupt the heap now and then (``malloc(): unaligned tcache chunk detected``), a fault
-    of torch's gloo backend, not of these programs — ``examples/gloo_inflight_gathers.py``
-    reproduces it in plain torch, with no autopar (torch 2.13, 4 processes on the 2-core
-    development machine): 8 functional ``all_gather_into_tensor`` of a layer's shards in flight on
-    one group aborted 7 of 32 runs, one at a time 0 of 4. So CPU processes gather each parameter
-    where it is used. The same 8 gathers did not abort through
-    ``dist.all_gather_into_tensor(async_op=True)`` (0 of 28; at 7 in 32, 0 of 28 has a chance of
-    0.001) nor each in flight on a group of its own (0 of 18; chance 0.01): the fault is the
-    functional collectives' with several in flight on one gloo group, and either way round it is
-    the workaround to build. ``examples/stress_zero3_prefetch.py`` (two ZeRO-3 GPTs on 4
-    processes, this pass forced on) aborted 2 of 6 runs at 5026f82, after 0 of 42 in earlier
-    sessions: the rate depends on the machine's timing, for reasons not known. The per-rank
-    programs were checked for the usual causes and have none: every collective's output is
-    referenced until its wait and every issue has its wait in the same program, its input is a
-    view of a parameter shard (alive), and there is no in-place op.
-    ``tests/test_zero3_prefetch_stress.py`` (``AUTOPAR_STRESS=1``) is the check to run before
-    turning it on here."""
-    cluster = getattr(ctx, "cluster", None)
-    if cluster is not None and cluster.backend == "gloo":
-        log.info(
-            "prefetch_params: skipped on gloo (concurrent parameter gathers on one group are unsafe there)"
-        )
-        return gm
+    On gloo too: a layer's gathers in flight at once hit a heap fault of torch's gloo backend
+    through the functional op's own path, which ``gather_into_buffers`` (the last pass of the list,
+    ``passes.gather_buffers``) avoids by rewriting every gather there. ``tests/test_zero3_prefetch_stress.py``
+    (``AUTOPAR_STRESS=1``) and ``examples/stress_zero3_prefetch.py`` are the stress runs that
+    would catch it coming back."""
     moved = 0
     src = _primal_sources(gm)
     for phase in (Phase.FWD, Phase.BWD):
@@ -398,5 +383,12 @@ def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-RANK_PASSES = (recompute_layers, regather_zero3_params, bucket_gradients, prefetch_params, sink_waits)
+RANK_PASSES = (
+    recompute_layers,
+    regather_zero3_params,
+    bucket_gradients,
+    prefetch_params,
+    sink_waits,
+    gather_into_buffers,
+)
 """The rank-program passes, in order (data: ``PlanConfig.disable`` turns any off by name)."""

@@ -22,7 +22,7 @@ and its time; at INFO its time — and timed in ``PassContext.timings``.
    Python), one warning says why and no step is built: the forward program runs under autograd.
 6. the rank-program passes over each joint program (``passes.overlap.RANK_PASSES``):
    ``recompute_layers`` (``passes.recompute``), ``regather_zero3_params``, ``bucket_gradients``,
-   ``prefetch_params``, ``sink_waits``.
+   ``prefetch_params``, ``sink_waits``, ``gather_into_buffers`` (``passes.gather_buffers``).
 7. ``split_step`` (required) — each joint program split into the programs the runtime runs: the
    step's forward and backward (``StepProgram``), or a stage's forward, input-gradient and
    weight-gradient programs (``StageStep``).

@@ -300,6 +300,27 @@ def regathered_params(pm: Any) -> int:
     return count
 
 
+def gathers_in_flight(pm: Any) -> tuple[int, int]:
+    """``(most all-gathers in flight at once in the step's forward program, gathers issued on the
+    functional op's coalesced path)``: the ZeRO-3 prefetch keeps a layer's gathers in flight
+    together; on gloo none may take the coalesced path (``passes.gather_buffers``)."""
+    if pm.step is None:
+        return 0, 0
+    fc = __import__("torch").ops._c10d_functional
+    flight: set[Any] = set()
+    most = coalesced = 0
+    for prog in (pm.step.forward, pm.step.backward):
+        for n in prog.graph.nodes:
+            coalesced += n.target is fc.all_gather_into_tensor.default
+            if n.op == "call_function" and "all_gather_into_tensor" in str(n.target):
+                flight.add(n)
+            elif n.target is fc.wait_tensor.default:
+                flight.discard(n.args[0])
+            if prog is pm.step.forward:
+                most = max(most, len(flight))
+    return most, coalesced
+
+
 def count_calls(calls: list, kind: str, direction: str, numel: int | None = None) -> int:
     """How many of a ``CollectiveLog``'s calls are ``kind`` in ``direction`` (of ``numel`` elements)."""
     return sum(1 for k, d, n in calls if k == kind and d == direction and (numel is None or n == numel))

@@ -14,6 +14,7 @@ import torch
 
 from autopar.config import PlanConfig
 from autopar.passes import PassContext
+from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.joint import PHASE, RANK, Phase, PrimalInfo, RankInfo, partition, trace_joint
 from autopar.passes.overlap import bucket_gradients, prefetch_params, regather_zero3_params, sink_waits
 from autopar.program.records import FUNCTIONAL_COLLECTIVES
@@ -241,6 +242,50 @@ def test_prefetch_issues_each_zero3_gather_while_the_previous_layer_computes():
     on, off = layout(True), layout(False)
     assert on[Phase.FWD] == [True, True] and on[Phase.BWD] == [True]
     assert off[Phase.FWD] == [False, False] and off[Phase.BWD] == [False]
+
+
+def test_gather_into_buffers_moves_every_gather_onto_the_out_path_on_gloo_only():
+    """On gloo each all-gather issue becomes a buffer of the gathered shape and the functional op's
+    ``out=`` form into it (``ProcessGroupGloo::_allgather_base``, not the coalesced path that
+    corrupts the heap with several in flight), in the same place: the prefetched order and every
+    wait are kept. On NCCL the program is left as it is."""
+    from autopar.cluster import Cluster
+
+    shards = [torch.randn(4, 8) for _ in range(3)]
+    kinds = [PrimalInfo("param", f"w{i}", zero_stage=3) for i in range(3)]
+
+    def program(backend: str):
+        jp = _joint(zero3_program, shards, torch.randn(4, 8), kinds)
+        gm = jp.gm
+        for p in (regather_zero3_params, prefetch_params, sink_waits):
+            gm = p(gm, _ctx())
+        ctx = _ctx()
+        ctx.cluster = Cluster.local(2) if backend == "gloo" else Cluster.preset("H100-SXM")
+        before = [(n.meta.get(PHASE), n.args[0].name) for n in _collectives(gm) if "gather" in str(n.target)]
+        return before, gather_into_buffers(gm, ctx)
+
+    before, gm = program("gloo")
+    nodes = list(gm.graph.nodes)
+    gathers = [n for n in _collectives(gm) if "gather" in str(n.target)]
+    assert len(before) == 5  # three in forward, two regathered in backward
+    assert [(n.meta.get(PHASE), n.args[0].name) for n in gathers] == before
+    for g in gathers:
+        assert g.target is fc.all_gather_into_tensor_out.default
+        buf = g.kwargs["out"]
+        assert buf.target is torch.ops.aten.new_empty.default and buf.args[0] is g.args[0]
+        assert tuple(buf.args[1]) == (8, 8) == tuple(g.meta["val"].shape)
+        assert nodes.index(buf) < nodes.index(g)
+        (w,) = g.users
+        assert w.target is fc.wait_tensor.default
+    # still prefetched: the second gather of forward is issued before the first one's value is used
+    fwd = [g for g in gathers if g.meta.get(PHASE) == Phase.FWD]
+    first_use = min(nodes.index(u) for u in next(iter(fwd[0].users)).users)
+    assert nodes.index(fwd[1]) < first_use
+
+    before, gm = program("nccl")
+    assert all(
+        n.target is fc.all_gather_into_tensor.default for n in _collectives(gm) if "gather" in str(n.target)
+    )
 
 
 def test_passes_can_be_turned_off_by_name():

@@ -46,6 +46,7 @@ _fc = torch.ops._c10d_functional
 FUNCTIONAL_COLLECTIVES = {
     _fc.all_reduce.default: "all_reduce",
     _fc.all_gather_into_tensor.default: "all_gather",
+    _fc.all_gather_into_tensor_out.default: "all_gather",
     _fc.reduce_scatter_tensor.default: "reduce_scatter",
     _fc.all_to_all_single.default: "all_to_all",
 }
