@@ -219,7 +219,7 @@ class Audit:
         if self.mfu is not None:
             parts.append(
                 f"MFU {self.mfu * 100:.1f} % ({_fmt_flops(self.model_flops)} per step on "
-                f"{self.devices} × {self.peak_flops / 1e12:.0f} TFLOP/s)"
+                f"{self.devices} × {_fmt_flops(self.peak_flops)}/s)"
             )
         if self.replicated:
             parts.append(
@@ -341,7 +341,7 @@ def audit(plan: Plan) -> Audit:
                 "error",
                 "utilization",
                 f"predicted MFU {mfu * 100:.0f} % of the devices' peak ({_fmt_flops(flops)} in "
-                f"{step * 1e3:.3g} ms on {devices} × {peak / 1e12:.0f} TFLOP/s): above what a device reaches "
+                f"{step * 1e3:.3g} ms on {devices} × {_fmt_flops(peak)}/s): above what a device reaches "
                 f"({MFU_ERROR * 100:.0f} %), so the prediction is a bug, not a result",
                 mfu,
             )

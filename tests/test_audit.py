@@ -249,6 +249,15 @@ def test_megatron_with_sequence_parallelism_is_clean_and_without_it_norms_repeat
     assert [op for op, _ in tp.ops[:2]] == ["blocks.*.ln_1: layer_norm", "blocks.*.ln_2: layer_norm"]
 
 
+def test_every_layout_carries_its_audit(gpt_batch):
+    """``layouts.fsdp`` is audited as ``layouts.megatron`` and ``autopar.plan`` are (it was not)."""
+    plan = autopar.layouts.fsdp(*gpt_batch, A100, float32_matmul_precision="high")
+    stored = plan.info["audit"]
+    assert stored is not None and Audit.from_dict(stored) == audit(plan)
+    assert [r.size for r in Audit.from_dict(stored).replicated] == [8]
+    assert "audit: MFU" in str(plan) and "TFLOP/s" in str(plan)
+
+
 def _replicate_over(plan: Plan, axis: int, names: set[str]) -> Plan:
     """``plan`` with the nodes ``names`` run whole on every device of ``axis``."""
 

@@ -40,6 +40,7 @@ from autopar.rules.routing import grouped_mm_operands
 __all__ = ["fsdp", "megatron", "megatron_mesh", "megatron_pipelined", "megatron_static_bytes"]
 
 
+@audited
 def fsdp(
     model: nn.Module,
     example_inputs: Any,
