@@ -249,12 +249,20 @@ def test_megatron_with_sequence_parallelism_is_clean_and_without_it_norms_repeat
     assert [op for op, _ in tp.ops[:2]] == ["blocks.*.ln_1: layer_norm", "blocks.*.ln_2: layer_norm"]
 
 
-def test_every_layout_carries_its_audit(gpt_batch):
-    """``layouts.fsdp`` is audited as ``layouts.megatron`` and ``autopar.plan`` are (it was not)."""
-    plan = autopar.layouts.fsdp(*gpt_batch, A100, float32_matmul_precision="high")
+def test_fsdp_is_audited_and_splits_the_work_with_every_gathered_weight(gpt_batch):
+    """``layouts.fsdp`` is audited as ``layouts.megatron`` and ``autopar.plan`` are (it was not), and
+    it is FSDP: the batch split over every device, nothing of the step repeated. Before, on this
+    small model, the solver gathered the batch and repeated the whole step on each device (cheaper,
+    it priced, than reducing the gradients): an axis that split nothing ("rep", 100 % repeated)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.layouts.fsdp(*gpt_batch, A100, float32_matmul_precision="high")
+    assert not [w for w in caught if issubclass(w.category, AuditWarning)]
     stored = plan.info["audit"]
     assert stored is not None and Audit.from_dict(stored) == audit(plan)
-    assert [r.size for r in Audit.from_dict(stored).replicated] == [8]
+    (dp,) = Audit.from_dict(stored).replicated
+    assert (dp.axis, dp.size) == ("dp", 8) and dp.share <= REPLICATED_WARN
+    assert set(plan.zero_stages().values()) == {3}
     assert "audit: MFU" in str(plan) and "TFLOP/s" in str(plan)
 
 

@@ -71,10 +71,31 @@ def fsdp(
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % world == 0:
             fixed[cap.inputs[n.name]] = ("S(0)",)
 
+    batched: set[Node] = set(cap.user_input_nodes())  # values computed from the batch
+    for n in cap.gm.graph.nodes:
+        if any(i in batched for i in n.all_input_nodes):
+            batched.add(n)
+
     def gathered_for_use(node: Node, s: Strategy) -> bool:
-        return node.op != "call_function" or all(
-            spec is None or i.meta[TENSOR].kind != "param" or all(isinstance(p, Replicate) for p in spec)
-            for i, spec in zip(tensor_inputs(node), s.inputs)
+        """Every parameter read whole, and the work done with it split over the devices: an op
+        reading a parameter and a value computed from the batch reads that value sharded (else
+        gathering the batch and repeating the whole step on every device could price lower than
+        reducing the gradients, on a small model, and the layout would not be FSDP)."""
+        if node.op != "call_function":
+            return True
+        reads_param = False
+        batch_specs = []
+        for i, spec in zip(tensor_inputs(node), s.inputs):
+            if spec is None:
+                continue
+            if i.meta[TENSOR].kind == "param":
+                if not all(isinstance(p, Replicate) for p in spec):
+                    return False
+                reads_param = True
+            elif i in batched:
+                batch_specs.append(spec)
+        return not (reads_param and batch_specs) or any(
+            isinstance(p, Shard) for sp in batch_specs for p in sp
         )
 
     config = PlanConfig.build(config, **options)
