@@ -70,7 +70,9 @@ def trial(rank: int, inflight: int, steps: int, port: int, mode: str) -> None:
             if mode in ("functional", "lanes"):  # "lanes": each gather in flight on a group of its own
                 pending.append(fc.all_gather_into_tensor(p, 4, lanes[i % len(lanes)].group_name))
             elif mode == "out":  # the functional op's out= form: ProcessGroupGloo::_allgather_base
-                pending.append(fc.all_gather_into_tensor_out(p, 4, group.group_name, out=torch.empty(4 * p.numel())))
+                pending.append(
+                    fc.all_gather_into_tensor_out(p, 4, group.group_name, out=torch.empty(4 * p.numel()))
+                )
             else:
                 out = torch.empty(4 * p.numel())
                 pending.append((out, dist.all_gather_into_tensor(out, p, group=group, async_op=True)))
