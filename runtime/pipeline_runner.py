@@ -325,7 +325,12 @@ class PipelineRunner:
         """One training step's loss (see module docstring)."""
         grad = torch.is_grad_enabled()
         try:
-            (loss,) = self.run(primals, grad)
+            # The stage programs are the forward and backward already differentiated: autograd
+            # records nothing of them (it would keep every micro-batch's graph alive, and the
+            # collectives' out= forms refuse views made under no_grad); ``_Loss`` joins the step
+            # to the caller's autograd.
+            with torch.no_grad():
+                (loss,) = self.run(primals, grad)
         except Exception as exc:  # noted and released for the other ranks (autopar.runtime.monitor)
             err = self.monitor.step_failed(exc, "the pipeline schedule") if self.monitor is not None else None
             if err is None:
