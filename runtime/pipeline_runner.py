@@ -327,8 +327,9 @@ class PipelineRunner:
         try:
             # The stage programs are the forward and backward already differentiated: autograd
             # records nothing of them (it would keep every micro-batch's graph alive, and the
-            # collectives' out= forms refuse views made under no_grad); ``_Loss`` joins the step
-            # to the caller's autograd.
+            # all-gather's out= form, ``passes.gather_buffers``, refuses under grad mode an input
+            # that requires grad, a parameter's shard); ``_Loss`` joins the step to the caller's
+            # autograd.
             with torch.no_grad():
                 (loss,) = self.run(primals, grad)
         except Exception as exc:  # noted and released for the other ranks (autopar.runtime.monitor)
