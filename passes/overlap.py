@@ -125,11 +125,12 @@ def regather_zero3_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if not any(is_issue(n) for n in chain):
             continue  # used where it lies: nothing gathered, nothing to free
         copied += recompute_in_backward(gm, chain)
-    if copied:
-        log.info(
-            "regather_zero3_params: %d nodes recomputed in backward (the gathered weights are not saved)",
-            copied,
-        )
+    if not copied:
+        return gm  # nothing moved: the program's code stands (a recompile costs tens of ms)
+    log.info(
+        "regather_zero3_params: %d nodes recomputed in backward (the gathered weights are not saved)",
+        copied,
+    )
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -309,8 +310,9 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 order = {n: i for i, n in enumerate(gm.graph.nodes)}
                 if order[g] > order[target]:
                     moved += _hoist(g, target, order)
-    if moved:
-        log.info("prefetch_params: %d nodes moved to gather each layer's parameters one layer ahead", moved)
+    if not moved:
+        return gm  # nothing moved: the program's code stands
+    log.info("prefetch_params: %d nodes moved to gather each layer's parameters one layer ahead", moved)
     gm.graph.lint()
     gm.recompile()
     return gm
