@@ -79,7 +79,7 @@ def test_saved_plan_trains_in_processes_without_ortools(
         "PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     )
 
-    results = spawn(saved_plan_worker, WORLD, str(path), timeout=120)
+    results = spawn(saved_plan_worker, WORLD, str(path), timeout=120, fresh=True)  # reads PYTHONPATH
 
     ref_losses, ref_state = H.reference(KIND, "sgd", steps=2)
     for rank, res in enumerate(results):
