@@ -119,7 +119,7 @@ def _worker(
     os.environ.clear()
     os.environ.update(env)
     for target, fd in zip((1, 2), std):  # and its standard output and error (``_standard_fds``)
-        if fd is None:
+        if fd is None or fd == target:  # spawn passes a descriptor under its own number
             continue
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

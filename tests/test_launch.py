@@ -41,7 +41,7 @@ def _sitecustomize_worker(rank: int, world: int) -> bool:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_fresh_ranks_start_new_interpreters(tmp_path, monkeypatch) -> None:
+def test_fresh_ranks_start_new_interpreters(tmp_path, monkeypatch, capfd) -> None:
     assert spawn(_sitecustomize_worker, 1, timeout=60) == [False]  # the server exists before the setting
     site = tmp_path / "site"
     site.mkdir()
@@ -51,3 +51,13 @@ def test_fresh_ranks_start_new_interpreters(tmp_path, monkeypatch) -> None:
     )
     assert spawn(_sitecustomize_worker, 2, timeout=100, fresh=True) == [True, True]
     assert spawn(_sitecustomize_worker, 2, timeout=60) == [False, False]  # forked: no interpreter start
+    capfd.readouterr()
+    monkeypatch.setenv("AUTOPAR_TEST_LAUNCH", "fresh")
+    assert [r["value"] for r in spawn(_env_worker, 2, "AUTOPAR_TEST_LAUNCH", timeout=100, fresh=True)] == [
+        "fresh"
+    ] * 2
+    out, err = capfd.readouterr()
+    assert "rank 1 writes to the parent's stdout" in out and "rank 1 writes to the parent's stderr" in err, (
+        out,
+        err,
+    )
