@@ -76,6 +76,18 @@ def _is_float_tensor(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
+@torch.library.custom_op("autopar::tangent_of", mutates_args=())
+def tangent_of(output: torch.Tensor) -> torch.Tensor:
+    """A stand-in, while ``trace_joint`` traces, for the tangent arriving for ``output`` (a value
+    like it); ``trace_joint`` turns each call into a tangent placeholder, so no program runs it."""
+    return torch.empty_like(output)
+
+
+@tangent_of.register_fake
+def _(output: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(output)
+
+
 def trace_joint(
     program: GraphModule, primals: Sequence[torch.Tensor | object], grad_primals: Sequence[int]
 ) -> JointProgram:
@@ -84,39 +96,20 @@ def trace_joint(
     ``primals`` are example values of the program's inputs (real or fake; only shapes, dtypes and
     devices are read); ``grad_primals`` the indices of those that get gradients (trainable
     parameters). Tracing uses fake tensors: no collective runs and no memory is allocated.
+
+    One trace: which outputs carry a gradient, and so take a tangent, is read while tracing (an
+    output that requires grad); each tangent is traced as ``tangent_of(output)`` and becomes a
+    placeholder after the primals' (``_tangent_placeholders``), as if it had been an input.
     """
     import torch.fx.traceback as fx_traceback
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    grad_set = set(grad_primals)
-    # 1. Which outputs carry a gradient: a forward run on fake tensors.
-    # A shape environment lets data-dependent sizes (the rows a MoE dispatch receives) trace as
-    # unbacked symbolic sizes instead of failing; the inputs' own shapes stay static.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
-    with mode:
-        fake = [
-            mode.from_tensor(p).requires_grad_(i in grad_set) if isinstance(p, torch.Tensor) else p
-            for i, p in enumerate(primals)
-        ]
-        with torch.enable_grad():
-            outs = program(*fake)
-    flat_outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    tangent_outputs = tuple(
-        i
-        for i, o in enumerate(flat_outs)
-        if _is_float_tensor(o) and o.requires_grad and o.grad_fn is not None
-    )
-    tangent_examples = [
-        torch.zeros(tuple(flat_outs[i].shape), dtype=flat_outs[i].dtype, device=flat_outs[i].device)
-        for i in tangent_outputs
-    ]
     num_primals = len(primals)
     used: list[int] = []
+    traced: dict[str, object] = {}
 
     def joint(*args: object) -> tuple:
-        ps, ts = list(args[:num_primals]), args[num_primals:]
+        ps = list(args)
         for i in grad_primals:
             ps[i] = ps[i].detach().requires_grad_(True)
         with torch.enable_grad():
@@ -126,11 +119,14 @@ def trace_joint(
                 torch.fx.Interpreter(program).run(*ps) if isinstance(program, GraphModule) else program(*ps)
             )
         flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        diff = [flat[i] for i in tangent_outputs]
-        params = [ps[i] for i in grad_primals]
-        grads = (
-            torch.autograd.grad(diff, params, list(ts), allow_unused=True) if diff else [None] * len(params)
+        tangent_outputs = tuple(
+            i for i, o in enumerate(flat) if _is_float_tensor(o) and o.requires_grad and o.grad_fn is not None
         )
+        traced.update(num_outputs=len(flat), tangent_outputs=tangent_outputs)
+        diff = [flat[i] for i in tangent_outputs]
+        ts = [tangent_of(o.detach()) for o in diff]
+        params = [ps[i] for i in grad_primals]
+        grads = torch.autograd.grad(diff, params, ts, allow_unused=True) if diff else [None] * len(params)
         used.clear()
         used.extend(i for i, g in zip(grad_primals, grads) if g is not None)
         return (
@@ -138,19 +134,39 @@ def trace_joint(
             *[g for g in grads if g is not None],
         )
 
-    example = [p for p in primals] + tangent_examples
     with fx_traceback.preserve_node_meta():
-        gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+        gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*primals)
+    _tangent_placeholders(gm)
     _strip_detach_noise(gm)
     jp = JointProgram(
         gm=gm,
         num_primals=num_primals,
-        num_outputs=len(flat_outs),
+        num_outputs=traced["num_outputs"],  # type: ignore[arg-type]
         grad_primals=tuple(used),
-        tangent_outputs=tangent_outputs,
+        tangent_outputs=traced["tangent_outputs"],  # type: ignore[arg-type]
     )
     mark_phases(jp)
     return jp
+
+
+def _tangent_placeholders(gm: GraphModule) -> None:
+    """Each ``tangent_of`` node of a traced joint step becomes a placeholder, in order, after the
+    primals' placeholders (``trace_joint``)."""
+    marks = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.autopar.tangent_of.default
+    ]
+    anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for k, mark in enumerate(marks):
+        with gm.graph.inserting_after(anchor):
+            ph = gm.graph.placeholder(f"tangent_{k}")
+        for key in ("val", "tensor_meta"):
+            if key in mark.meta:
+                ph.meta[key] = mark.meta[key]
+        mark.replace_all_uses_with(ph)
+        gm.graph.erase_node(mark)
+        anchor = ph
 
 
 def _strip_detach_noise(gm: GraphModule) -> None:
