@@ -178,9 +178,14 @@ def rng_worker(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict
         model, inputs = build(kind)
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         plan = autopar.Plan.load(path)
+        cap = autopar.capture(model, inputs)  # every mode's module built from one export
         for mode in MODES:
             pm = autopar.parallelize(
-                model, autopar.Cluster.local(world), inputs, plan=dataclasses.replace(plan, recompute=mode)
+                model,
+                autopar.Cluster.local(world),
+                inputs,
+                plan=dataclasses.replace(plan, recompute=mode),
+                captured=cap,
             )
             pm.load_full_state_dict(initial)
             torch.manual_seed(1234 + rank)
