@@ -102,6 +102,7 @@ def trace_joint(
     placeholder after the primals' (``_tangent_placeholders``), as if it had been an input.
     """
     import torch.fx.traceback as fx_traceback
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
 
     num_primals = len(primals)
@@ -134,7 +135,10 @@ def trace_joint(
             *[g for g in grads if g is not None],
         )
 
-    with fx_traceback.preserve_node_meta():
+    # A lazy GraphModule (torch.fx's, as AOTAutograd makes them): the rank-program passes that
+    # rewrite it each call ``recompile()``, but its Python code is generated once, where it is
+    # first run or read (``gm.code``), not after every pass.
+    with fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
         gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*primals)
     _tangent_placeholders(gm)
     _strip_detach_noise(gm)
