@@ -79,13 +79,14 @@ def _is_float_tensor(x: object) -> bool:
 @torch.library.custom_op("autopar::tangent_of", mutates_args=())
 def tangent_of(output: torch.Tensor) -> torch.Tensor:
     """A stand-in, while ``trace_joint`` traces, for the tangent arriving for ``output`` (a value
-    like it); ``trace_joint`` turns each call into a tangent placeholder, so no program runs it."""
-    return torch.empty_like(output)
+    like it, contiguous: the gradient a next pipeline stage sends, or autograd passes, is); ``trace_joint``
+    turns each call into a tangent placeholder, so no program runs it."""
+    return torch.empty_like(output, memory_format=torch.contiguous_format)
 
 
 @tangent_of.register_fake
 def _(output: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(output)
+    return torch.empty_like(output, memory_format=torch.contiguous_format)
 
 
 def trace_joint(

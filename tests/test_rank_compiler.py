@@ -136,3 +136,31 @@ def test_uncounted_restores_each_axis():
         a.note("all_reduce", "fwd")
         assert not a.counting and not b.counting
     assert a.counting and not b.counting and not a.counts
+
+
+def _transposed_program(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = (x @ w).view(2, 4, 6)
+    return h.transpose(1, 2) * 2.0, (h * h).sum()  # a non-contiguous output, and a loss
+
+
+def test_the_traced_step_takes_contiguous_tangents_as_the_runtime_sends_them() -> None:
+    """A tangent is traced as the contiguous gradient a next pipeline stage sends, whatever the
+    output's strides: traced against the output's own strides, the backward kept a ``view`` a
+    contiguous gradient cannot take (a vision pipeline failed so)."""
+    from autopar.passes.joint import placeholders, trace_joint
+
+    w, x = torch.randn(5, 6), torch.randn(8, 5)
+    jp = trace_joint(_transposed_program, [w, x], [0])
+    assert jp.tangent_outputs == (0, 1) and jp.num_outputs == 2 and jp.grad_primals == (0,)
+    _, tangents = placeholders(jp)
+    assert [tuple(t.meta["val"].shape) for t in tangents] == [(2, 6, 4), ()]
+    assert all(t.meta["val"].is_contiguous() for t in tangents)
+    assert not any(n.target is torch.ops.autopar.tangent_of.default for n in jp.gm.graph.nodes)
+
+    g_out, g_loss = torch.randn(2, 6, 4), torch.tensor(0.5)
+    *outs, g_w = jp.gm(w, x, g_out, g_loss)
+    wr = w.clone().requires_grad_(True)
+    out, loss = _transposed_program(wr, x)
+    (ref,) = torch.autograd.grad([out, loss], [wr], [g_out, g_loss])
+    torch.testing.assert_close(outs[0], out.detach())
+    torch.testing.assert_close(g_w, ref)
