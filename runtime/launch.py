@@ -16,7 +16,8 @@ model code — before any rank exists, then forks each rank from that state. A r
 well under a second instead of importing those libraries again (4 s for torch, 5 s more for
 ``transformers.modeling_utils`` on a 2-core machine), and the parent's own state (threads,
 process groups, open files) is never forked. What is preloaded is fixed when the fork server
-starts: the parent's first ``spawn``.
+starts, at the parent's first ``spawn``, and so is what those modules read from the environment
+as they are imported; what a rank reads later sees the parent's environment at the call.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def _received_fd(dup: Any) -> int:
 def _standard_fds() -> tuple[_ParentFd | None, ...]:
     """The parent's standard output and error as they are now (a test capturing them, a file the
     caller redirected to): the ranks write there, as spawned processes would. ``None`` for one the
-    parent has closed."""
+    parent has closed; both ``None`` on Windows, where ranks are spawned and inherit them."""
+    if sys.platform == "win32":
+        return (None, None)
     out = []
     for fd in (1, 2):
         try:
@@ -197,8 +200,9 @@ def spawn(
     default process group waits for its peers. ``settle``: seconds to keep collecting the other
     ranks' errors after the first failure (they name its cause). ``fresh=True``: every rank starts
     a new interpreter (``spawn``) instead of forking from the preloaded server, so what only
-    interpreter start reads — ``PYTHONPATH``, ``sitecustomize`` — applies as it is now. Raises ``RuntimeError`` naming
-    the rank that died or failed (see module docstring), or ``TimeoutError`` after ``timeout``.
+    interpreter start reads (``PYTHONPATH``, ``sitecustomize``) applies as it is now. Raises
+    ``RuntimeError`` naming the rank that died or failed (see module docstring), or
+    ``TimeoutError`` after ``timeout``.
     """
     ctx = _context(fresh)
     q = ctx.Queue()
