@@ -72,6 +72,10 @@ class Rewrite(str, enum.Enum):
     devices of their tokens after (all-to-all)."""
     EXPERT_DISPATCH_COMBINE = "expert_dispatch_combine"
     """Dispatch, the grouped matmul over this device's experts, and combine."""
+    CAUSAL_QUERIES = "causal_queries"
+    """Causal attention over this device's share of the queries, keys and values whole (context
+    parallelism's all-gather form): the mask is aligned to the queries' global positions, and
+    keys after the last of them are not read."""
 
     def __str__(self) -> str:
         return self.value

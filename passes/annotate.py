@@ -449,6 +449,7 @@ def node_kernels(
     fused: bool = False,
     tf32: bool = False,
     compiled: bool = False,
+    causal: bool | None = None,
 ) -> OpKernels:
     """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
     global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
@@ -456,7 +457,9 @@ def node_kernels(
     its group's fused kernel (at the group's anchor) or nothing (``autopar.passes.fusion``).
     ``tf32``: float32 matmuls on TF32 tensor cores (``PlanConfig.matmul_tf32``). ``compiled``: a
     member of a chain (``autopar.passes.chains``) runs its share of the chain's generated kernel
-    (``autopar.cost.compiled``)."""
+    (``autopar.cost.compiled``). ``causal``: whether attention's kernel skips the causally masked
+    pairs, where the strategy decides it (``Rewrite.CAUSAL_QUERIES``: a dense mask; default the
+    op's own ``is_causal``)."""
     if node.op != "call_function":
         return OpKernels()
     if args is None:
@@ -475,7 +478,7 @@ def node_kernels(
         outs,
         requires_grad=grad_flows(node),
         alias=f.alias,
-        causal=f.causal,
+        causal=f.causal if causal is None else causal,
         masked=f.masked,
         groups=f.groups,
         grad_contributions=f.grad_contributions,

@@ -283,7 +283,9 @@ class _Lowerer:
                     reqs.add(grad_sync_axes(up.split, src))
                 if len(reqs) != 1 or None in reqs:
                     break
-                axes = reqs.pop()
+                # An axis of one device reduces nothing (``local_input`` leaves it out too: the
+                # two must name the same axes, or the consumer would sync the gradient again).
+                axes = tuple(a for a in reqs.pop() if self.mesh[a] > 1)
                 if axes:
                     self.bucketed_values.add((v, axes))
                     order.append((p.name, axes))
@@ -445,6 +447,30 @@ class _Lowerer:
         padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
         return self.g.call_function(O.vocab_parallel_embedding, (args[0], args[1], start, padding_idx))
 
+    def lower_causal_queries(
+        self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]
+    ) -> Node:
+        """Causal attention over this device's queries (``Rewrite.CAUSAL_QUERIES``): the global
+        positions of its query rows, read off the plan's spec for them, align the mask."""
+        q = node.args[0]
+        rank = q.meta["val"].dim()
+        pieces = shard_slices(
+            tuple(q.meta["val"].shape), parse_spec(p.inputs[ins.index(q)]), self.mesh, self.coord
+        )[rank - 2]
+        names = [a.name for a in node.target._schema.arguments]
+        given = dict(zip(names, args)) | kwargs
+        if given.get("attn_mask") is not None:
+            raise self.fail(node, "it is causal and has an explicit mask; SDPA itself refuses both")
+        return self.g.call_function(
+            O.causal_query_attention,
+            (given["query"], given["key"], given["value"], tuple(pieces)),
+            {
+                "dropout_p": given.get("dropout_p", 0.0),
+                "scale": given.get("scale"),
+                "enable_gqa": given.get("enable_gqa", False),
+            },
+        )
+
     def lower_loss(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         x = node.args[0]
         # A size-1 axis splits nothing: its rows or classes need no reduction.
@@ -491,6 +517,7 @@ LOCAL_OPS = {
     Rewrite.VOCAB_PARALLEL_EMBEDDING: _Lowerer.lower_embedding,
     Rewrite.LOSS_ROWS: _Lowerer.lower_loss,
     Rewrite.LOSS_CLASSES: _Lowerer.lower_loss,
+    Rewrite.CAUSAL_QUERIES: _Lowerer.lower_causal_queries,
 }
 """Each ``Rewrite`` and the method that emits its local op (``autopar.program.local_ops``)."""
 

@@ -193,7 +193,13 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     ]
     fused = fusion_assumed(ctx)
     compiled = compile_assumed(ctx)
-    ks = node_kernels(node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32, compiled=compiled)
+    # Causal attention over a share of the queries runs under a dense mask aligned to their
+    # positions (``autopar.program.local_ops.causal_query_attention``): the device holding the last
+    # queries attends to every key, none skipped.
+    dense = False if Rewrite.CAUSAL_QUERIES in s.rewrites else None
+    ks = node_kernels(
+        node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32, compiled=compiled, causal=dense
+    )
     dev = ctx.cluster.device
     fwd = sum(kernel_time(k, dev) for k in ks.fwd)
     bwd = sum(kernel_time(k, dev) for k in ks.bwd)

@@ -20,7 +20,7 @@ from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
 from autopar.cost.memory import StateBytes
-from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
+from autopar.graph import OpFamily, op_family, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import TENSOR, Strategy
 from autopar.layouts.roles import (
     expert_weights,
@@ -37,7 +37,18 @@ from autopar.planner import InfeasibleError, plan_captured
 from autopar.rules.moe_regions import moe_regions
 from autopar.rules.routing import grouped_mm_operands
 
-__all__ = ["fsdp", "megatron", "megatron_mesh", "megatron_pipelined", "megatron_static_bytes"]
+CP_COMM_TYPES = {None: "", "all_gather": "sequence", "a2a": "heads"}
+"""Megatron-Core's ``cp_comm_type`` values ``megatron`` expresses, and the dimension of the queries
+its attention splits along the context axis."""
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "fsdp",
+    "megatron",
+    "megatron_mesh",
+    "megatron_pipelined",
+    "megatron_static_bytes",
+]
 
 
 @audited
@@ -108,15 +119,18 @@ def fsdp(
     )
 
 
-def megatron_mesh(dp: int, tp: int, ep: int = 1) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, int]]:
+def megatron_mesh(
+    dp: int, tp: int, ep: int = 1, cp: int = 1
+) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, int]]:
     """``(mesh, axis names, {name: axis})`` of the Megatron layout with data-parallel size ``dp``,
-    tensor-parallel size ``tp`` and expert-parallel size ``ep`` (module docstring of ``megatron``):
-    ``(dp, tp)`` (``(tp,)`` when ``dp == 1``) or, with ``ep > 1``, ``(dp / ep, ep, tp)`` without
-    its axes of size 1."""
+    tensor-parallel size ``tp``, expert-parallel size ``ep`` and context-parallel size ``cp``
+    (module docstring of ``megatron``): ``(dp, cp, tp)`` or, with ``ep > 1``,
+    ``(dp / ep, ep, tp)``, without their axes of size 1 (``(tp,)`` when every other is 1) —
+    Megatron-Core's rank order, tensor ranks innermost, then context, then data."""
     if ep > 1:
         kept = [(name, n) for name, n in (("dp", dp // ep), ("ep", ep), ("tp", tp)) if n > 1]
     else:
-        kept = [("dp", dp), ("tp", tp)] if dp > 1 else [("tp", tp)]
+        kept = [(name, n) for name, n in (("dp", dp), ("cp", cp)) if n > 1] + [("tp", tp)]
     names = tuple(name for name, _ in kept)
     return tuple(n for _, n in kept), names, {name: a for a, name in enumerate(names)}
 
@@ -131,6 +145,8 @@ def megatron(
     sequence_parallel: bool = False,
     *,
     ep: int = 1,
+    cp: int = 1,
+    cp_comm_type: str | None = None,
     pp: int = 1,
     microbatches: int | None = None,
     schedule: str = "1f1b",
@@ -153,7 +169,19 @@ def megatron(
     split along ``tp`` (expert tensor parallel size 1, Megatron-Core's
     ``expert_tensor_parallel_size=1``; the regions' modes cannot split an expert's own matmuls,
     so ``etp = tp`` is not expressible): each ``tp`` rank runs whole experts on the tokens it
-    routes. The plan's axes are named ``dp``, ``ep``, ``tp`` after the layout.
+    routes. The plan's axes are named ``dp``, ``ep``, ``cp``, ``tp`` after the layout.
+
+    ``cp``: context parallelism (Megatron-Core's ``--context-parallel-size``), a ``cp`` axis
+    between ``dp`` and ``tp`` (``dp`` defaults to ``world / (tp · cp)``). Every batched input is
+    split along its dimension 1 — its sequence — over ``cp``, and every floating-point value
+    computed from the batch stays split there (none is computed whole on every context rank);
+    weights are whole along ``cp`` and their gradients reduced over it as over ``dp``. Attention
+    is the only op that needs other tokens: the solver picks, per layer, its all-gather form (the
+    keys and values gathered along ``cp``, each rank attending with its own queries) or its
+    all-to-all form (the sequence traded for heads, DeepSpeed Ulysses), whichever costs less
+    (``autopar.rules.attention``). ``cp_comm_type`` fixes the form as Megatron-Core's flag does:
+    ``"all_gather"`` or ``"a2a"`` (its ring form, ``"p2p"``, is not expressible yet). Not combined
+    with ``ep`` yet.
 
     ``distributed_optimizer``: Megatron-LM's ``--use-distributed-optimizer`` (docs
     ``api-guide/dist_optimizer``): every parameter's optimizer state is split over its
@@ -179,7 +207,7 @@ def megatron(
     """
     if pp > 1 or (microbatches or 1) > 1:
         ((_, _, got),) = megatron_pipelined(
-            model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, pp=pp,
+            model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, cp=cp, cp_comm_type=cp_comm_type, pp=pp,
             microbatches=microbatches or pp, schedules=[(schedule, virtual)],
             distributed_optimizer=distributed_optimizer, config=PlanConfig.build(config, **options),
             captured=captured,
@@ -188,12 +216,24 @@ def megatron(
             raise InfeasibleError(got)
         return got
     world = cluster.world_size
+    if cp < 1:
+        raise ValueError(f"cp={cp} must be a positive integer")
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(
+            f"cp_comm_type={cp_comm_type!r}: expected one of {sorted(k for k in CP_COMM_TYPES if k)} or None "
+            "(the solver picks per layer); Megatron-Core's ring form 'p2p' is not expressible yet"
+        )
+    if cp > 1 and ep > 1:
+        raise ValueError(
+            f"megatron(cp={cp}, ep={ep}): context and expert parallelism together are not expressible "
+            "yet; use one of them"
+        )
     if dp is None:
-        if world % tp:
-            raise ValueError(f"tp={tp} does not divide the world size {world}")
-        dp = world // tp
-    if dp * tp != world:
-        raise ValueError(f"tp({tp}) × dp({dp}) = {tp * dp} ≠ world size {world}")
+        if world % (tp * cp):
+            raise ValueError(f"tp({tp}) × cp({cp}) = {tp * cp} does not divide the world size {world}")
+        dp = world // (tp * cp)
+    if dp * cp * tp != world:
+        raise ValueError(f"tp({tp}) × cp({cp}) × dp({dp}) = {tp * cp * dp} ≠ world size {world}")
     if ep < 1 or dp % ep:
         raise ValueError(
             f"ep={ep} must divide dp={dp} (the expert-parallel group lies inside the data-parallel one)"
@@ -211,10 +251,15 @@ def megatron(
             raise ValueError(f"ep={ep} does not divide the {n} experts of {fqn}")
     if tp > 1:
         _check_tp_divides(cap.gm.graph, roles, tp, world)
-    mesh, axis_names, axis = megatron_mesh(dp, tp, ep)
+    mesh, axis_names, axis = megatron_mesh(dp, tp, ep, cp)
     t_axis = axis.get("tp")
     e_axis = axis.get("ep")
+    c_axis = axis.get("cp")
     fixed: dict[str, tuple[str, ...]] = {}
+    batched: set[Node] = set()
+    if c_axis is not None:
+        fixed.update(_context_split_inputs(cap, mesh, axis, cp))
+        batched = _batched_values(cap)
     split_dims: dict[str, set[int]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -245,7 +290,7 @@ def megatron(
             info = n.meta.get(TENSOR)
             if n.op != "placeholder" or info is None or info.kind != "param" or not info.requires_grad:
                 continue
-            own = (axis.get("dp"), t_axis if info.fqn in experts else e_axis)
+            own = (axis.get("dp"), c_axis, t_axis if info.fqn in experts else e_axis)
             data_axes[info.fqn] = tuple(a for a in own if a is not None and mesh[a] > 1)
             spec = list(fixed.get(info.fqn, ("R",) * len(mesh)))
             fixed[info.fqn] = _distributed_optimizer_spec(
@@ -268,9 +313,23 @@ def megatron(
 
     def megatron_execution(node: Node, s: Strategy) -> bool:
         """Weights are used where they lie (no gathering), read whole on their data-parallel axes
-        under the distributed optimizer; norms as Megatron runs them."""
+        under the distributed optimizer; norms as Megatron runs them; values computed from the
+        batch split along the context axis."""
         if node.op != "call_function":
             return True
+        if (
+            c_axis is not None
+            and not s.split[c_axis]
+            and (node in batched or any(i in batched for i in node.all_input_nodes))
+        ):
+            return False
+        if c_axis is not None and cp_comm_type and op_family(node) is OpFamily.ATTENTION:
+            q = s.inputs[0][c_axis]
+            seq = node.args[0].meta["val"].dim() - 2
+            if CP_COMM_TYPES[cp_comm_type] == "sequence" and not (isinstance(q, Shard) and q.dim == seq):
+                return False
+            if CP_COMM_TYPES[cp_comm_type] == "heads" and not (isinstance(q, Shard) and q.dim == seq - 1):
+                return False
         if node in expert_mms:
             for a, got in enumerate(s.inputs[expert_mms[node]]):
                 if a == e_axis and not (isinstance(got, Shard) and got.dim == 0):
@@ -297,7 +356,8 @@ def megatron(
             return isinstance(p, Shard) and p.dim == 1
         return isinstance(p, Replicate)
 
-    knobs = [f"tp={tp}", f"dp={dp}"] + [f"ep={ep}"] * (ep > 1)
+    knobs = [f"tp={tp}", f"dp={dp}"] + [f"ep={ep}"] * (ep > 1) + [f"cp={cp}"] * (cp > 1)
+    knobs += [f"cp_comm_type={cp_comm_type}"] * (cp > 1 and cp_comm_type is not None)
     knobs += ["sequence_parallel"] * sequence_parallel + ["distributed optimizer"] * distributed_optimizer
     plan = plan_captured(
         cap,
@@ -310,6 +370,48 @@ def megatron(
     if flat_state:
         plan.info["state_split"] = {fqn: math.prod(mesh[a] for a in axes) for fqn, axes in flat_state.items()}
     return plan
+
+
+def _context_split_inputs(
+    cap: Captured, mesh: tuple[int, ...], axis: dict[str, int], cp: int
+) -> dict[str, tuple[str, ...]]:
+    """The batched inputs' placements under context parallelism: the sequence (dimension 1)
+    split over ``cp``, the batch (dimension 0) over ``dp`` where it divides, whole on ``tp``.
+    Raises where ``cp`` does not divide an input's sequence."""
+    out: dict[str, tuple[str, ...]] = {}
+    for n in cap.user_input_nodes():
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            continue
+        if v.shape[1] % cp:
+            raise ValueError(
+                f"megatron(cp={cp}): context parallelism splits each batched input's sequence (its "
+                f"dimension 1) over cp={cp}, and input {cap.inputs[n.name]!r} of shape {tuple(v.shape)} has "
+                f"{v.shape[1]} positions: {v.shape[1]} / {cp} = {v.shape[1] / cp:g}; use a cp that divides it"
+            )
+        spec = ["R"] * len(mesh)
+        spec[axis["cp"]] = "S(1)"
+        dp = axis.get("dp")
+        if dp is not None and v.shape[0] % mesh[dp] == 0:
+            spec[dp] = "S(0)"
+        out[cap.inputs[n.name]] = tuple(spec)
+    return out
+
+
+def _batched_values(cap: Captured) -> set[Node]:
+    """Floating-point values of more than one element computed from the batch: under context
+    parallelism no op computing or reading one runs whole on every context rank (integer
+    bookkeeping, such as shifting the labels, may)."""
+    seen: set[Node] = set(cap.user_input_nodes())
+    out: set[Node] = set()
+    for n in cap.gm.graph.nodes:
+        if n in seen or not any(i in seen for i in n.all_input_nodes):
+            continue
+        seen.add(n)
+        vals = [o for o in tensor_outputs(n)]
+        if any(o.is_floating_point() and o.numel() > 1 for o in vals):
+            out.add(n)
+    return out
 
 
 def _check_tp_divides(graph: torch.fx.Graph, roles: dict[str, str], tp: int, world: int) -> None:
@@ -383,6 +485,8 @@ def megatron_pipelined(
     pp: int,
     microbatches: int,
     schedules: Sequence[tuple[str, int]],
+    cp: int = 1,
+    cp_comm_type: str | None = None,
     distributed_optimizer: bool,
     config: PlanConfig,
     captured: Captured | None,
@@ -401,7 +505,7 @@ def megatron_pipelined(
     config = config.resolved(cluster.device.memory)
     budget = config.memory_budget
     stage = megatron(
-        model, None, sub, tp, dp, sequence_parallel, ep=ep, distributed_optimizer=distributed_optimizer,
+        model, None, sub, tp, dp, sequence_parallel, ep=ep, cp=cp, cp_comm_type=cp_comm_type, distributed_optimizer=distributed_optimizer,
         config=config.replace(memory_budget=stage_plan_budget(budget, pp), mesh_shape=None, fixed={}), captured=captured,
     )  # fmt: skip
     out: list[tuple[str, int, Plan | str]] = []

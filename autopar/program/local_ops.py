@@ -9,6 +9,10 @@
   log-sum-exp and the target logit are assembled with three all-reduces (max, sum of exp, target),
   and the backward needs no communication (Megatron-LM's vocabulary-parallel cross-entropy).
 * ``mean_partial`` — a mean over a sharded dimension: the local mean divided by the shard count.
+* ``causal_query_attention`` — causal attention of this device's query rows against the whole
+  keys and values (context parallelism's all-gather form, Megatron-Core's
+  ``cp_comm_type="all_gather"``): query row ``i`` at global position ``pos[i]`` sees keys
+  ``0..pos[i]``; keys after the last query's position are not read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ import torch
 
 from autopar.program.collectives import AxisGroup, reduce_values
 
-__all__ = ["mean_partial", "sharded_cross_entropy", "sharded_nll_loss", "vocab_parallel_embedding"]
+__all__ = [
+    "causal_query_attention",
+    "mean_partial",
+    "sharded_cross_entropy",
+    "sharded_nll_loss",
+    "vocab_parallel_embedding",
+]
 
 
 def vocab_parallel_embedding(
@@ -42,6 +52,27 @@ def mean_partial(x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool, sha
     if dims is None or len(dims) == 0:
         return x.mean() / shards
     return x.mean(dim=list(dims), keepdim=keepdim) / shards
+
+
+def causal_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: Sequence[tuple[int, int]],
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v, is_causal=True)`` restricted to the query rows this
+    device holds: ``pieces`` are their global ``(start, stop)`` ranges, concatenated in order
+    (``autopar.placement.shard_slices``); ``k`` and ``v`` are whole."""
+    pos = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in pieces])
+    keys = max(hi for _, hi in pieces)
+    k, v = k[..., :keys, :], v[..., :keys, :]
+    mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+    )
 
 
 class _VocabParallelCE(torch.autograd.Function):

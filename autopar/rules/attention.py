@@ -1,11 +1,18 @@
-"""Attention (SDPA): shard batch or heads; or the queries' sequence with keys/values replicated
-(without a causal mask only)."""
+"""Attention (SDPA) along one mesh axis: shard the batch or the heads (each device attends with
+its own sequences or heads: the heads form is context parallelism's all-to-all form, DeepSpeed
+Ulysses, Jacobs et al. arXiv 2309.14509, when the sequence arrives split); or shard the queries'
+sequence with the keys and values whole (context parallelism's all-gather form, Megatron-Core's
+``cp_comm_type="all_gather"``: the keys and values are all-gathered along the axis before it and
+their gradients reduce-scattered after). Under ``is_causal`` the local op must align the mask to
+the queries' global positions (``Rewrite.CAUSAL_QUERIES``); an explicit mask is split with the
+queries."""
 
 from __future__ import annotations
 
 from torch.fx import Node
 
 from autopar.graph import tensor_outputs
+from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard
 from autopar.rules.base import AxisStrategy, R, arg, aten, register, shape_of
 
@@ -21,7 +28,7 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     rank = len(shape_of(q))
     outs = tensor_outputs(node)
 
-    def for_dim(d: int, seq_q: bool = False) -> AxisStrategy | None:
+    def for_dim(d: int, seq_q: bool = False, rewrite: Rewrite = Rewrite.NONE) -> AxisStrategy | None:
         ps = []
         for i in ins:
             sh = shape_of(i)
@@ -34,7 +41,7 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         if any(i in (q, k, v) and isinstance(p, Replicate) and not seq_q for i, p in zip(ins, ps)):
             return None
         o = tuple(Shard(d) if len(x.shape) == rank else (Shard(d) if d < x.dim() else R) for x in outs)
-        return AxisStrategy(tuple(ps), o)
+        return AxisStrategy(tuple(ps), o, rewrite)
 
     out = []
     for d in range(rank - 2):  # batch and heads
@@ -42,10 +49,12 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
             s = for_dim(d)
             if s is not None:
                 out.append(s)
-    # Queries' sequence split with keys/values whole: only without a causal mask (a causal mask
-    # built from local query positions would be misaligned).
-    if shape_of(q)[rank - 2] > 1 and len(outs) == 1 and not arg(node, "is_causal", False):
-        s = for_dim(rank - 2, seq_q=True)
+    # Queries' sequence split with keys/values whole. A causal mask is the global one, aligned to
+    # this device's query positions by the local op; ``is_causal`` with an explicit mask as well
+    # is an error in SDPA itself.
+    if shape_of(q)[rank - 2] > 1 and node.target is aten.scaled_dot_product_attention.default:
+        causal = bool(arg(node, "is_causal", False))
+        s = for_dim(rank - 2, seq_q=True, rewrite=Rewrite.CAUSAL_QUERIES if causal else Rewrite.NONE)
         if s is not None:
             out.append(s)
     return out
