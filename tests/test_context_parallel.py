@@ -171,3 +171,43 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
                     refs[kind, rows, opt], res[opt], opt, f"rank {rank}, {label} ({opt})"
                 )
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------- best_megatron
+
+
+def _long_gpt(batch: int) -> tuple[torch.nn.Module, tuple]:
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        cfg = GPTConfig(n_layer=2, n_head=8, n_embd=512, block_size=4096, vocab_size=4096)
+        model = GPT(cfg).to(torch.bfloat16)
+    ids = torch.empty(batch, 4096, dtype=torch.long, device="meta")
+    return model, (ids, ids.clone())
+
+
+@pytest.mark.timeout(300)
+def test_best_megatron_tunes_cp_where_the_batch_cannot_fill_the_devices() -> None:
+    """Two sequences on 8 devices at tp = pp = 1: dp = 8 and 4 cannot split them (cp = 1, 2), cp = 4
+    can; cp = 8 is not tried once cp = 4 fits without recomputation (rule 7)."""
+    model, inputs = _long_gpt(2)
+    cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=1)
+    best = autopar.layouts.best_megatron(model, inputs, cluster, tp=1, pp=1)
+    tried = best.info["megatron_candidates"]
+    why = {c["cp"]: c.get("why", "") for c in tried if c.get("skipped") and c.get("mbs") is None}
+    assert "does not split over dp=8" in why[1] and "does not split over dp=4" in why[2], why
+    assert "rule 7" in why[8], why
+    assert {c["cp"] for c in tried if not c.get("skipped")} == {4}
+    assert dict(zip(best.mesh_axes, best.mesh_shape)) == {"dp": 2, "cp": 4, "tp": 1}
+    assert "cp=4" in best.info["layout"]
+
+
+@pytest.mark.timeout(300)
+def test_best_megatron_keeps_cp_1_where_data_parallelism_fills_the_devices() -> None:
+    model, inputs = _long_gpt(8)
+    cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=1)
+    best = autopar.layouts.best_megatron(model, inputs, cluster, tp=1, pp=1)
+    tried = best.info["megatron_candidates"]
+    assert {c["cp"] for c in tried if not c.get("skipped")} == {1}
+    assert any(c.get("skipped") and c["cp"] == 2 and "rule 7" in c["why"] for c in tried)
+    assert "cp" not in best.mesh_axes

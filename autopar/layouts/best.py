@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
+from torch.fx import Node
 
 from autopar.audit import audited
 from autopar.capture import Captured
@@ -19,6 +21,7 @@ from autopar.cluster import Cluster
 from autopar.config import PlanConfig
 from autopar.cost.compute import itemsize
 from autopar.cost.memory import StateBytes, state_bytes_per_param
+from autopar.graph import OpFamily, op_family
 from autopar.ir import TENSOR
 from autopar.layouts.megatron_layout import megatron, megatron_pipelined, megatron_static_bytes
 from autopar.layouts.roles import expert_weights, megatron_weight_roles
@@ -37,6 +40,7 @@ KNOBS = {
     "tp": "tp",
     "pp": "pp",
     "ep": "ep",
+    "cp": "cp",
     "microbatch_size": "mbs",
     "schedule": "schedule",
     "virtual": "v",
@@ -101,19 +105,20 @@ class MegatronSearch:
         """Plan one candidate (one stage plan, every schedule around it), record each schedule;
         the fastest step that fits (``inf`` where none does)."""
         tp, pp, ep, sp, do = (knobs[k] for k in ("tp", "pp", "ep", "sp", "distributed_optimizer"))
+        cp = knobs.get("cp", 1)
         world = self.cluster.world_size
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         config = self.config.replace(recompute=knobs["recompute"], pp=1)
         t0 = time.perf_counter()
         try:
             if pp == 1 and m == 1:
                 got: list[tuple[str, int, Plan | str]] = [("1f1b", 1, megatron(
-                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, distributed_optimizer=do,
+                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, cp=cp, distributed_optimizer=do,
                     config=config, captured=self.captured(1),
                 ))]  # fmt: skip
             else:
                 got = megatron_pipelined(
-                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, pp=pp, microbatches=m,
+                    self.model, self.example_inputs, self.cluster, tp, dp, sp, ep=ep, cp=cp, pp=pp, microbatches=m,
                     schedules=schedules, distributed_optimizer=do, config=config, captured=self.captured(m),
                 )  # fmt: skip
         except (InfeasibleError, ValueError) as e:
@@ -152,11 +157,13 @@ class MegatronSearch:
                 return step, k
         return math.inf, -1
 
-    def tune_stage(self, tp: int, pp: int, ep: int, optimizers: list[bool], moe: bool) -> tuple[float, bool]:
+    def tune_stage(
+        self, tp: int, pp: int, ep: int, optimizers: list[bool], moe: bool, cp: int = 1
+    ) -> tuple[float, bool]:
         """Sequence parallelism (pruning 3), micro-batch size (pruning 4), recomputation and the
-        distributed optimizer for one ``(tp, pp, ep)``: the fastest step (``inf`` where nothing
-        fits), and whether a candidate fits at the lightest recomputation tried."""
-        dp = self.cluster.world_size // (tp * pp)
+        distributed optimizer for one ``(tp, pp, ep, cp)``: the fastest step (``inf`` where
+        nothing fits), and whether a candidate fits at the lightest recomputation tried."""
+        dp = self.cluster.world_size // (tp * pp * cp)
         per_rank = self.batch // dp
         light, fastest = False, math.inf
         sps = [True] if moe and tp > 1 else ([False, True] if tp > 1 else [False])
@@ -171,7 +178,7 @@ class MegatronSearch:
             mbss = self.options("microbatch_size", mbss)
             previous = math.inf
             for i, mbs in enumerate(mbss):
-                base = {"tp": tp, "pp": pp, "ep": ep, "mbs": mbs, "sp": sp}
+                base = {"tp": tp, "pp": pp, "ep": ep, "cp": cp, "mbs": mbs, "sp": sp}
                 if per_rank % mbs:
                     self.skip(
                         f"microbatch_size={mbs} does not divide the {per_rank} sequences per rank", **base
@@ -203,6 +210,24 @@ class MegatronSearch:
         return fastest, light
 
 
+def sequence_length(cap: Captured) -> int | None:
+    """The sequence context parallelism would split: dimension 1 of the batched inputs, where
+    attention runs over that many positions (``None`` otherwise: no attention, or attention over
+    something else, such as a vision model's patches)."""
+    lengths = {
+        int(v.shape[1])
+        for n in cap.user_input_nodes()
+        if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() >= 2
+    }
+    queries = {
+        int(n.args[0].meta["val"].shape[-2])
+        for n in cap.gm.graph.nodes
+        if n.op == "call_function" and op_family(n) is OpFamily.ATTENTION and isinstance(n.args[0], Node)
+    }
+    both = lengths & queries
+    return max(both) if len(lengths) == 1 and both else None
+
+
 @audited
 def best_megatron(
     model: nn.Module,
@@ -218,8 +243,10 @@ def best_megatron(
     only: powers of two dividing the data-parallel size and the experts — Megatron-LM's
     ``ep | dp`` — 1 included), micro-batch size ``microbatch_size`` (1, 2, 4, 8 sequences per
     data-parallel rank), ``schedule`` (1F1B, interleaved with ``virtual=2``),
-    ``sequence_parallel``, ``recompute`` (none, selective, full) and ``distributed_optimizer``.
-    Expert tensor parallel size stays 1 (``megatron`` cannot express ``etp = tp``). Any knob
+    ``sequence_parallel``, ``recompute`` (none, selective, full), ``distributed_optimizer`` and
+    context parallel size ``cp`` (models whose attention runs over the inputs' sequence: 1, then
+    powers of two dividing the sequence and the devices left; the solver picks each layer's
+    attention form, ``megatron``'s ``cp_comm_type=None``). Expert tensor parallel size stays 1 (``megatron`` cannot express ``etp = tp``). Any knob
     passed in ``fixed`` is held (e.g. ``tp=8, pp=4, ep=8, recompute="full"``). Every candidate is a
     ``megatron`` layout, planned and scored by the simulator (``plan.predicted.step_time``).
 
@@ -227,7 +254,7 @@ def best_megatron(
     2104.04473, §3.3 takeaways; Megatron-Core MoE's "guidelines for parallel mappings",
     ``megatron/core/transformer/moe/README.md``, also arXiv 2603.07685 §9.1):
 
-    1. **static memory** — a ``(tp, pp, ep, distributed_optimizer)`` whose training state alone
+    1. **static memory** — a ``(tp, pp, ep, cp, distributed_optimizer)`` whose training state alone
        exceeds the memory budget (``megatron_static_bytes``, a lower bound) is not planned;
     2. **recomputation** — levels are tried lightest first and, with the same other knobs, none
        heavier once one fits (recomputing only adds compute); the distributed optimizer only
@@ -243,9 +270,15 @@ def best_megatron(
     6. **expert parallelism from the largest** — for each ``tp``, ``ep`` is tried from the largest
        down (MoE guideline 4: prefer EP; ``ep`` = the number of experts needs no local
        permutation) while the step gets faster, and stops at the first that fits nowhere (a
-       smaller one keeps more experts per device).
+       smaller one keeps more experts per device);
+    7. **context parallelism only where it pays** — for each ``(tp, pp)``, ``cp`` is tried upward
+       from 1, a larger one only while the smaller does not fit at the lightest recomputation or
+       cannot split the batch over its data-parallel ranks, and none past one that is slower
+       (Megatron-Core's context-parallel guide: CP splits the activations of long sequences; at
+       equal tokens per device it moves no compute off a device that data parallelism would not,
+       and adds attention's communication).
 
-    Rules 4–6 are the guides' experience, not proofs: they may skip a candidate that would have
+    Rules 4–7 are the guides' experience, not proofs: they may skip a candidate that would have
     won. The schedules of one ``(pp, micro-batch size, …)`` share one stage plan, and each
     micro-batch count is captured once. ``plan.info["megatron_candidates"]`` lists every
     candidate planned (``feasible``, its ``step_time`` or ``why`` not) and every one skipped
@@ -287,38 +320,72 @@ def best_megatron(
             nbytes, optimizer=config.optimizer, master_weights=mixed, state_bytes=moments
         )
 
+    seq = sequence_length(whole)
+
+    def context_sizes(tp: int, pp: int) -> list[int]:
+        """``cp`` values for one ``(tp, pp)``, smallest first: 1, then powers of two dividing the
+        sequence and the devices left (a model without attention: 1 only)."""
+        rest = world // (tp * pp)
+        more = [c for c in (2, 4, 8, 16, 32) if seq and seq % c == 0 and rest % c == 0]
+        return s.options("cp", [1, *more])
+
     def pipelines(tp: int, ep: int) -> float | None:
-        """Pipeline sizes for one ``(tp, ep)``, smallest first (pruning 1 and 5): the fastest step
-        (``inf`` where none fits), ``None`` where ``ep`` divides no data-parallel size."""
+        """Pipeline sizes for one ``(tp, ep)``, smallest first (pruning 1, 5 and 7): the fastest
+        step (``inf`` where none fits), ``None`` where ``ep`` divides no data-parallel size."""
         fastest, applicable = math.inf, False
         pps = s.options("pp", [p for p in range(1, world // tp + 1) if (world // tp) % p == 0])
         for i, pp in enumerate(pps):
-            dp = world // (tp * pp)
-            if s.batch % dp or dp % ep:
-                why = (
-                    f"ep={ep} does not divide dp={dp}"
-                    if dp % ep
-                    else f"the batch of {s.batch} does not split over dp={dp}"
-                )
-                s.skip(why, tp=tp, pp=pp, ep=ep)
-                continue
-            applicable = True
-            optimizers = []
-            for do in s.options("distributed_optimizer", [False, True]):
-                static = megatron_static_bytes(
-                    params, roles, experts, tp=tp, dp=dp, ep=ep, pp=pp, distributed_optimizer=do, state=state
-                )
-                if static <= budget:
-                    optimizers.append(do)
+            light, previous, previous_cp = False, math.inf, 0
+            cps = context_sizes(tp, pp)
+            for k, cp in enumerate(cps):
+                dp = world // (tp * pp * cp)
+                if s.batch % dp or dp % ep:
+                    why = (
+                        f"ep={ep} does not divide dp={dp}"
+                        if dp % ep
+                        else f"the batch of {s.batch} does not split over dp={dp}"
+                    )
+                    s.skip(why, tp=tp, pp=pp, ep=ep, cp=cp)
                     continue
-                s.skip(
-                    f"training state alone {static / 2**30:.1f} GiB per device > budget {budget / 2**30:.1f} GiB (rule 1)",
-                    tp=tp, pp=pp, ep=ep, distributed_optimizer=do,
-                )  # fmt: skip
-            if not optimizers:
-                continue
-            step, light = s.tune_stage(tp, pp, ep, optimizers, bool(experts))
-            fastest = min(fastest, step)
+                if cp > 1 and ep > 1:
+                    s.skip("megatron does not express cp with ep yet", tp=tp, pp=pp, ep=ep, cp=cp)
+                    continue
+                applicable = True
+                optimizers = []
+                for do in s.options("distributed_optimizer", [False, True]):
+                    # Megatron-Core's distributed optimizer splits the state over dp × cp.
+                    static = megatron_static_bytes(
+                        params, roles, experts, tp=tp, dp=dp * cp, ep=ep, pp=pp, distributed_optimizer=do,
+                        state=state,
+                    )  # fmt: skip
+                    if static <= budget:
+                        optimizers.append(do)
+                        continue
+                    s.skip(
+                        f"training state alone {static / 2**30:.1f} GiB per device > budget {budget / 2**30:.1f} GiB (rule 1)",
+                        tp=tp, pp=pp, ep=ep, cp=cp, distributed_optimizer=do,
+                    )  # fmt: skip
+                if not optimizers:
+                    continue
+                step, fits_light = s.tune_stage(tp, pp, ep, optimizers, bool(experts), cp)
+                fastest = min(fastest, step)
+                light |= fits_light
+                if step < math.inf and step >= previous:
+                    for larger in cps[k + 1 :]:
+                        s.skip(
+                            f"the step got slower from cp={previous_cp} to {cp} (rule 7)", tp=tp, pp=pp, ep=ep, cp=larger
+                        )  # fmt: skip
+                    break
+                if step < previous:
+                    previous, previous_cp = step, cp
+                if light:
+                    for larger in cps[k + 1 :]:
+                        s.skip(
+                            f"cp={cp} fits at the lightest recomputation: context parallelism would only save "
+                            "activation memory (rule 7)",
+                            tp=tp, pp=pp, ep=ep, cp=larger,
+                        )  # fmt: skip
+                    break
             if light:
                 for larger in pps[i + 1 :]:
                     s.skip(f"pp={pp} fits at the lightest recomputation (rule 5)", tp=tp, pp=larger, ep=ep)
