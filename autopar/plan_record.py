@@ -27,14 +27,22 @@ __all__ = ["axis_names", "build_plan"]
 def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
     """Name each axis from the strategies the solver chose for the matmuls, weighted by their
     FLOPs: ``tp`` when they split the weights, ``dp`` when they split the batch (dimension 0),
-    ``sp`` when they split another activation dimension; an axis where nothing is split is ``rep``.
+    ``sp`` when they split another activation dimension — ``cp`` when, besides, every attention
+    splits its work there (context parallelism: the sequence split through attention too, by the
+    queries or, traded for heads, by all-to-all); an axis where nothing is split is ``rep``.
     Names repeated on several axes are numbered (``dp0``, ``dp1``). An axis along which experts'
     weights are split by expert (a grouped matmul's weight ``S(0)``) is ``ep``, whatever the
     other matmuls do along it (its tokens are data-parallel for them, as in Megatron-LM)."""
     votes = [{"dp": 0.0, "tp": 0.0, "sp": 0.0} for _ in mesh]
     experts = set()
+    attention_split = [True] * len(mesh)
+    seen_attention = False
     for n in gm.graph.nodes:
         ns = n.meta.get(STRATEGIES)
+        if ns is not None and op_family(n) is OpFamily.ATTENTION:
+            seen_attention = True
+            split = ns.strategies[choice[n.name]].split
+            attention_split = [a and (i < len(split) and split[i]) for i, a in enumerate(attention_split)]
         if ns is None or op_family(n) is not OpFamily.MATMUL:
             continue
         s = ns.strategies[choice[n.name]]
@@ -62,6 +70,7 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
             elif isinstance(out, Shard):
                 votes[a]["sp"] += flops
     names = [max(v, key=v.get) if max(v.values()) > 0 else "rep" for v in votes]
+    names = ["cp" if n == "sp" and seen_attention and attention_split[a] else n for a, n in enumerate(names)]
     names = ["ep" if a in experts else name for a, name in enumerate(names)]
     if len(set(names)) != len(names):
         names = [f"{n}{i}" for i, n in enumerate(names)]
