@@ -26,6 +26,7 @@ from autopar.layouts.roles import (
     expert_weights,
     is_rms_mean,
     megatron_weight_roles,
+    norm_scales,
     residual_adds,
 )
 from autopar.microbatch import MicrobatchCaptures
@@ -303,6 +304,7 @@ def megatron(
         config = config.replace(zero_stage=1, state_split=flat_state)
     used_where_they_lie = [a for a in (t_axis, e_axis) if a is not None]
     residual = residual_adds(cap.gm.graph, roles)
+    scales = norm_scales(cap.gm.graph, roles)
     # Grouped matmuls read their experts' weights through views (transformers transposes them):
     # each must run over its own device's experts along ep.
     expert_mms = {
@@ -348,7 +350,11 @@ def megatron(
                     return False
             if any(not isinstance(s.inputs[j][a], Replicate) for a in data_axes.get(info.fqn, ())):
                 return False
-        is_norm = op_family(node) is OpFamily.NORM or (op_name(node) == "mean" and is_rms_mean(node))
+        is_norm = (
+            op_family(node) is OpFamily.NORM
+            or (op_name(node) == "mean" and is_rms_mean(node))
+            or node in scales
+        )
         if t_axis is None or (not is_norm and node not in residual):
             return True
         p = s.outputs[0][t_axis]

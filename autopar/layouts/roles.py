@@ -24,7 +24,14 @@ from autopar.ir import TENSOR
 from autopar.rules.moe_regions import moe_regions
 from autopar.rules.routing import grouped_mm_operands
 
-__all__ = ["expert_weights", "is_rms_mean", "megatron_weight_roles", "residual_adds", "weight_of"]
+__all__ = [
+    "expert_weights",
+    "is_rms_mean",
+    "megatron_weight_roles",
+    "norm_scales",
+    "residual_adds",
+    "weight_of",
+]
 
 
 def is_weight_matmul(node: Node) -> bool:
@@ -163,3 +170,28 @@ def is_rms_mean(node: Node) -> bool:
     """The mean of an RMSNorm: over the last dim of a pow(x, 2)."""
     src = node.args[0]
     return isinstance(src, Node) and op_name(src) == "pow"
+
+
+def norm_scales(graph: torch.fx.Graph, roles: dict[str, str]) -> set[Node]:
+    """The pointwise ops that scale a written-out normalization by its own weight (an RMSNorm's
+    ``weight * x`` as transformers writes it): a trainable one-dimensional parameter no matmul
+    reads (not in ``roles``), reached through views and casts, multiplying or shifting a value
+    computed from something else. Megatron-LM runs them with the rest of the norm: replicated on
+    the tensor axis, or split along the sequence with sequence parallelism."""
+    out: set[Node] = set()
+    for n in graph.nodes:
+        info = n.meta.get(TENSOR)
+        if n.op != "placeholder" or info is None or info.kind != "param" or not info.requires_grad:
+            continue
+        if len(info.shape) != 1 or info.fqn in roles:
+            continue
+        frontier = list(n.users)
+        while frontier:
+            u = frontier.pop()
+            if u.op != "call_function":
+                continue
+            if op_info(u).identity_like:
+                frontier.extend(u.users)
+            elif op_family(u) is OpFamily.POINTWISE and op_name(u) in ("mul", "add"):
+                out.add(u)
+    return out
