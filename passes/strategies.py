@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
-from autopar.graph import OpFamily, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
+from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
@@ -138,6 +138,19 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> float:
     return float(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
 
 
+def _splits_queries(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool:
+    """Attention whose queries' sequence this strategy splits over devices (context
+    parallelism's all-gather form). Its causal mask — ``is_causal`` aligned by the local op
+    (``Rewrite.CAUSAL_QUERIES``), or a triangle mask split with the queries — runs dense on each
+    device: the device holding the last queries attends to every key, none skipped, so the
+    causal kernel's halving (and the top-left-aligned fraction of a short query block against
+    long keys, which would price it near nothing) does not apply."""
+    if op_family(node) is not OpFamily.ATTENTION or not s.inputs or s.inputs[0] is None:
+        return False
+    seq = node.args[0].meta["val"].dim() - 2
+    return any(isinstance(p, Shard) and p.dim == seq and n > 1 for p, n in zip(s.inputs[0], mesh))
+
+
 def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     mesh = ctx.mesh.shape
     info = node.meta[TENSOR]
@@ -193,10 +206,7 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     ]
     fused = fusion_assumed(ctx)
     compiled = compile_assumed(ctx)
-    # Causal attention over a share of the queries runs under a dense mask aligned to their
-    # positions (``autopar.program.local_ops.causal_query_attention``): the device holding the last
-    # queries attends to every key, none skipped.
-    dense = False if Rewrite.CAUSAL_QUERIES in s.rewrites else None
+    dense = False if _splits_queries(node, s, mesh) else None
     ks = node_kernels(
         node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32, compiled=compiled, causal=dense
     )
