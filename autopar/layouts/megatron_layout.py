@@ -231,10 +231,12 @@ def megatron(
         )
     if dp is None:
         if world % (tp * cp):
-            raise ValueError(f"tp({tp}) × cp({cp}) = {tp * cp} does not divide the world size {world}")
+            sizes = f"tp={tp}" + (f" × cp={cp} = {tp * cp}" if cp > 1 else "")
+            raise ValueError(f"{sizes} does not divide the world size {world}")
         dp = world // (tp * cp)
     if dp * cp * tp != world:
-        raise ValueError(f"tp({tp}) × cp({cp}) × dp({dp}) = {tp * cp * dp} ≠ world size {world}")
+        sizes = f"tp({tp})" + (f" × cp({cp})" if cp > 1 else "")
+        raise ValueError(f"{sizes} × dp({dp}) = {tp * cp * dp} ≠ world size {world}")
     if ep < 1 or dp % ep:
         raise ValueError(
             f"ep={ep} must divide dp={dp} (the expert-parallel group lies inside the data-parallel one)"
