@@ -2,7 +2,8 @@
 attention in its all-gather form (keys and values gathered, each rank attending with its own
 queries; a causal mask aligned to their global positions) or its all-to-all form (sequence traded
 for heads). Plans say what the layout promises; on 2 and 4 gloo processes GPT-2, LLaMA and our GPT
-train three steps like one process under each form, and under cp = 2 × tp = 2."""
+train three steps like one process under each form, under cp = 2 × tp = 2 with sequence
+parallelism, and under pp = 2 × cp = 2; ``best_megatron`` tunes cp and the auto plan finds it."""
 
 from __future__ import annotations
 
@@ -177,6 +178,12 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
         plans["llama dp=2 tp=1"] = ("llama", 2, dp)
     else:
         plans = {f"{k} cp=2 tp=2 sp": (k, ROWS, cp_plan(k, 4, tp=2)) for k in ("gpt2", "llama")}
+        model, inputs = build("llama", 2)  # two micro-batches of one sequence
+        piped = autopar.layouts.megatron(
+            model, inputs, autopar.Cluster.local(4), tp=1, cp=2, pp=2, microbatches=2
+        )
+        assert piped.pipeline is not None and dict(zip(piped.mesh_axes, piped.mesh_shape))["cp"] == 2
+        plans["llama pp=2 cp=2"] = ("llama", 2, piped)
     results = spawn(train_worker, world, plans, timeout=540)
     refs = {(k, r, o): reference(k, r, o) for k, r, _ in plans.values() for o in ("adamw", "sgd")}
     problems = []
