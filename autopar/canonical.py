@@ -21,6 +21,11 @@ such place into one form (the values are the same) and the fingerprint is taken 
   would run everything after it replicated over data parallelism. ``drop_identity_slices``
   removes every ``slice`` whose output is its input's size, and every ``alias`` (what export
   writes for the same slice where it sees it whole).
+* Attention under a mask built from positions alone: eager transformers calls
+  ``scaled_dot_product_attention(..., is_causal=True)``, export records the mask it computes from
+  the positions while tracing. ``autopar.causal_mask.causal_attention`` turns an attention whose
+  mask it proves the square causal triangle into ``is_causal=True`` without the mask (and one
+  proven all true into no mask), so the kernel skips the masked half and the mask is never built.
 * Node names are numbered again in graph order (``linear``, ``linear_1``, …), so a node removed or
   added above does not rename every node of its op below it.
 """
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 
+from autopar.causal_mask import causal_attention
 from autopar.graph import is_view, tensor_val, uses_through, written_inputs
 
 __all__ = ["SAME_OPS", "canonicalize", "graph_fingerprint"]
@@ -44,6 +50,7 @@ def canonicalize(gm: torch.fx.GraphModule, constants: dict[str, Any]) -> None:
     drop_layout_copies(gm)
     drop_identity_slices(gm)
     canonical_scalars(gm, constants)
+    causal_attention(gm, constants)
     renumber_names(gm)
 
 

@@ -87,8 +87,9 @@ def test_context_parallel_plan_splits_the_sequence_and_attention(kind: str, comm
 
 
 def _one_layer(kind: str) -> tuple[torch.nn.Module, Any]:
-    """One 8192-token sequence through one layer on the meta device, bf16: our GPT (``is_causal``)
-    or transformers' LLaMA (a triangle mask built in the graph)."""
+    """One 8192-token sequence through one layer on the meta device, bf16: our GPT (``is_causal``),
+    transformers' LLaMA (its mask proven causal at capture: ``is_causal``), or LLaMA given an
+    ``attention_mask`` (a triangle mask combined with the padding, kept in the graph)."""
     ids = torch.empty(1, 8192, dtype=torch.long, device="meta")
     with torch.device("meta"):
         if kind == "gpt":
@@ -102,24 +103,29 @@ def _one_layer(kind: str) -> tuple[torch.nn.Module, Any]:
             num_hidden_layers=1, hidden_size=1024, num_attention_heads=8, num_key_value_heads=8,
             intermediate_size=2048, vocab_size=1024, max_position_embeddings=8192, use_cache=False,
         )  # fmt: skip
-        return LlamaForCausalLM(cfg).to(torch.bfloat16), {"input_ids": ids, "labels": ids.clone()}
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if kind == "llama padded":
+            batch["attention_mask"] = torch.ones(1, 8192, dtype=torch.long, device="meta")
+        return LlamaForCausalLM(cfg).to(torch.bfloat16), batch
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "llama padded"])
 def test_causal_attention_over_a_query_shard_is_costed_dense(kind: str) -> None:
     """The all-gather form of causal attention reads every key on the rank holding the last
     queries (nothing skipped): about twice the all-to-all form's per-rank time, which splits the
-    heads and keeps the causal kernel's skipping — for ``is_causal`` (our GPT, aligned by the
-    ``causal_queries`` rewrite) and for a triangle mask split with the queries (LLaMA), which was
-    priced by the top-left causal fraction of a short query block against all keys, near nothing:
-    a 131 072-token LLaMA plan predicted 141 % of the devices' peak."""
+    heads and keeps the causal kernel's skipping — for ``is_causal`` (aligned by the
+    ``causal_queries`` rewrite) and for a triangle mask split with the queries (padded LLaMA),
+    which was priced by the top-left causal fraction of a short query block against all keys,
+    near nothing: a 131 072-token LLaMA plan predicted 141 % of the devices' peak."""
     model, inputs = _one_layer(kind)
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=2, nodes=1)
     time = {}
     for comm in ("all_gather", "a2a"):
         plan = autopar.layouts.megatron(model, inputs, cluster, tp=1, cp=2, cp_comm_type=comm)
         (n,) = attention_nodes(plan)
-        assert ("causal_queries" in n.rewrites) == (comm == "all_gather" and kind == "gpt"), n.rewrites
+        assert ("causal_queries" in n.rewrites) == (comm == "all_gather" and kind != "llama padded"), (
+            n.rewrites
+        )
         time[comm] = n.compute_time
     assert 1.6 < time["all_gather"] / time["a2a"] < 2.2, time
 
