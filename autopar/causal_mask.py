@@ -13,8 +13,8 @@ built.
 
 Words:
 
-* **small value** — a node of at most ``SMALL`` elements computed without user inputs: evaluated
-  on the CPU (positions, sequence ids, their broadcast index vectors: O(s)).
+* **small value** — a node computed without user inputs, of at most ``SMALL`` elements: evaluated
+  on the CPU (positions, sequence ids, their broadcast index vectors: O(batch · s)).
 * **abstract value** — a large mask (O(s²)) known only by what it is: ``TRUE`` (every element
   true) or ``CAUSAL`` (the triangle). Rules: a comparison ``le(k, q)`` (or ``ge(q, k)``) of small
   key positions varying along the last dimension and query positions along the one before, the
@@ -36,8 +36,10 @@ from autopar.graph import OpFamily, is_random, op_family, op_name, written_input
 
 __all__ = ["SMALL", "causal_attention", "prove_mask"]
 
-SMALL = 1 << 20
-"""Elements up to which a value is evaluated on the CPU."""
+SMALL = 1 << 26
+"""Elements up to which a value is evaluated on the CPU: the O(batch · s) position vectors of any
+sequence people train (64 sequences of 1M tokens), the O(batch · s²) mask itself below about
+8 × 2896 tokens."""
 
 aten = torch.ops.aten
 
@@ -177,11 +179,12 @@ def _compare(name: str, k: torch.Tensor, q: torch.Tensor, shape: tuple[int, ...]
     return _Mask.CAUSAL if increasing else None
 
 
-def prove_mask(mask: Node, constants: dict[str, Any] | None = None) -> str | None:
+def prove_mask(mask: Node, constants: dict[str, Any] | None = None, *, _prover: Any = None) -> str | None:
     """What ``mask`` (a boolean attention mask node) is proven to be on every batch row and head:
     ``"causal"`` (the square causal triangle), ``"true"`` (every key visible) or None (module
     docstring). ``constants``: lifted constant placeholders by name."""
-    got = _classify(_Prover(dict(constants or {})).value(mask))
+    prover = _prover if _prover is not None else _Prover(dict(constants or {}))
+    got = _classify(prover.value(mask))
     return None if got is None else got.value
 
 
@@ -192,6 +195,7 @@ def causal_attention(gm: GraphModule, constants: dict[str, Any] | None = None) -
     reads it. Returns how many attentions were rewritten."""
     graph = gm.graph
     done = 0
+    prover = _Prover(dict(constants or {}))  # one mask is read by every layer: proven once
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
             continue
@@ -203,7 +207,7 @@ def causal_attention(gm: GraphModule, constants: dict[str, Any] | None = None) -
         mval, q, k = mask.meta.get("val"), given["query"], given["key"]
         if not isinstance(mval, torch.Tensor) or mval.dtype != torch.bool:
             continue
-        proven = prove_mask(mask, constants)
+        proven = prove_mask(mask, _prover=prover)
         if proven is None or tuple(mval.shape[-2:]) != (q.meta["val"].shape[-2], k.meta["val"].shape[-2]):
             continue  # also: a mask broadcast along the queries or keys is not the whole mask
         if proven == "causal" and q.meta["val"].shape[-2] != k.meta["val"].shape[-2]:

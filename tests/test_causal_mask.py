@@ -34,10 +34,11 @@ def _masked(n: torch.fx.Node) -> bool:
     return (len(n.args) > 3 and n.args[3] is not None) or n.kwargs.get("attn_mask") is not None
 
 
-@pytest.fixture(params=[1 << 20, 64], ids=["evaluated", "abstract"])
+@pytest.fixture(params=[CM.SMALL, 64], ids=["evaluated", "abstract"])
 def small(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     """``SMALL`` as shipped (every value of these tiny models evaluated), and at 64 elements, so
-    the (batch, 1, s, s) masks are reasoned about as at long sequences."""
+    the (4, 1, 16, 16) masks are reasoned about as at long sequences and only the (4, 16)-element
+    position vectors are evaluated."""
     monkeypatch.setattr(CM, "SMALL", request.param)
     return request.param
 
