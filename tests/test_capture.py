@@ -14,7 +14,7 @@ import autopar
 from autopar.capture import normalize_inputs
 
 
-def _check_graph(cap, model, lo=150, hi=250):
+def _check_graph(cap, model, lo=120, hi=250):  # GPT-2: 137 nodes once its mask is proven causal
     nodes = list(cap.graph.nodes)
     assert lo <= len(nodes) <= hi, len(nodes)
     fake = torch._subclasses.FakeTensor

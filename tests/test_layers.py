@@ -49,7 +49,7 @@ APART = {
     ("runtime", "cost"): "the runtime measures; autopar.cost fits and predicts",
 }
 """Group pairs whose arrow the levels allow but the design forbids, and why."""
-DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "microbatch", "input_bounds", "reshard",
+DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "causal_mask", "microbatch", "input_bounds", "reshard",
         "planfile", "strategy_graph", "display", "schedule", "models", "reference_data"}  # fmt: skip
 COST = {"mesh", "config"}
 PLANNER = {
