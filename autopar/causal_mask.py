@@ -228,15 +228,18 @@ def _drop_unused(node: Node) -> None:
     """Erase ``node`` and, in turn, the inputs only it read (pure ops: the mask's subgraph), with
     the metadata assertions export wrote on them (they compute nothing)."""
     stack = [node]
+    erased: set[Node] = set()
     while stack:
         n = stack.pop()
-        if n.op != "call_function" or written_inputs(n):
-            continue
+        if n in erased or n.op != "call_function" or written_inputs(n):
+            continue  # a node read twice (``expand`` of one value by two paths) is erased once
         checks = [u for u in n.users if op_family(u) is OpFamily.ASSERT and not u.users]
         if len(checks) != len(n.users):
             continue
         for u in checks:
             n.graph.erase_node(u)
+            erased.add(u)
         ins = list(n.all_input_nodes)
         n.graph.erase_node(n)
+        erased.add(n)
         stack.extend(ins)
