@@ -66,6 +66,11 @@ class _Prover:
         self.constants = constants
         self.memo: dict[Node, Any] = {}
 
+    def prove(self, mask: Node) -> str | None:
+        """``prove_mask`` with this prover's memo (one mask is read by every layer)."""
+        got = _classify(self.value(mask))
+        return None if got is None else got.value
+
     def value(self, node: Node) -> Any:
         """A concrete CPU tensor, a ``_Mask``, or None (unknown)."""
         if node not in self.memo:
@@ -179,13 +184,11 @@ def _compare(name: str, k: torch.Tensor, q: torch.Tensor, shape: tuple[int, ...]
     return _Mask.CAUSAL if increasing else None
 
 
-def prove_mask(mask: Node, constants: dict[str, Any] | None = None, *, _prover: Any = None) -> str | None:
+def prove_mask(mask: Node, constants: dict[str, Any] | None = None) -> str | None:
     """What ``mask`` (a boolean attention mask node) is proven to be on every batch row and head:
     ``"causal"`` (the square causal triangle), ``"true"`` (every key visible) or None (module
     docstring). ``constants``: lifted constant placeholders by name."""
-    prover = _prover if _prover is not None else _Prover(dict(constants or {}))
-    got = _classify(prover.value(mask))
-    return None if got is None else got.value
+    return _Prover(dict(constants or {})).prove(mask)
 
 
 def causal_attention(gm: GraphModule, constants: dict[str, Any] | None = None) -> int:
@@ -207,7 +210,7 @@ def causal_attention(gm: GraphModule, constants: dict[str, Any] | None = None) -
         mval, q, k = mask.meta.get("val"), given["query"], given["key"]
         if not isinstance(mval, torch.Tensor) or mval.dtype != torch.bool:
             continue
-        proven = prove_mask(mask, _prover=prover)
+        proven = prover.prove(mask)
         if proven is None or tuple(mval.shape[-2:]) != (q.meta["val"].shape[-2], k.meta["val"].shape[-2]):
             continue  # also: a mask broadcast along the queries or keys is not the whole mask
         if proven == "causal" and q.meta["val"].shape[-2] != k.meta["val"].shape[-2]:

@@ -458,8 +458,8 @@ def node_kernels(
     ``tf32``: float32 matmuls on TF32 tensor cores (``PlanConfig.matmul_tf32``). ``compiled``: a
     member of a chain (``autopar.passes.chains``) runs its share of the chain's generated kernel
     (``autopar.cost.compiled``). ``causal``: whether attention's kernel skips the causally masked
-    pairs, where the strategy decides it (``Rewrite.CAUSAL_QUERIES``: a dense mask; default the
-    op's own ``is_causal``)."""
+    pairs, where the strategy decides it (one splitting the queries runs dense:
+    ``autopar.passes.strategies``); default the op's own mask."""
     if node.op != "call_function":
         return OpKernels()
     if args is None:

@@ -246,8 +246,8 @@ def best_megatron(
     ``sequence_parallel``, ``recompute`` (none, selective, full), ``distributed_optimizer`` and
     context parallel size ``cp`` (models whose attention runs over the inputs' sequence: 1, then
     powers of two dividing the sequence and the devices left; the solver picks each layer's
-    attention form, ``megatron``'s ``cp_comm_type=None``). Expert tensor parallel size stays 1 (``megatron`` cannot express ``etp = tp``). Any knob
-    passed in ``fixed`` is held (e.g. ``tp=8, pp=4, ep=8, recompute="full"``). Every candidate is a
+    attention form, ``megatron``'s ``cp_comm_type=None``). Expert tensor parallel size stays 1
+    (``megatron`` cannot express ``etp = tp``). Any knob passed in ``fixed`` is held (e.g. ``tp=8, pp=4, ep=8, recompute="full"``). Every candidate is a
     ``megatron`` layout, planned and scored by the simulator (``plan.predicted.step_time``).
 
     The space is pruned as Megatron's own guides prune it (Narayanan et al., SC'21, arXiv

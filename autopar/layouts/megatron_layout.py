@@ -83,10 +83,7 @@ def fsdp(
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % world == 0:
             fixed[cap.inputs[n.name]] = ("S(0)",)
 
-    batched: set[Node] = set(cap.user_input_nodes())  # values computed from the batch
-    for n in cap.gm.graph.nodes:
-        if any(i in batched for i in n.all_input_nodes):
-            batched.add(n)
+    batched = _from_batch(cap)
 
     def gathered_for_use(node: Node, s: Strategy) -> bool:
         """Every parameter read whole, and the work done with it split over the devices: an op
@@ -259,10 +256,10 @@ def megatron(
     e_axis = axis.get("ep")
     c_axis = axis.get("cp")
     fixed: dict[str, tuple[str, ...]] = {}
-    batched: set[Node] = set()
+    split_on_cp: set[Node] = set()
     if c_axis is not None:
         fixed.update(_context_split_inputs(cap, mesh, axis, cp))
-        batched = _batched_values(cap)
+        split_on_cp = _context_split_ops(cap)
     split_dims: dict[str, set[int]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -321,11 +318,7 @@ def megatron(
         batch split along the context axis."""
         if node.op != "call_function":
             return True
-        if (
-            c_axis is not None
-            and not s.split[c_axis]
-            and (node in batched or any(i in batched for i in node.all_input_nodes))
-        ):
+        if c_axis is not None and not s.split[c_axis] and node in split_on_cp:
             return False
         if c_axis is not None and cp_comm_type and op_family(node) is OpFamily.ATTENTION:
             q = s.inputs[0][c_axis]
@@ -406,20 +399,26 @@ def _context_split_inputs(
     return out
 
 
-def _batched_values(cap: Captured) -> set[Node]:
-    """Floating-point values of more than one element computed from the batch: under context
-    parallelism no op computing or reading one runs whole on every context rank (integer
-    bookkeeping, such as shifting the labels, may)."""
-    seen: set[Node] = set(cap.user_input_nodes())
-    out: set[Node] = set()
+def _from_batch(cap: Captured) -> set[Node]:
+    """The user inputs and every value computed from them."""
+    out: set[Node] = set(cap.user_input_nodes())
     for n in cap.gm.graph.nodes:
-        if n in seen or not any(i in seen for i in n.all_input_nodes):
-            continue
-        seen.add(n)
-        vals = [o for o in tensor_outputs(n)]
-        if any(o.is_floating_point() and o.numel() > 1 for o in vals):
+        if any(i in out for i in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def _context_split_ops(cap: Captured) -> set[Node]:
+    """The ops that compute or read a floating-point value of more than one element computed
+    from the batch: under context parallelism none runs whole on every context rank (integer
+    bookkeeping, such as shifting the labels, may)."""
+    inputs = set(cap.user_input_nodes())
+    values = {
+        n
+        for n in _from_batch(cap) - inputs
+        if any(o.is_floating_point() and o.numel() > 1 for o in tensor_outputs(n))
+    }
+    return values | {n for n in cap.gm.graph.nodes if any(i in values for i in n.all_input_nodes)}
 
 
 def _check_tp_divides(graph: torch.fx.Graph, roles: dict[str, str], tp: int, world: int) -> None:
