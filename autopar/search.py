@@ -38,6 +38,11 @@ everything.
   plans pp = 2, 4 and 8, not accumulation). Bisecting the sizes instead planned fewer on that
   model but more on GPT-3 175B, and on the 1T-parameter row settled on a 1.5 % slower pipeline:
   the step is not unimodal where divisibility changes the stage's layouts (pp = 3 there).
+* Where a size's last count does not fit, smaller micro-batches (the next count dividing the batch
+  at least twice as many) are tried while the smallest memory per device its plans reach still
+  falls (``ESCALATE_SHRINK``), down to one sequence per micro-batch: activations shrink with the
+  micro-batch, the weights and optimizer state do not. NVIDIA's LLaMA 3.1 8B recipe on 8 H100
+  (128 × 8192) accumulates 32 micro-batches on one stage; counts 2, 4 and 8 do not fit there.
 * An accumulation count slower than the one before it ends the counts of that size, unless
   ``recompute="auto"`` had it recompute: smaller micro-batches may fit without (Table 1's row 1
   recomputes selectively with 2 micro-batches, slower than the whole batch so, and with 8 keeps
@@ -105,6 +110,21 @@ def _more_microbatches(batch: int, pp: int, m: int) -> int | None:
     needs it); ``None`` past the batch."""
     counts = [k for k in range(2 * m, batch + 1) if batch % k == 0]
     return next((k for k in counts if k % pp == 0), counts[0] if counts else None)
+
+
+ESCALATE_SHRINK = 0.02
+"""Smaller micro-batches are tried after an infeasible count while the smallest memory per device
+its plans reached fell by at least this fraction from the count before (module docstring)."""
+
+
+def _escalates(before: float | None, now: float | None, steps: int) -> bool:
+    """Whether to try smaller micro-batches after an infeasible count, ``steps`` counts having been
+    added so: while the smallest memory reached (``InfeasibleError.smallest``; ``before``: the
+    previous infeasible count's) falls by ``ESCALATE_SHRINK`` (activations shrink with the
+    micro-batch, the static state does not); where a figure is missing, at most two counts."""
+    if before is not None and now is not None:
+        return now <= before * (1 - ESCALATE_SHRINK)
+    return steps < 2
 
 
 def _solved_to(plan: Plan, gap: float) -> bool:
@@ -233,9 +253,12 @@ class PipelineSearch:
         sub = stage_cluster(cluster, pp)
         assert sub is not None and batch is not None
         ms = self.counts(pp)
-        # A pipeline whose stages do not fit is tried again with smaller micro-batches (Megatron-LM
-        # runs large models at one sequence per data-parallel rank): up to two more counts.
-        escalate = pp > 1 and not self.exhaustive and not config.microbatches
+        # Where the last count's stages do not fit, smaller micro-batches are tried while they still
+        # shrink the memory (Megatron-LM runs large models at one sequence per data-parallel rank;
+        # Megatron-Core's LLaMA 3.1 8B recipe accumulates 32 micro-batches on one stage).
+        escalate = not self.exhaustive and not config.microbatches
+        least_before: float | None = None  # the smallest memory the previous infeasible count reached
+        escalated = 0
         out = _Size()
         prev_m: float | None = None  # the best step of the previous micro-batch count (inf: pruned)
         # Whether that count's fastest plan recomputes where ``recompute="auto"`` chose it: more
@@ -260,7 +283,7 @@ class PipelineSearch:
                 microbatches_per_sync=m,
                 mesh_shape=config.mesh_shape,  # the mesh inside a stage (``possible`` checked its size)
             )
-            more = _more_microbatches(batch, pp, m) if escalate and len(ms) < 3 else None
+            more = _more_microbatches(batch, pp, m) if escalate and m == ms[-1] else None
             # A rank is busy at least m/pp of a micro-batch's compute path (``StrategyGraph.path_terms``):
             # a candidate whose path exceeds FAR_SLOWER·best·pp/m is far slower than the best plan,
             # and CP-SAT proves there is no shorter one at its root LP (module docstring).
@@ -288,8 +311,10 @@ class PipelineSearch:
                 self.errors.append(f"pp={pp} m={m}: {e}")
                 if pp == 1:  # a stage's figure is not one device's
                     self.note_least(e.smallest, f"{m} micro-batches accumulated")
-                if more is not None:
+                if more is not None and _escalates(least_before, e.smallest, escalated):
                     ms.append(more)
+                    escalated += 1
+                least_before = e.smallest
                 continue
             if self.seam_count is None:
                 self.seam_count = len(seams(cap.gm))
@@ -305,8 +330,9 @@ class PipelineSearch:
                     log.info("pp=%d m=%d: refining the screened stage plan failed (%s)", pp, m, e)
             if not found:
                 self.errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
-                if more is not None:
+                if more is not None and escalated < 2:
                     ms.append(more)
+                    escalated += 1
             for c in found:
                 self.tried.append(
                     {"pp": pp, "microbatches": m, "candidate": c.what, "step_time": c.step_time}

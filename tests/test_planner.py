@@ -320,6 +320,36 @@ def test_a_pipeline_that_does_not_fit_is_tried_with_smaller_micro_batches():
     assert _more_microbatches(64, 2, 64) is None
 
 
+def test_smaller_micro_batches_are_tried_while_they_shrink_the_memory():
+    """After an infeasible count, the next is tried while the smallest memory reached falls by
+    ``ESCALATE_SHRINK``; at most two counts where the figure is missing."""
+    from autopar.search import ESCALATE_SHRINK, _escalates
+
+    assert _escalates(None, 90e9, 0)  # the first infeasible count: nothing to compare
+    assert _escalates(100e9, 90e9, 3)  # activations still shrink: go on, however many were added
+    assert not _escalates(100e9, 100e9 * (1 - ESCALATE_SHRINK / 2), 1)  # the static state is what is left
+    assert not _escalates(None, None, 2)
+
+
+def test_accumulation_goes_past_eight_micro_batches_when_fewer_do_not_fit(make_gpt):
+    """A one-stage plan whose batch fits only in 16 micro-batches or more is found under the
+    defaults (NVIDIA's LLaMA 3.1 8B recipe on 8 H100 accumulates 32): the first counts (2, 4, 8)
+    do not fit, smaller micro-batches are tried while they shrink the memory."""
+    model = make_gpt(n_layer=2)
+    ids = torch.randint(0, 128, (64, 32))
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=2, nodes=1)
+    common = dict(mesh_shape=(2,), recompute="none", workers=1)
+    m8, m16 = (
+        autopar.plan(model, (ids, ids.clone()), cluster, microbatches=m, **common).predicted.memory_per_device
+        for m in (8, 16)
+    )
+    assert m16 < m8
+    plan = autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=(m8 + m16) / 2, **common)
+    assert plan.pipeline is not None and plan.pipeline.pp == 1 and plan.pipeline.microbatches >= 16
+    rows = plan.info["pipeline_candidates"]
+    assert [r["microbatches"] for r in rows if r.get("pp") == 1 and "microbatches" in r][-1] == 16, rows
+
+
 def test_accumulation_is_tried_when_the_whole_batch_needs_recomputation(make_gpt):
     """``recompute="auto"``: where the whole batch fits only by recomputing, accumulating smaller
     micro-batches may fit without it (Megatron Table 1's small rows), so the search tries that
