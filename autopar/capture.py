@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.canonical import canonicalize, graph_fingerprint
+from autopar.graph import recompiled_once
 from autopar.input_bounds import IndexBound, check_position_tables, index_bounds
 
 __all__ = [
@@ -272,8 +273,9 @@ def captured_from(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tup
         first = by_id.setdefault(id(p), fqn)
         aliases.setdefault(first, []).append(fqn)
         first_of[fqn] = first
-    _merge_tied_placeholders(gm, params, first_of)
-    canonicalize(gm, constants)
+    with recompiled_once(gm):
+        _merge_tied_placeholders(gm, params, first_of)
+        canonicalize(gm, constants)
     # Constant tensors lifted by export become attributes so the graph module runs by itself.
     for name, value in constants.items():
         if isinstance(value, torch.Tensor):

@@ -250,6 +250,49 @@ def test_microbatch_graph_of_a_model_branching_on_the_batch_is_exported_by_itsel
     assert tuple(cap.user_input_nodes()[0].meta["val"].shape) == (2, 8)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_micro_batch_values_evaluated_at_the_batch_are_the_propagated_ones(
+    kind, make_gpt2, make_llama, monkeypatch
+):
+    """``specialise_batch`` evaluates each node's symbolic sizes at the batch instead of running the
+    ops on fake tensors: the same shape, strides, offset, dtype and ``requires_grad`` on every
+    node as the propagation it falls back to gives, and the values sharing a storage among the
+    ops (``passes.annotate.is_alias``) those of the export, as a capture of the whole batch has
+    them (propagation differs there: ``dropout`` at p = 0 returns its input's storage)."""
+    from autopar import microbatch as mb
+
+    model = make_gpt2() if kind == "gpt2" else make_llama(layers=2)
+    ids = torch.randint(0, 128, (8, 16))
+    ep = mb.MicrobatchCaptures(model, {"input_ids": ids, "labels": ids.clone()})._symbolic_export()
+    evaluated = mb.specialise_batch(ep.graph_module, 2)
+
+    def refuse(*args: object) -> None:
+        raise mb._NotSubstituted("the test's")
+
+    monkeypatch.setattr(mb, "_substitute_vals", refuse)
+    propagated = mb.specialise_batch(ep.graph_module, 2)
+
+    def record(gm: torch.fx.GraphModule) -> tuple[list, list]:
+        rows, storages = [], {}
+        for n in gm.graph.nodes:
+            for k, v in enumerate(torch.utils._pytree.tree_leaves(n.meta.get("val"))):
+                if isinstance(v, torch.Tensor):
+                    rows.append(
+                        (n.name, k, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
+                    )
+                    if n.op == "call_function":
+                        storages.setdefault(v.untyped_storage()._cdata, []).append(n.name)
+                else:
+                    rows.append((n.name, k, v))
+        return rows, sorted(storages.values())
+
+    got, want = record(evaluated), record(propagated)
+    assert any(r[2] == (2, 16) for r in got[0] if len(r) > 3)
+    assert got[0] == want[0]
+    exported = record(ep.graph_module)[1]
+    assert got[1] == exported and any(len(g) > 1 for g in got[1])  # views share their base's storage
+
+
 def test_specialising_a_micro_batch_graph_starts_no_thread(make_gpt):
     """A process with a second thread may not fork, and the planner then solves its meshes one after
     another: specialising a micro-batch graph (``torch.fx.Interpreter`` makes a tqdm bar, whose
