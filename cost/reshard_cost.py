@@ -86,6 +86,7 @@ def edge_cost(
     bucketed_sync: bool = False,
     zero_stage: int = 0,
     sync_share: float = 1.0,
+    steps: Sequence[ReshardStep] | None = None,
 ) -> float:
     """Forward + backward seconds of a producer→consumer edge, gradient synchronization included.
 
@@ -106,8 +107,12 @@ def edge_cost(
     ``sync_share``: the fraction of that all-reduce this edge pays. A value read the same way by
     several consumers (a tied embedding and LM head) has its gradients summed first and
     all-reduced once (``grad_sync_share``), so each of its ``k`` edges pays ``1/k`` of it.
+
+    ``steps``: ``reshard_steps(shape, src, dst, mesh.shape)`` where the caller already has them
+    (the solver's formulation costs one reshard under several gradient settings).
     """
-    steps = reshard_steps(shape, src, dst, mesh.shape)
+    if steps is None:
+        steps = reshard_steps(shape, src, dst, mesh.shape)
     fwd = sum(step_cost(s, itemsize, mesh) for s in steps)
     if not requires_grad:
         return fwd
@@ -154,7 +159,13 @@ def grad_sync_bytes(
 
 
 def kept_gather_bytes(
-    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh: Mesh, zero_stage: int
+    shape: Sequence[int],
+    itemsize: int,
+    src: Spec,
+    dst: Spec,
+    mesh: Mesh,
+    zero_stage: int,
+    steps: Sequence[ReshardStep] | None = None,
 ) -> float:
     """Bytes a ZeRO stage-1/2 parameter's gathered copy (and, stage 1, its full gradient) adds from
     forward to backward where a user gathers it; 0 for stage 3 or when nothing is gathered.
@@ -163,10 +174,13 @@ def kept_gather_bytes(
     (``training_state_bytes``), so the gather adds the rest: the full copy less the shard. Per
     parameter over ``N`` devices (ZeRO paper §5, Table 1): stage 2 keeps ``2 + 14/N`` bytes
     (shards 16/N, plus the weight's 2 − 2/N), stage 1 ``4 + 12/N`` (plus the gradient's 2 − 2/N).
+    ``steps``: as ``edge_cost``'s.
     """
     if zero_stage not in (1, 2):
         return 0.0
-    if not any(s.kind == StepKind.ALL_GATHER for s in reshard_steps(shape, src, dst, mesh.shape)):
+    if steps is None:
+        steps = reshard_steps(shape, src, dst, mesh.shape)
+    if not any(s.kind == StepKind.ALL_GATHER for s in steps):
         return 0.0
     full = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
     shard = _bytes(local_shape(shape, src, mesh.shape), itemsize)

@@ -44,7 +44,7 @@ from autopar.mesh import Mesh
 from autopar.passes import PassContext
 from autopar.passes.annotate import grad_sync_share
 from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec, spec_problem
-from autopar.reshard import bucketed_grad_sync, grad_sync_axes
+from autopar.reshard import ReshardStep, bucketed_grad_sync, grad_sync_axes, reshard_steps
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
 __all__ = ["STRATEGY_GRAPH", "formulate", "parse_fixed"]
@@ -141,6 +141,9 @@ class _Builder:
         self.index: dict[Node, int] = {}
         self.edges: dict[tuple, Edge] = {}
         self.edge_cache: dict[tuple, tuple[float, float]] = {}
+        # The collectives of each reshard (value shape, source spec, destination spec), which edges
+        # under different gradient settings share.
+        self.steps_cache: dict[tuple, list[ReshardStep]] = {}
         self.fixed = fixed
         # Group keys are interned as small integers: an edge's cost
         # matrix is then filled and cached by integer pairs, not by hashing specs pair by pair.
@@ -245,7 +248,7 @@ class _Builder:
         shape, itemsize, rg = tuple(val.shape), val.element_size(), info.requires_grad
         bucketed = bucketed_grad_sync(i)
         share = grad_sync_share(i)
-        mesh, cache, keys = self.mesh, self.edge_cache, self.keys
+        mesh, cache, keys, steps_cache = self.mesh, self.edge_cache, self.keys, self.steps_cache
         once_per_step = info.kind == "param" and self.per_sync > 1
         signature = self._intern(("value", shape, itemsize, rg, bucketed, share, once_per_step))
 
@@ -262,6 +265,9 @@ class _Builder:
                 if spec is None:
                     v = (0.0, 0.0)
                 else:
+                    steps = steps_cache.get((shape, src, spec))
+                    if steps is None:
+                        steps = steps_cache[(shape, src, spec)] = reshard_steps(shape, src, spec, mesh.shape)
                     t = edge_cost(
                         shape,
                         itemsize,
@@ -273,10 +279,11 @@ class _Builder:
                         bucketed_sync=bucketed,
                         zero_stage=stage,
                         sync_share=share,
+                        steps=steps,
                     )
                     if once_per_step and src == spec:  # no gather: only the step's gradient all-reduce
                         t /= self.per_sync
-                    v = (t, share * kept_gather_bytes(shape, itemsize, src, spec, mesh, stage))
+                    v = (t, share * kept_gather_bytes(shape, itemsize, src, spec, mesh, stage, steps=steps))
                 cache[key] = v
             return v
 
