@@ -402,14 +402,18 @@ def plan_model(
     cluster: Cluster,
     config: PlanConfig,
     captured: Captured | None = None,
+    graphs: MicrobatchCaptures | None = None,
 ) -> Plan:
     """Plan ``model`` (``autopar.plan``): the one-stage plan and the pipelined candidates
     ``config.pp`` asks for (``PlanConfig.pp``; module docstring); the fastest that fits.
-    ``captured``: the model already captured on ``example_inputs``."""
+    ``captured``: the model already captured on ``example_inputs``; ``graphs``: its micro-batch
+    graphs, shared by several plans of the same workload (``autopar plan --nodes 4,8,16``: the
+    model is exported once, with and without a symbolic batch, for every cluster)."""
     args, kwargs = normalize_inputs(example_inputs)
     config = config.resolved(cluster.device.memory)
     t0 = time.perf_counter()
-    graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
+    if graphs is None:
+        graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
     if config.pp == 1 and config.microbatches in (None, 1):
         return plan_captured(graphs(1), cluster, config)
     world = cluster.world_size

@@ -89,6 +89,36 @@ def test_plan_prints_the_plan_and_writes_file_and_pictures(tmp_path, capsys):
     assert err == ""  # stderr is not a terminal here: no progress
 
 
+def test_plan_on_several_node_counts_exports_the_model_once(tmp_path, capsys, monkeypatch):
+    """``--nodes 1,2``: one plan per cluster, each written to its own file, and a table comparing
+    them; the model is exported once for both (the micro-batch graphs are shared), and a batch
+    must be given (the default differs per cluster)."""
+    exports: list[str] = []
+    for name, kind in (("autopar.capture", "whole"), ("autopar.microbatch", "symbolic")):
+        module = sys.modules[name]  # autopar.capture is also the function
+        real = module.export_program
+
+        def counted(*args, _real=real, _kind=kind, **kwargs):
+            exports.append(_kind)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "export_program", counted)
+    out_file = tmp_path / "p.json"
+    argv = ["plan", "gpt-tiny", "--gpus-per-node", "2", "--batch", "8", "--seq", "32", "--nodes", "1,2"]
+    code, out, err = run(capsys, *argv, "-o", str(out_file))
+    assert code == 0, err
+    assert "=== 1 node(s): 2 devices ===" in out and "=== 2 node(s): 4 devices ===" in out
+    table = out.split("the workload on each cluster (predicted):")[1].splitlines()
+    assert table[1].split()[:2] == ["nodes", "devices"] and "tokens/s" in table[1]
+    assert [r.split()[:2] for r in table[2:4]] == [["1", "2"], ["2", "4"]]
+    for n, devices in ((1, 2), (2, 4)):
+        plan = autopar.Plan.load(tmp_path / f"p-{n}nodes.json")
+        assert plan.world_size == devices
+    assert exports.count("whole") == 1 and exports.count("symbolic") <= 1, exports
+    code, _, err = run(capsys, "plan", "gpt-tiny", "--nodes", "1,2")
+    assert code == 1 and "give its --batch" in err
+
+
 def test_show_prints_summary_full_table_nodes_and_svg(tiny_plan, tmp_path, capsys):
     code, out, _ = run(capsys, "show", str(tiny_plan))
     assert code == 0 and out.startswith("Plan on mesh") and "blocks.0–1" in out

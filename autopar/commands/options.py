@@ -47,6 +47,14 @@ _UNITS = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}  # fmt: skip
 
 
+def node_counts(text: str) -> list[int]:
+    """``8`` or ``4,8,16``: the node counts ``autopar plan`` plans the workload on, each once."""
+    counts = [positive_int(t.strip()) for t in text.split(",")]
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"each node count once, got {text!r}")
+    return counts
+
+
 def _pp(text: str) -> int | str:
     if text in ("auto", "search"):
         return text
@@ -129,13 +137,20 @@ def model_args(p: argparse.ArgumentParser, *, dtype: str = "bf16", required: boo
     )
 
 
-def cluster_args(p: argparse.ArgumentParser, *, default: str = "H100-SXM") -> None:
-    """The options that name the cluster (``loading.build_cluster``)."""
+def cluster_args(
+    p: argparse.ArgumentParser, *, default: str = "H100-SXM", several_nodes: bool = False
+) -> None:
+    """The options that name the cluster (``loading.build_cluster``); ``several_nodes``: ``--nodes``
+    takes a comma-separated list of node counts (``node_counts``)."""
     g = p.add_argument_group("cluster")
     g.add_argument("--cluster", default=default,
                    help=f"device preset (autopar models --clusters), 'local' (processes here) or a profile JSON "
                         f"from autopar calibrate (default {default})")  # fmt: skip
-    g.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
+    if several_nodes:
+        g.add_argument("--nodes", type=node_counts, default=[1],
+                       help="nodes, or several counts to plan the workload on each, e.g. 4,8,16 (default 1)")  # fmt: skip
+    else:
+        g.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
     g.add_argument("--gpus-per-node", type=positive_int, default=8, help="devices per node (default 8)")
 
 
