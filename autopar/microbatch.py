@@ -188,11 +188,17 @@ def _substitute_vals(gm: torch.fx.GraphModule, mode: Any, value: Callable[[Any],
     def concrete(v: Any) -> Any:
         if isinstance(v, (torch.SymFloat, torch.SymBool)):
             raise _NotSubstituted(f"a symbolic {type(v).__name__}")
+        if not isinstance(v, (torch.SymInt, torch.Tensor)):
+            return v
+        try:
+            return _concrete(v)
+        except ValueError as e:  # a size of another symbol (an unbacked one, data-dependent)
+            raise _NotSubstituted(str(e)) from None
+
+    def _concrete(v: Any) -> Any:
         if isinstance(v, torch.SymInt):
             return value(v)
-        if not isinstance(v, torch.Tensor):
-            return v
-        if v.layout is not torch.strided or v.is_quantized or type(v).__name__ != "FakeTensor":
+        if not isinstance(v, FakeTensor) or v.layout is not torch.strided or v.is_quantized:
             raise _NotSubstituted(f"a {v.layout} {type(v).__name__} value")
         storage = v.untyped_storage()
         key = storage._cdata
