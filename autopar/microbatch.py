@@ -4,8 +4,8 @@
 (the global batch cut into ``m`` equal parts along dimension 0). ``MicrobatchCaptures`` gives
 that graph for any ``m``: the model is exported once with its batch dimension symbolic, and each
 micro-batch's graph is that export *specialised* — the batch symbol replaced by its value in every
-size argument and in every node's ``val`` — which takes a fraction of an export (1.3 s against
-6.7 s for LLaMA-3-8B's whole-batch capture). A model that cannot be exported with a symbolic
+size argument and in every node's ``val`` — which takes a fraction of an export (0.6 s against
+5–7 s for LLaMA-3-8B's whole-batch capture). A model that cannot be exported with a symbolic
 batch (its code branches on the batch size) is exported once per micro-batch count instead. The
 planner and the runtime both take micro-batch graphs from here, so a plan's node names and
 fingerprint are the ones the runtime captures.

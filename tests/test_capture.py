@@ -299,15 +299,22 @@ def test_micro_batch_values_evaluated_at_the_batch_are_the_propagated_ones(
     assert got[1] == exported and (kind == "cnn" or any(len(g) > 1 for g in got[1]))  # views share a storage
 
 
-def test_specialising_a_micro_batch_graph_starts_no_thread(make_gpt):
+def test_specialising_a_micro_batch_graph_starts_no_thread(make_gpt, monkeypatch):
     """A process with a second thread may not fork, and the planner then solves its meshes one after
-    another: specialising a micro-batch graph (``torch.fx.Interpreter`` makes a tqdm bar, whose
-    first instance starts tqdm's monitor thread) must leave the thread count as it was."""
+    another: specialising a micro-batch graph by propagation (``torch.fx.Interpreter`` makes a tqdm
+    bar, whose first instance starts tqdm's monitor thread; the fallback of evaluating the values)
+    must leave the thread count as it was."""
     import threading
 
     from tqdm import tqdm
 
+    from autopar import microbatch as mb
     from autopar.microbatch import MicrobatchCaptures
+
+    def refuse(*args: object) -> None:
+        raise mb._NotSubstituted("the test's")
+
+    monkeypatch.setattr(mb, "_substitute_vals", refuse)
 
     if tqdm.monitor is not None:  # started by an earlier test: stop it, so this one can fail
         tqdm.monitor.exit()
