@@ -74,7 +74,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -135,6 +135,30 @@ def _solved_to(plan: Plan, gap: float) -> bool:
     return bool(tried) and all(
         "pruned" in t or not t.get("feasible") or t.get("gap", 1.0) <= gap for t in tried
     )
+
+
+@dataclass
+class _Player:
+    """A ``(pp, m)`` candidate's score of a stage plan (``plan_captured(score=…)``): the fastest
+    step its schedules play (``pipelined_candidates``), the candidates kept for the plan chosen."""
+
+    gm: Any
+    cluster: Cluster
+    config: PlanConfig
+    pp: int
+    m: int
+    budget: float
+    played: dict[int, list[Scored]] = field(default_factory=dict)
+
+    def candidates(self, p: Plan) -> list[Scored]:
+        if id(p) not in self.played:
+            self.played[id(p)] = pipelined_candidates(
+                p, self.gm, self.cluster, self.config, self.pp, self.m, self.budget
+            )
+        return self.played[id(p)]
+
+    def __call__(self, p: Plan) -> float:
+        return min((c.step_time for c in self.candidates(p)), default=math.inf)
 
 
 @dataclass
@@ -292,6 +316,8 @@ class PipelineSearch:
             )
             # Screened at SCREEN_GAP where a plan exists to beat (module docstring: screening).
             screen = not self.exhaustive and best_before < math.inf and config.relative_gap < SCREEN_GAP
+            # Near-tie meshes are ranked by the step this candidate plays (``planner.MESH_TIE``).
+            score = _Player(cap.gm, cluster, config, pp, m, self.budget)
             try:
                 spmd = plan_captured(
                     cap,
@@ -299,6 +325,7 @@ class PipelineSearch:
                     stage_config.replace(screen_gap=SCREEN_GAP) if screen else stage_config,
                     path_cutoff=far,
                     background=self.prefetch(then) if m == ms[0] else None,
+                    score=score,
                 )
             except NotBetter:
                 why = f"no plan within {FAR_SLOWER}× the best plan's step (its compute path alone is longer)"
@@ -318,13 +345,13 @@ class PipelineSearch:
                 continue
             if self.seam_count is None:
                 self.seam_count = len(seams(cap.gm))
-            found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, self.budget)
+            found = score.candidates(spmd)
             if screen and _solved_to(spmd, config.relative_gap):
                 screen = False  # CP-SAT's first plans already met the configured gap: nothing to refine
             if screen and found and min(c.step_time for c in found) * (1 - SCREEN_GAP) <= best_before:
                 try:  # it may win: the stage plan at the configured gap
-                    spmd = plan_captured(cap, sub, stage_config, path_cutoff=far)
-                    found = pipelined_candidates(spmd, cap.gm, cluster, config, pp, m, self.budget)
+                    spmd = plan_captured(cap, sub, stage_config, path_cutoff=far, score=score)
+                    found = score.candidates(spmd)
                     screen = False
                 except (NotBetter, InfeasibleError) as e:
                     log.info("pp=%d m=%d: refining the screened stage plan failed (%s)", pp, m, e)

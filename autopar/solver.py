@@ -95,7 +95,7 @@ class NotBetter(RuntimeError):
     def __init__(self, cutoff: float, path_cutoff: float | None = None) -> None:
         what = []
         if math.isfinite(cutoff):
-            what.append(f"no plan faster than {cutoff * 1e3:.2f} ms (another candidate's)")
+            what.append(f"no plan to rival {cutoff * 1e3:.2f} ms (another candidate's)")
         if path_cutoff is not None:
             what.append(f"no compute path within {path_cutoff * 1e3:.2f} ms (a better plan's step)")
         super().__init__(" or ".join(what) or "no better plan")

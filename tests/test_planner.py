@@ -401,8 +401,9 @@ def test_a_cutoff_keeps_plans_that_beat_it_and_refuses_the_rest():
 @pytest.mark.timeout(300)
 def test_meshes_that_cannot_win_are_pruned_and_the_winner_is_unchanged(make_llama, batch):
     """The planner gives each mesh solved after another the best objective so far as a cutoff. The
-    plan is the one solving every mesh in full gives: the same winner and objective, and each mesh
-    pruned is no faster on its own."""
+    plan is the one solving every mesh in full gives: the same least objective, the winner the
+    fastest simulated step among the meshes within ``MESH_TIE`` of it, and each mesh pruned more
+    than ``MESH_TIE`` less the gap slower on its own."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from autopar.planner import plan_captured
@@ -411,7 +412,7 @@ def test_meshes_that_cannot_win_are_pruned_and_the_winner_is_unchanged(make_llam
                       intermediate_size=512, vocab_size=1024, max_position_embeddings=512, use_cache=False)  # fmt: skip
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    ids = torch.empty(32, 512, dtype=torch.long, device="meta")
+    ids = torch.empty(4, 512, dtype=torch.long, device="meta")  # 4 sequences: tensor parallelism pays
     cap = autopar.capture(model, {"input_ids": ids, "labels": ids.clone()})
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=2)
     plan = plan_captured(cap, cluster, workers=1)
@@ -422,9 +423,50 @@ def test_meshes_that_cannot_win_are_pruned_and_the_winner_is_unchanged(make_llam
         ]
         for m in tried
     }
+    from autopar.planner import MESH_TIE
+
     assert any(m.get("pruned") for m in tried), tried
-    assert plan.info["solver"]["objective"] == pytest.approx(min(alone.values()), rel=1e-12)
-    assert plan.mesh_shape == min(alone, key=lambda k: (alone[k], [tuple(m["mesh"]) for m in tried].index(k)))
+    least = min(m["objective"] for m in tried if m.get("feasible"))
+    assert least == pytest.approx(min(alone.values()), rel=1e-12)
+    rivals = {tuple(m["mesh"]): m["scored_step"] for m in tried if "scored_step" in m}
+    assert rivals == {
+        tuple(m["mesh"]): pytest.approx(m["scored_step"])
+        for m in tried
+        if m.get("feasible") and m["objective"] <= least * (1 + MESH_TIE)
+    }
+    assert plan.mesh_shape == min(rivals, key=rivals.get)
+    assert plan.predicted.step_time == pytest.approx(min(rivals.values()), rel=1e-12)
+    gap = autopar.PlanConfig().relative_gap
     for m in tried:
         if m.get("pruned"):
-            assert alone[tuple(m["mesh"])] >= plan.info["solver"]["objective"]
+            assert alone[tuple(m["mesh"])] >= least * (1 + MESH_TIE - gap) * (1 - 1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_near_tie_meshes_are_ranked_by_the_callers_score(make_gpt, a100x8, monkeypatch):
+    """Meshes whose objectives lie within ``MESH_TIE`` of the least are finished as plans and ranked
+    by ``score`` (the 3D search plays each one's micro-batches and schedules): the plan is the one
+    the score prefers, each rival's score is recorded, and a mesh outside the tie is not scored."""
+    import autopar.planner as planner
+
+    cap = _tiny_gpt_capture(make_gpt)
+    alone = planner.plan_captured(cap, a100x8, workers=1)
+    objectives = {tuple(m["mesh"]): m["objective"] for m in alone.info["meshes_tried"] if m.get("feasible")}
+    monkeypatch.setattr(planner, "MESH_TIE", 100.0)  # every mesh a rival
+    everyone = planner.plan_captured(cap, a100x8, workers=1)
+    steps = {tuple(m["mesh"]): m["scored_step"] for m in everyone.info["meshes_tried"] if "scored_step" in m}
+    assert len(steps) >= 2 and everyone.predicted.step_time == min(steps.values())
+    assert everyone.mesh_shape == min(steps, key=steps.get)
+    slowest = max(steps, key=lambda k: steps[k])
+    seen: list[tuple[int, ...]] = []
+
+    def score(p: autopar.Plan) -> float:
+        seen.append(tuple(p.mesh_shape))
+        return 0.0 if tuple(p.mesh_shape) == slowest else 1.0
+
+    picked = planner.plan_captured(cap, a100x8, workers=1, score=score)
+    assert picked.mesh_shape == slowest and sorted(seen) == sorted(steps)
+    monkeypatch.setattr(planner, "MESH_TIE", 0.0)  # only the least objective: nothing else is scored
+    seen.clear()
+    one = planner.plan_captured(cap, a100x8, workers=1, score=score)
+    assert seen == [one.mesh_shape] and objectives[one.mesh_shape] == min(objectives.values())
