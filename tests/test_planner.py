@@ -359,14 +359,30 @@ def test_accumulation_is_tried_when_the_whole_batch_needs_recomputation(make_gpt
     cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=2, nodes=1)
     whole = autopar.plan(model, (ids, ids.clone()), cluster, pp=1, mesh_shape=(2,), workers=1)
     budget = 0.75 * whole.predicted.memory_per_device
-    plan = autopar.plan(
-        model, (ids, ids.clone()), cluster, recompute="auto", memory_budget=budget, mesh_shape=(2,), workers=1
-    )
+    plan = autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, mesh_shape=(2,), workers=1)
     rows = plan.info["pipeline_candidates"]
     one_stage = next(r for r in rows if r["pp"] == 1 and "microbatches" not in r)
     accumulated = [r for r in rows if r["pp"] == 1 and r.get("microbatches", 1) > 1 and "step_time" in r]
     assert accumulated, rows
     assert plan.predicted.step_time == min(one_stage["step_time"], *(r["step_time"] for r in accumulated))
+
+
+def test_the_default_recomputes_where_a_plan_fits_only_so(make_gpt):
+    """``recompute="auto"`` is the default: a whole batch that fits one stage only by recomputing
+    is planned recomputing (the lightest mode that fits), where ``"none"`` finds no plan; a batch
+    that fits as it is keeps every activation."""
+    model = make_gpt(n_layer=2)
+    ids = torch.randint(0, 128, (64, 32))
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=2, nodes=1)
+    common = dict(pp=1, microbatches=1, mesh_shape=(2,), workers=1)
+    ample = autopar.plan(model, (ids, ids.clone()), cluster, **common)
+    assert ample.recompute == "none"
+    budget = 0.75 * ample.predicted.memory_per_device
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, recompute="none", **common)
+    tight = autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, **common)
+    assert tight.recompute in ("selective", "full") and tight.predicted.memory_per_device <= budget
+    assert tight.predicted.step_time > ample.predicted.step_time
 
 
 def test_a_cutoff_keeps_plans_that_beat_it_and_refuses_the_rest():

@@ -179,7 +179,7 @@ def planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="pipeline schedule (default searched)")  # fmt: skip
     g.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
-                   help="activation recomputation (default none; auto: the cheapest that fits)")  # fmt: skip
+                   help="activation recomputation (default auto: the lightest that fits)")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
