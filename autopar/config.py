@@ -62,6 +62,14 @@ class PlanConfig:
     candidate. Under ``"none"`` a layout that fits only with recomputation is not a candidate:
     Table 1's row 7 (GPT 145.6B on 1536 A100) then plans 24 stages, 1.64× slower than ``"auto"``'s
     one stage recomputing selectively."""
+    recompute_layers: int | tuple[int, ...] | None = None
+    """The repeated layers the recomputation applies to, counted in the order the forward runs
+    them (``passes.strategies.repeated_layers``); the others keep their activations. An int ``k``:
+    the model's first ``k`` (under a pipeline they sit on the first stages, which hold the most
+    micro-batches in flight under 1F1B); a tuple: those ordinals (Megatron-LM's
+    ``--recompute-method block --recompute-num-layers N`` recomputes the first ``N`` of every
+    stage: ``layouts.megatron(recompute_num_layers=N)``). ``None``: every repeated layer, and under
+    ``recompute="auto"`` a count is searched (``autopar.planner``: fewer layers)."""
     activations_in_flight: int = 1
     """Micro-batches whose saved activations one device holds at once, as the memory constraint
     counts them (activations and inputs × this, training state × 1). The 3D search plans a
@@ -192,6 +200,23 @@ class PlanConfig:
             fail(f"pp must be a positive integer, 'auto' or 'search', got {self.pp!r}")
         if self.recompute not in ("none", "selective", "full", "auto"):
             fail(f"recompute must be 'none', 'selective', 'full' or 'auto', got {self.recompute!r}")
+        layers = self.recompute_layers
+        if layers is not None:
+            ordinals = layers if isinstance(layers, tuple) else (layers,)
+            if not ordinals or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in ordinals):
+                fail(
+                    f"recompute_layers must be a positive number of layers or a tuple of layer ordinals "
+                    f"(0 is the first repeated layer), got {layers!r}"
+                )
+            if isinstance(layers, int) and layers < 1:
+                fail(
+                    f"recompute_layers must be at least 1 layer (recompute='none' keeps every one), got {layers}"
+                )
+            if self.recompute == "none":
+                fail(
+                    f"recompute_layers={layers!r} names layers to recompute, but recompute='none': give "
+                    f"recompute='selective', 'full' or 'auto'"
+                )
         f = self.activations_in_flight
         if isinstance(f, bool) or not isinstance(f, int) or f < 1:
             fail(f"activations_in_flight must be a positive number of micro-batches, got {f!r}")

@@ -55,6 +55,7 @@ __all__ = [
     "plan_summary",
     "plan_table",
     "plan_text",
+    "recomputed_where",
     "replication_notes",
     "weights_text",
 ]
@@ -392,7 +393,7 @@ def plan_summary(plan: PlanRecord) -> str:
             + ", ".join(fmt_bytes(b) for b in pipe.peak_memory)
         )
     if plan.recompute != "none":
-        lines.append(f"  recomputation: {plan.recompute} (in every repeated layer)")
+        lines.append(f"  recomputation: {plan.recompute} ({recomputed_where(plan)})")
     fused = plan.fusion_counts()
     if fused:
         lines.append(
@@ -580,3 +581,27 @@ def graph_table(gm: torch.fx.GraphModule, max_rows: int | None = None, title: st
 def param_count(nodes: Iterable[NodeRecord]) -> int:
     """Elements of the plan's parameters (each counted once)."""
     return sum(math.prod(n.shape) for n in nodes if n.kind == "param")
+
+
+def recomputed_where(plan: Any) -> str:
+    """Which repeated layers recompute: ``in every repeated layer``, or ``in 5 layers: h.0 … h.4``
+    (``Plan.recompute_layers``), and what the search tried (``info["recompute_layers_tried"]``)."""
+    layers = plan.recompute_layers
+    tried = plan.info.get("recompute_layers_tried") or {}
+    if layers is None:
+        where = "in every repeated layer"
+        if "step" in tried:
+            where += (
+                f"; recomputing the first {tried['layers']} of {tried['of']} fits but runs slower, "
+                f"{tried['step'] * 1e3:.1f} ms against {tried['every_layer_step'] * 1e3:.1f} ms"
+            )
+        return where
+    names = list(layers)
+    shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} … {names[-1]}"
+    where = f"in {len(names)} repeated layer{'s' if len(names) > 1 else ''}: {shown}; the others keep their activations"
+    if "step" in tried:
+        where += (
+            f" ({tried['step'] * 1e3:.1f} ms a step, against {tried['every_layer_step'] * 1e3:.1f} ms recomputing "
+            f"all {tried['of']})"
+        )
+    return where

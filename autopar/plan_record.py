@@ -194,7 +194,14 @@ def build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) ->
         ),
         cluster=mesh.cluster.to_dict(),
         fingerprint=cap.fingerprint,
-        info={"solver": {"objective": sol.objective, "solve_time": sol.solve_time, **sol.stats}},
+        info={
+            "solver": {
+                "objective": sol.objective,
+                "memory": sol.memory,
+                "solve_time": sol.solve_time,
+                **sol.stats,
+            }
+        },
     )
 
 

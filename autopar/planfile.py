@@ -182,6 +182,9 @@ class Plan:
     recompute: str = "none"
     """Activation recomputation in every repeated layer: ``"none"``, ``"selective"`` (attention
     scores) or ``"full"`` (keep each layer's input; ``autopar.passes.recompute``)."""
+    recompute_layers: tuple[str, ...] | None = None
+    """The repeated-layer instances ``recompute`` applies to (``transformer.h.0``, in the order the
+    forward runs them); the others keep their activations. ``None``: every repeated layer."""
     fusions: list[FusionPlan] = field(default_factory=list)
     """The fused kernels the predicted costs assume (empty on a CPU cluster or with
     ``disable=("fuse_kernels",)``; ``fusion_counts()`` per kind)."""
@@ -263,6 +266,9 @@ class Plan:
             "info": self.info,
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
             "recompute": self.recompute,
+            **(
+                {"recompute_layers": list(self.recompute_layers)} if self.recompute_layers is not None else {}
+            ),
             "fusions": [asdict(f) for f in self.fusions],
             "compile": self.compile,
         }
@@ -307,6 +313,7 @@ class Plan:
             info=d.get("info", {}),
             pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             recompute=str(d.get("recompute", "none")),
+            recompute_layers=tuple(d["recompute_layers"]) if d.get("recompute_layers") is not None else None,
             fusions=[
                 FusionPlan(kind=f["kind"], members=tuple(f["members"]), anchor=f["anchor"])
                 for f in d.get("fusions", [])
@@ -462,6 +469,9 @@ def _validate(d: dict[str, Any]) -> None:
             fail(f"predicted.{f}", "a finite number >= 0", v)
     if d.get("recompute", "none") not in ("none", "selective", "full"):
         fail("recompute", "'none', 'selective' or 'full'", d.get("recompute"))
+    layers = d.get("recompute_layers")
+    if layers is not None and (not isinstance(layers, list) or not all(isinstance(x, str) for x in layers)):
+        fail("recompute_layers", "a list of layer instance names", layers)
     if not isinstance(d.get("compile", False), bool):
         fail("compile", "true or false", d.get("compile"))
     fusions = d.get("fusions", [])

@@ -48,7 +48,14 @@ from autopar.passes.annotate import annotate_cost, annotate_tensors
 from autopar.passes.chains import annotate_chains
 from autopar.passes.formulate import STRATEGY_GRAPH, formulate, parse_fixed
 from autopar.passes.fusion import FUSIONS, annotate_fusions, fusion_plan
-from autopar.passes.strategies import annotate_strategies, getitem_strategies, unruled_ops, with_follow
+from autopar.passes.strategies import (
+    annotate_strategies,
+    getitem_strategies,
+    recomputed_layers,
+    repeated_layers,
+    unruled_ops,
+    with_follow,
+)
 from autopar.plan_record import build_plan
 from autopar.planfile import Plan
 from autopar.simulate import graph_facts, simulate_captured
@@ -182,23 +189,37 @@ def plan_captured(
     config = PlanConfig.build(config, **options)
     if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
         pruned: NotBetter | None = None  # a mode's plans that fit (if any) miss the path cutoff
+        kept: float | None = None  # the least memory plans keeping every activation reach
+
+        def attempt_mode(c: PlanConfig, first: bool = False) -> Plan:
+            return plan_captured(
+                cap,
+                cluster,
+                c,
+                node_constraint=node_constraint,
+                layout=layout,
+                path_cutoff=path_cutoff,
+                background=background if first else None,
+                score=score,
+            )
+
         for mode in ("none", "selective", "full"):
             try:
-                return plan_captured(
-                    cap,
-                    cluster,
-                    config.replace(recompute=mode),
-                    node_constraint=node_constraint,
-                    layout=layout,
-                    path_cutoff=path_cutoff,
-                    background=background if mode == "none" else None,
-                    score=score,
-                )
+                p = attempt_mode(config.replace(recompute=mode), first=mode == "none")
             except NotBetter as e:  # none may fit at all: a lighter footprint may still beat the cutoff
                 pruned = e
-            except InfeasibleError:
+                continue
+            except InfeasibleError as e:
                 if mode == "full" and pruned is None:
                     raise
+                kept = e.smallest if mode == "none" else kept
+                continue
+            if mode != "none" and config.recompute_layers is None and kept is not None:
+                total = len(repeated_layers(cap.gm.graph))  # annotated by the attempts' graph passes
+                p = _fewer_layers(
+                    p, kept, total, config.replace(recompute=mode), cluster, attempt_mode, score
+                )
+            return p
         assert pruned is not None
         raise pruned
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
@@ -305,6 +326,11 @@ def plan_captured(
             annotate(mesh, [p for p in mesh_passes if p is not formulate])
         p = build_plan(gm, cap, Mesh(mesh, cluster), sol)
         p.recompute = config.recompute
+        if config.recompute != "none":
+            order = repeated_layers(gm.graph)
+            only = recomputed_layers(gm.graph, config.recompute_layers)
+            if only is not None and len(only) < len(order):
+                p.recompute_layers = tuple(n for n in order if n in only)
         p.compile = config.compile
         p.fusions = fusion_plan(gm.meta.get(FUSIONS, ()))
         facts = graph_facts(gm)
@@ -350,6 +376,40 @@ def plan_captured(
     for note in replication_notes(p, batch_only=True):  # planned anyway: say which axis repeats the work, why
         warnings.warn(f"autopar: {note}", stacklevel=_user_stacklevel())
     return p
+
+
+def _fewer_layers(
+    plan: Plan,
+    kept: float,
+    total: int,
+    config: PlanConfig,
+    cluster: Cluster,
+    attempt: Callable[[PlanConfig], Plan],
+    score: Callable[[Plan], float] | None,
+) -> Plan:
+    """``plan`` recomputes in every repeated layer; the same mode in the first ``k`` only, where that
+    fits and runs faster (``PlanConfig.recompute_layers``). Memory falls linearly with the layers
+    recomputed (they are alike), from ``kept`` (the least any plan keeping every activation reaches)
+    to ``plan``'s at all ``L = total``: ``k = ⌈L · (kept − budget) / (kept − plan's)⌉`` is the fewest
+    at which ``plan``'s own layouts would fit, one solve more. ``plan.info["recompute_layers_tried"]``
+    says what it gave."""
+    budget = config.resolved(cluster.device.memory).memory_budget
+    reached = plan.info.get("solver", {}).get("memory")
+    if total < 2 or budget is None or reached is None or kept <= reached:
+        return plan
+    k = math.ceil(total * (kept - budget) / (kept - reached))
+    if not 1 <= k < total:
+        return plan
+    note: dict[str, Any] = {"layers": k, "of": total}
+    try:
+        fewer = attempt(config.replace(recompute_layers=k))
+    except (InfeasibleError, NotBetter) as e:
+        plan.info["recompute_layers_tried"] = note | {"failed": str(e).splitlines()[0][:200]}
+        return plan
+    steps = [score(p) if score is not None else p.predicted.step_time for p in (plan, fewer)]
+    best = fewer if steps[1] < steps[0] else plan
+    best.info["recompute_layers_tried"] = note | {"step": steps[1], "every_layer_step": steps[0]}
+    return best
 
 
 def _user_stacklevel() -> int:

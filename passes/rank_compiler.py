@@ -208,14 +208,15 @@ def rank_info(target: RankTarget, ctx: PassContext) -> RankInfo:
         num_outputs=0,
         axis_names=group_names(target.axes),
         recompute=plan.recompute,
-        **(recompute_info(ctx, plan.recompute) if plan.recompute != "none" else {}),
+        **(recompute_info(ctx, plan.recompute, plan.recompute_layers) if plan.recompute != "none" else {}),
     )
 
 
-def recompute_info(ctx: PassContext, mode: str) -> dict[str, Any]:
+def recompute_info(ctx: PassContext, mode: str, layers: tuple[str, ...] | None = None) -> dict[str, Any]:
     """``RankInfo``'s recomputation fields: captured node name -> the repeated-layer instance it
     runs in (``transformer.h.3``, from the tensor annotations' module paths), and the captured
-    nodes ``mode`` recomputes (``passes.strategies.recomputed``, the rule the plan was costed by)."""
+    nodes ``mode`` recomputes in the instances ``layers`` (``Plan.recompute_layers``; ``None``:
+    every one) — ``passes.strategies.recomputed``, the rule the plan was costed by."""
     from autopar.graph import outer_instance
     from autopar.ir import TENSOR
     from autopar.passes import run_passes
@@ -228,12 +229,13 @@ def recompute_info(ctx: PassContext, mode: str) -> dict[str, Any]:
             cap.gm, PassContext(captured=cap, cluster=ctx.cluster, config=ctx.config), [annotate_tensors]
         )
     layer_of, sources = {}, set()
+    only = frozenset(layers) if layers is not None else None
     for n in cap.gm.graph.nodes:
         info = n.meta.get(TENSOR)
         if info is None or n.op != "call_function":
             continue
         layer_of[n.name] = outer_instance(info.module)
-        if recomputed(n, mode):
+        if recomputed(n, mode, only):
             sources.add(n.name)
     return {"layer_of": layer_of, "recompute_sources": frozenset(sources)}
 

@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
@@ -47,7 +47,16 @@ from autopar.placement import Partial, Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
 
-__all__ = ["annotate_strategies", "getitem_strategies", "tie_key", "unruled_ops", "with_follow"]
+__all__ = [
+    "annotate_strategies",
+    "getitem_strategies",
+    "recomputed",
+    "recomputed_layers",
+    "repeated_layers",
+    "tie_key",
+    "unruled_ops",
+    "with_follow",
+]
 
 
 def tie_key(node: Node, ordinal: dict[Node, int]) -> tuple | None:
@@ -151,7 +160,9 @@ def _splits_queries(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool:
     return any(isinstance(p, Shard) and p.dim == seq and n > 1 for p, n in zip(s.inputs[0], mesh))
 
 
-def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
+def _cost_strategy(
+    node: Node, s: Strategy, ctx: PassContext, layers: frozenset[str] | None = None
+) -> Strategy:
     mesh = ctx.mesh.shape
     info = node.meta[TENSOR]
     outs = tensor_outputs(node)
@@ -239,7 +250,7 @@ def _cost_strategy(node: Node, s: Strategy, ctx: PassContext) -> Strategy:
     if value_is_saved(node):
         mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
     mem += extra_saved_bytes(node, fused) / divisor
-    if recomputed(node, ctx.config.recompute):  # its forward runs again in backward; nothing saved
+    if recomputed(node, ctx.config.recompute, layers):  # its forward runs again in backward; nothing saved
         return replace(s, compute_time=2 * fwd + bwd, comm_time=2 * comm, memory=0.0)
     return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem)
 
@@ -287,7 +298,35 @@ def _from_param(node: Node, depth: int = 0) -> bool:
     return bool(ins) and _from_param(ins[0], depth + 1)
 
 
-def recomputed(node: Node, mode: str) -> bool:
+def repeated_layers(graph: Graph) -> list[str]:
+    """The model's repeated-layer instances (``transformer.h.3``: ``outer_instance`` of the nodes in
+    a repeated layer), in the order the graph first runs them: the ordinals
+    ``PlanConfig.recompute_layers`` counts."""
+    seen: dict[str, None] = {}
+    for n in graph.nodes:
+        info = n.meta.get(TENSOR)
+        if n.op == "call_function" and info is not None and "*" in info.layer:
+            seen.setdefault(outer_instance(info.module), None)
+    return list(seen)
+
+
+def recomputed_layers(graph: Graph, layers: int | tuple[int, ...] | None) -> frozenset[str] | None:
+    """The instances ``PlanConfig.recompute_layers`` names (``None``: every repeated layer): an
+    int ``k`` the model's first ``k`` (all where it has fewer), a tuple those ordinals."""
+    if layers is None:
+        return None
+    names = repeated_layers(graph)
+    picks = range(min(layers, len(names))) if isinstance(layers, int) else layers
+    outside = sorted(i for i in picks if not 0 <= i < len(names))
+    if outside:
+        raise ValueError(
+            f"recompute_layers names layers {outside}, but the model has {len(names)} repeated layers "
+            f"(ordinals 0 to {len(names) - 1}, in the order the forward runs them)"
+        )
+    return frozenset(names[i] for i in picks)
+
+
+def recomputed(node: Node, mode: str, layers: frozenset[str] | None = None) -> bool:
     """Whether recomputation ``mode`` recomputes ``node`` in backward instead of saving it — the
     rule ``autopar.passes.recompute.recompute_layers`` applies to the per-rank program: inside a
     repeated layer, ``full``: every node but the layer's outputs (values read outside it);
@@ -299,11 +338,17 @@ def recomputed(node: Node, mode: str) -> bool:
     before the forward draw and replays it in backward (``autopar.program.rng``), so no dropout mask
     is kept — as Korthikanti et al.'s formulas assume (``autopar.cost.memory``: full recomputation
     keeps only the layer's input, selective no attention-dropout mask). The state kept instead, a
-    few KB per random op (5 KB on a CPU, 16 bytes on CUDA), is not counted."""
+    few KB per random op (5 KB on a CPU, 16 bytes on CUDA), is not counted.
+
+    ``layers``: the repeated-layer instances the mode applies to (``recomputed_layers``; ``None``:
+    every one), as Megatron-LM's ``--recompute-num-layers`` recomputes some layers and keeps the
+    activations of the others."""
     if mode not in ("full", "selective") or node.op != "call_function":
         return False
     info = node.meta.get(TENSOR)
     if info is None or "*" not in info.layer:
+        return False
+    if layers is not None and outer_instance(info.module) not in layers:
         return False
     if op_info(node).writes or op_name(node).endswith("_"):
         return False
@@ -339,6 +384,10 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     cache: dict[tuple, NodeStrategies] = {}
     axis_cache: dict[Node, list[AxisStrategy]] = {}
     region_of = {m: r for r in moe_regions(gm.graph) for m in r.members}
+    # Some layers recomputed, the others not: the two kinds tie only among themselves.
+    layers = None
+    if ctx.config.recompute in ("selective", "full"):
+        layers = recomputed_layers(gm.graph, ctx.config.recompute_layers)
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
@@ -348,9 +397,11 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.meta[STRATEGIES] = getitem_strategies(node)
             continue
         if node in region_of:
-            _region_member(node, region_of[node], ordinal, cache, ctx)
+            _region_member(node, region_of[node], ordinal, cache, ctx, layers)
             continue
         key = tie_key(node, ordinal)
+        if key is not None and layers is not None and info.module:
+            key = (*key, outer_instance(info.module) in layers)
         if key is not None and fused and FUSION in node.meta:  # tied only to members of like groups
             key = (*key, fusion_role(node))
         if key is not None and CHAIN in node.meta:  # tied only to members of like chains
@@ -363,7 +414,8 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             axis_cache[node] = axis
             combos = _combine(node, [axis] * len(mesh), mesh)
             strategies = [
-                _cost_strategy(node, s, ctx) for _, s in _zero_variants(node, [s for _, s in combos], ctx)
+                _cost_strategy(node, s, ctx, layers)
+                for _, s in _zero_variants(node, [s for _, s in combos], ctx)
             ]
             if len(strategies) > ctx.config.max_strategies:
                 head, rest = (
@@ -386,15 +438,19 @@ def _region_member(
     ordinal: dict[Node, int],
     cache: dict[tuple, NodeStrategies],
     ctx: PassContext,
+    layers: frozenset[str] | None = None,
 ) -> None:
     """A mixture-of-experts region's member: its strategies are one per assignment of modes to the
     mesh axes (``autopar.rules.routing``), in the same order for every member, which follows the
     region's leader (the sort) one to one. Repeated layers' regions share the lists."""
     key = ("moe", tie_key(region.leader, ordinal), region.members.index(node))
+    info = node.meta.get(TENSOR)
+    if layers is not None and info is not None and info.module:
+        key = (*key, outer_instance(info.module) in layers)
     ns = cache.get(key) if key[1] is not None else None
     if ns is None:
         built = region_strategies(region, ctx.mesh.shape)[node]
-        ns = NodeStrategies(tuple(_cost_strategy(node, s, ctx) for s in built))
+        ns = NodeStrategies(tuple(_cost_strategy(node, s, ctx, layers) for s in built))
         if key[1] is not None:
             cache[key] = ns
     if node is region.leader:

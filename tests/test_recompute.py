@@ -6,8 +6,10 @@ recomputation while keeping fewer activations.
   ``s × s`` attention tensors of eager attention and changes nothing where attention is fused;
   ``recompute="auto"`` falls back to recomputation when nothing else fits;
 * runs (2 gloo processes): GPT (fused attention) under ``full``, GPT-2 with eager attention under
-  ``selective`` and ``full``, and a 2-stage pipeline under ``full`` — losses and parameters equal
-  to one process, and the forward program hands backward fewer bytes.
+  ``selective`` and ``full``, and a 2-stage pipeline under ``full`` in every layer and in the
+  first stage's layer only (``recompute_layers``) — losses and parameters equal to one process,
+  and the forward program hands backward fewer bytes (recomputing the first layer only: the
+  first stage's rank as few as recomputing every layer, the second as many as none).
 """
 
 from __future__ import annotations
@@ -111,6 +113,64 @@ def test_auto_recomputes_only_when_nothing_else_fits():
     assert tight.recompute in ("selective", "full") and tight.predicted.memory_per_device <= budget
 
 
+def test_recomputing_some_layers_keeps_the_rest_and_costs_in_proportion(tmp_path):
+    """``recompute_layers``: full recomputation in 2 of 8 alike layers keeps a quarter of what
+    recomputing every layer saves, and costs a quarter of its extra compute (one device: the same
+    layouts in every plan). The plan names the layers, and keeps them through JSON."""
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=256, block_size=256, vocab_size=4096))
+    ids = torch.empty(8, 256, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=1)
+    two = autopar.plan(model, (ids, ids), cluster, recompute="full", recompute_layers=2, mesh_shape=(1,))
+    none = autopar.plan(model, (ids, ids), cluster, recompute="none", mesh_shape=(1,))
+    every = autopar.plan(model, (ids, ids), cluster, recompute="full", mesh_shape=(1,))
+    assert every.recompute_layers is None and two.recompute_layers == ("blocks.0", "blocks.1")
+    mem = [p.predicted.memory_per_device for p in (none, two, every)]
+    assert mem[0] - mem[1] == pytest.approx((mem[0] - mem[2]) / 4, rel=1e-9)
+    flops = [p.predicted.compute_time for p in (none, two, every)]
+    assert flops[1] - flops[0] == pytest.approx((flops[2] - flops[0]) / 4, rel=1e-9)
+    two.save(tmp_path / "p.json")
+    assert autopar.Plan.load(tmp_path / "p.json").recompute_layers == two.recompute_layers
+    assert "in 2 repeated layers: blocks.0, blocks.1" in str(two)
+
+
+def test_auto_recomputes_the_fewest_layers_it_estimates_fit():
+    """``recompute="auto"`` where keeping every activation does not fit: the mode in the first ``k``
+    layers, ``k`` from the memory falling linearly with the layers recomputed, where that fits and
+    is faster than recomputing every layer; a looser budget, fewer layers."""
+    from autopar.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.tiny(n_layer=8))
+    ids = torch.randint(0, 128, (64, 32))
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=2, nodes=1)
+    common = dict(pp=1, microbatches=1, mesh_shape=(2,), workers=1)
+    ample = autopar.plan(model, (ids, ids.clone()), cluster, **common)
+    every = autopar.plan(model, (ids, ids.clone()), cluster, recompute="full", **common)
+    counts = []
+    for share in (0.9, 0.8):
+        budget = share * ample.predicted.memory_per_device
+        p = autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, **common)
+        assert p.recompute == "full" and p.recompute_layers is not None, p.info.get("recompute_layers_tried")
+        assert p.predicted.memory_per_device <= budget
+        assert ample.predicted.step_time < p.predicted.step_time < every.predicted.step_time
+        counts.append(len(p.recompute_layers))
+    assert counts[0] < counts[1] < 8
+
+
+def test_recompute_layers_is_checked():
+    with pytest.raises(ValueError, match="recompute='none'"):
+        autopar.PlanConfig(recompute="none", recompute_layers=2)
+    with pytest.raises(ValueError, match="at least 1 layer"):
+        autopar.PlanConfig(recompute="full", recompute_layers=0)
+    with pytest.raises(ValueError, match="layer ordinals"):
+        autopar.PlanConfig(recompute="full", recompute_layers=(0, -1))
+    model, inputs = build("gpt")
+    with pytest.raises(ValueError, match=r"names layers \[7\], but the model has 2 repeated layers"):
+        autopar.plan(model, inputs, autopar.Cluster.local(2), recompute="full", recompute_layers=(0, 7), pp=1)
+
+
 # ------------------------------------------------------------------------------ distributed
 
 
@@ -143,9 +203,16 @@ def _vals(stage_step: Any) -> list[torch.Tensor]:
 CASES = [
     ("gpt", ("none", "full"), 1),
     ("gpt2-eager", ("none", "selective", "full"), 1),
-    ("llama", ("none", "full"), 2),
+    ("llama", ("none", "full", "full@0"), 2),
 ]
-"""``(kind, modes, pp)`` of the runs: each kind's plans under each mode, pipelined when pp = 2."""
+"""``(kind, modes, pp)`` of the runs: each kind's plans under each mode, pipelined when pp = 2.
+``mode@i``: the mode in repeated layer ``i`` only (``PlanConfig.recompute_layers``): under the
+pipeline, the first stage's layer recomputes and the second stage's keeps its activations."""
+
+
+def _options(mode: str) -> dict[str, Any]:
+    name, _, layer = mode.partition("@")
+    return {"recompute": name} | ({"recompute_layers": (int(layer),)} if layer else {})
 
 
 def cases_worker(rank: int, world: int, plans_by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -162,7 +229,7 @@ def runs() -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     for kind, modes, pp in CASES:
         model, inputs = build(kind)
         opts = {"pp": 2, "microbatches": 2, "schedule": "1f1b"} if pp == 2 else {"pp": 1}
-        plans_by_kind[kind] = {m: autopar.plan(model, inputs, cluster, recompute=m, **opts) for m in modes}
+        plans_by_kind[kind] = {m: autopar.plan(model, inputs, cluster, **_options(m), **opts) for m in modes}
     return plans_by_kind, spawn(cases_worker, 2, plans_by_kind, timeout=540)
 
 
@@ -173,6 +240,8 @@ def test_recomputation_trains_exactly_and_keeps_less(kind, modes, pp, runs):
     plans_by_kind, by_kind = runs
     assert tuple(plans_by_kind[kind]) == modes
     assert all((p.pipeline.pp if p.pipeline else 1) == pp for p in plans_by_kind[kind].values())
+    for m, p in plans_by_kind[kind].items():
+        assert (p.recompute_layers is not None) == ("@" in m), (m, p.recompute_layers)
     results = [r[kind] for r in by_kind]
     torch.manual_seed(0)
     ref_model, ref_inputs = build(kind)
@@ -185,7 +254,14 @@ def test_recomputation_trains_exactly_and_keeps_less(kind, modes, pp, runs):
         for m in modes:
             problems += H.compare_training(ref, res[m]["result"], "adamw", f"{kind} {m} rank {rank}")
         for m in modes[1:]:
-            if not res[m]["saved"] < res["none"]["saved"]:
+            if "@" in m:  # layer 0 only: the first stage's rank saves as in every layer, the second as none
+                like = m.partition("@")[0] if rank == 0 else "none"
+                if res[m]["saved"] != res[like]["saved"] or res["none"]["saved"] <= res["full"]["saved"]:
+                    problems.append(
+                        f"{kind} {m} rank {rank}: saves {res[m]['saved']} bytes, {like} "
+                        f"{res[like]['saved']} (none {res['none']['saved']}, full {res['full']['saved']})"
+                    )
+            elif not res[m]["saved"] < res["none"]["saved"]:
                 problems.append(
                     f"{kind} {m} rank {rank}: saves {res[m]['saved']} bytes, none saves {res['none']['saved']}"
                 )

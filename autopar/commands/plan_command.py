@@ -155,5 +155,8 @@ def layout_words(plan: Any) -> str:
     if pipe is not None and (pipe.pp > 1 or pipe.microbatches > 1):
         words.append(f"pp={pipe.pp} m={pipe.microbatches}" + (f" {pipe.schedule}" if pipe.pp > 1 else ""))
     if plan.recompute != "none":
-        words.append(f"recompute {plan.recompute}")
+        layers = plan.recompute_layers
+        words.append(
+            f"recompute {plan.recompute}" + (f" ×{len(layers)} layers" if layers is not None else "")
+        )
     return ", ".join(words)
