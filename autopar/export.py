@@ -89,6 +89,10 @@ class Layout:
     """Pipeline stages per pipeline rank (> 1 with the interleaved schedule)."""
     recompute: str = "none"
     """``none``, ``selective`` (attention scores) or ``full`` (each layer's input kept)."""
+    recompute_num_layers: int | None = None
+    """With ``full``: the first N repeated layers of every pipeline stage recompute, the others keep
+    their activations (Megatron-LM's ``--recompute-method block --recompute-num-layers N``);
+    ``None``: every layer."""
     distributed_optimizer: bool = False
     """Optimizer state split over each weight's data-parallel ranks (ZeRO-1 style)."""
     zero_stage: int = 0
@@ -114,7 +118,7 @@ class Layout:
     def megatron_knobs(self) -> dict[str, Any]:
         """The keywords of ``autopar.layouts.megatron`` that plan this layout."""
         knobs = ("tp", "dp", "sequence_parallel", "ep", "pp", "microbatches", "schedule", "virtual",
-                 "distributed_optimizer", "recompute")  # fmt: skip
+                 "distributed_optimizer", "recompute", "recompute_num_layers")  # fmt: skip
         return {k: getattr(self, k) for k in knobs}
 
     def describe(self) -> str:
@@ -130,7 +134,10 @@ class Layout:
         elif self.microbatches > 1:
             parts.append(f"{self.microbatches} accumulated micro-batches of {self.micro_batch_size}")
         if self.recompute != "none":
-            parts.append(f"recompute={self.recompute}")
+            per = (
+                f" (first {self.recompute_num_layers} layers per stage)" if self.recompute_num_layers else ""
+            )
+            parts.append(f"recompute={self.recompute}{per}")
         if self.distributed_optimizer:
             parts.append(f"ZeRO-{self.zero_stage}" if self.zero_stage > 1 else "distributed optimizer")
         return ", ".join(parts)
@@ -159,20 +166,43 @@ def _layer_count(plan: Plan) -> int:
     return sum(1 for p in found if p.rsplit(".", 1)[-1].isdigit())
 
 
-def _layers_per_stage(plan: Plan) -> list[int] | None:
-    """Repeated layers per pipeline stage (a layer counted in the stage holding most of its ops)."""
+def _layers_per_stage(plan: Plan, only: tuple[str, ...] | None = None) -> list[int] | None:
+    """Repeated layers per pipeline stage (a layer counted in the stage holding most of its ops);
+    ``only``: of these layer instances."""
     if plan.pipeline is None or plan.pipeline.num_stages == 1:
         return None
     votes: dict[str, Counter] = defaultdict(Counter)
     for n in plan.nodes:
         stage = plan.pipeline.stage_of.get(n.name)
         path = outer_instance(n.module)
-        if stage is not None and path.rsplit(".", 1)[-1].isdigit():
+        if stage is not None and path.rsplit(".", 1)[-1].isdigit() and (only is None or path in only):
             votes[path][stage] += 1
     counts = [0] * plan.pipeline.num_stages
     for c in votes.values():
         counts[c.most_common(1)[0][0]] += 1
     return counts
+
+
+def _recompute_num_layers(plan: Plan, notes: list[str]) -> int | None:
+    """Megatron-LM's ``--recompute-num-layers`` (block method: the first N layers of every stage)
+    for a plan recomputing some layers only (``Plan.recompute_layers``), with a note where no such
+    N says what the plan does; ``None``: every layer."""
+    layers = plan.recompute_layers
+    if layers is None:
+        return None
+    if plan.recompute == "selective":
+        notes.append(
+            f"autopar recomputes the attention scores in {len(layers)} repeated layers ({layers[0]} …); "
+            f"Megatron-LM's selective recomputation covers every layer: exported so"
+        )
+        return None
+    counts = _layers_per_stage(plan, layers) or [len(layers)]
+    if len(set(counts)) > 1:
+        notes.append(
+            f"autopar recomputes {'/'.join(map(str, counts))} layers per stage; Megatron-LM's block method "
+            f"recomputes the same count in every stage: exported as {max(counts)} (more recomputation)"
+        )
+    return max(counts)
 
 
 def _split_layers(plan: Plan) -> int:
@@ -269,7 +299,8 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
     layout = Layout(
         nodes=int(cluster.get("nodes", 1)), gpus_per_node=int(cluster.get("gpus_per_node", world)),
         tp=tp, dp=dp, ep=ep, sequence_parallel=_sequence_parallel(plan), pp=pp, microbatches=m,
-        schedule=schedule, virtual=virtual, recompute=plan.recompute, distributed_optimizer=zero_stage > 0,
+        schedule=schedule, virtual=virtual, recompute=plan.recompute,
+        recompute_num_layers=_recompute_num_layers(plan, notes), distributed_optimizer=zero_stage > 0,
         zero_stage=zero_stage, batch=batch, seq=seq, layers=layers, dtype=_dtype(plan),
     )  # fmt: skip
     return layout, notes
@@ -325,6 +356,9 @@ def megatron_args(layout: Layout) -> list[str]:
     a += ["--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(layout.batch)]
     if layout.recompute == "selective":
         a += ["--recompute-granularity", "selective"]
+    elif layout.recompute == "full" and layout.recompute_num_layers:
+        a += ["--recompute-granularity", "full", "--recompute-method", "block"]
+        a += ["--recompute-num-layers", str(layout.recompute_num_layers)]
     elif layout.recompute == "full":
         a += [
             "--recompute-granularity",
@@ -403,6 +437,11 @@ def to_torchtitan(plan: Plan) -> Export:
         notes.append(
             "torchtitan's selective checkpointing (op policy) saves every other matmul; autopar's recomputes "
             "the attention scores — the prediction is autopar's"
+        )
+    if layout.recompute_num_layers:
+        notes.append(
+            f"torchtitan's full checkpointing wraps every layer; autopar recomputes the first "
+            f"{layout.recompute_num_layers} of each stage: exported as every layer (more recomputation)"
         )
     if layout.dtype == "fp16":
         notes.append("torchtitan trains in bfloat16 or float32, not float16: exported as bfloat16")
@@ -487,6 +526,11 @@ def to_deepspeed(plan: Plan) -> Export:
     if layout.recompute == "selective":
         notes.append("DeepSpeed has no selective (attention-only) recomputation: exported as full")
         layout = dataclasses.replace(layout, recompute="full")
+    if layout.recompute_num_layers:
+        notes.append(
+            f"autopar recomputes the first {layout.recompute_num_layers} layers of each stage; DeepSpeed "
+            f"checkpoints what the model's code wraps: wrap those layers only"
+        )
     layout = dataclasses.replace(layout, zero_stage=stage, distributed_optimizer=stage > 0)
     d: dict[str, Any] = {
         "train_batch_size": layout.batch,

@@ -28,8 +28,9 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     ``--num-layers-per-virtual-pipeline-stage`` (with ``--num-layers``) or
     ``--num-virtual-stages-per-pipeline-rank`` / ``--virtual-pipeline-model-parallel-size``,
     ``--sequence-parallel``, ``--expert-model-parallel-size``, ``--micro-batch-size``,
-    ``--global-batch-size``, ``--recompute-granularity`` / ``--recompute-activations`` and
-    ``--use-distributed-optimizer``."""
+    ``--global-batch-size``, ``--recompute-granularity`` / ``--recompute-activations`` (with
+    ``--recompute-method`` and ``--recompute-num-layers`` for full: uniform with 1 layer, or block)
+    and ``--use-distributed-optimizer``."""
     if isinstance(argv, str):
         text = "\n".join(line for line in argv.splitlines() if not line.lstrip().startswith("#"))
         argv = shlex.split(text.replace("\\\n", " "))
@@ -102,6 +103,17 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     )
     if granularity not in ("none", "selective", "full"):
         raise ValueError(f"--recompute-granularity takes selective or full, got {granularity!r}")
+    full = granularity == "full"  # Megatron-LM reads the method and layer count for full only
+    method = values.get("--recompute-method", "uniform") if full else None
+    num_layers = number("--recompute-num-layers", 1) if full else None
+    if method not in (None, "uniform", "block"):
+        raise ValueError(f"--recompute-method takes uniform or block, got {method!r}")
+    if method == "uniform" and num_layers != 1:
+        raise ValueError(
+            f"--recompute-method uniform with --recompute-num-layers {num_layers} checkpoints groups of "
+            f"{num_layers} layers, which autopar does not express: give --recompute-num-layers 1, or the "
+            f"block method (the first N layers of each stage)"
+        )
     return {
         "tp": tp,
         "dp": dp,
@@ -113,4 +125,5 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         "virtual": virtual,
         "distributed_optimizer": "--use-distributed-optimizer" in flags,
         "recompute": granularity,
+        "recompute_num_layers": num_layers if method == "block" else None,
     }

@@ -66,7 +66,9 @@ __all__ = [
     "MESH_PASSES",
     "candidate_meshes",
     "constrain_strategies",
+    "fewer_layers_count",
     "plan_captured",
+    "plan_recomputing",
 ]
 
 log = logging.getLogger("autopar.planner")
@@ -173,6 +175,7 @@ def plan_captured(
     path_cutoff: float | None = None,
     background: Background | None = None,
     score: Callable[[Plan], float] | None = None,
+    fewer_layers: bool = True,
     **options: Any,
 ) -> Plan:
     """Plan an already captured program (``autopar.plan`` captures, then calls this).
@@ -185,43 +188,22 @@ def plan_captured(
     (``Background``). ``score``: seconds a finished plan takes as the caller will run it (the 3D
     search plays its micro-batches and schedules); ``None``: its simulated step. Meshes whose
     objective lies within ``MESH_TIE`` of the least are ranked by it (``MESH_TIE``).
+    ``fewer_layers``: under ``recompute="auto"``, try the mode chosen in fewer layers
+    (``plan_recomputing``); the 3D search does so for its fastest candidate only.
     """
     config = PlanConfig.build(config, **options)
     if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
-        pruned: NotBetter | None = None  # a mode's plans that fit (if any) miss the path cutoff
-        kept: float | None = None  # the least memory plans keeping every activation reach
-
-        def attempt_mode(c: PlanConfig, first: bool = False) -> Plan:
+        common = dict(node_constraint=node_constraint, layout=layout, path_cutoff=path_cutoff, score=score)
+        try:
             return plan_captured(
-                cap,
-                cluster,
-                c,
-                node_constraint=node_constraint,
-                layout=layout,
-                path_cutoff=path_cutoff,
-                background=background if first else None,
-                score=score,
+                cap, cluster, config.replace(recompute="none"), background=background, **common
             )
-
-        for mode in ("none", "selective", "full"):
-            try:
-                p = attempt_mode(config.replace(recompute=mode), first=mode == "none")
-            except NotBetter as e:  # none may fit at all: a lighter footprint may still beat the cutoff
-                pruned = e
-                continue
-            except InfeasibleError as e:
-                if mode == "full" and pruned is None:
-                    raise
-                kept = e.smallest if mode == "none" else kept
-                continue
-            if mode != "none" and config.recompute_layers is None and kept is not None:
-                total = len(repeated_layers(cap.gm.graph))  # annotated by the attempts' graph passes
-                p = _fewer_layers(
-                    p, kept, total, config.replace(recompute=mode), cluster, attempt_mode, score
-                )
-            return p
-        assert pruned is not None
-        raise pruned
+        except NotBetter as e:  # none may fit at all: a lighter footprint may still beat the cutoff
+            return plan_recomputing(cap, cluster, config, kept=None, pruned=e, **common)
+        except InfeasibleError as e:
+            return plan_recomputing(
+                cap, cluster, config, kept=e.smallest, fewer_layers=fewer_layers, **common
+            )
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
     config = config.resolved(cluster.device.memory)
@@ -378,29 +360,80 @@ def plan_captured(
     return p
 
 
+def plan_recomputing(
+    cap: Captured,
+    cluster: Cluster,
+    config: PlanConfig,
+    *,
+    kept: float | None,
+    pruned: NotBetter | None = None,
+    modes: tuple[str, ...] = ("selective", "full"),
+    fewer_layers: bool = True,
+    **options: Any,
+) -> Plan:
+    """``recompute="auto"`` where keeping every activation gave no plan: the lightest of ``modes``
+    that fits, in its fewest layers where ``kept`` (the least memory plans keeping every
+    activation reach, ``InfeasibleError.smallest``) allows the estimate (``_fewer_layers``).
+    ``pruned``: why the plan keeping every activation was cut off (``NotBetter``), raised again
+    where no mode beats the cutoff either. ``fewer_layers=False``: every layer, ``kept`` recorded
+    as ``plan.info["kept_memory"]`` for a later ``fewer_layers_count``. ``options``:
+    ``plan_captured``'s."""
+    score = options.get("score")
+
+    def attempt(c: PlanConfig) -> Plan:
+        return plan_captured(cap, cluster, c, **options)
+
+    for mode in modes:
+        try:
+            p = attempt(config.replace(recompute=mode))
+        except NotBetter as e:
+            pruned = e
+            continue
+        except InfeasibleError:
+            if mode == modes[-1] and pruned is None:
+                raise
+            continue
+        if config.recompute_layers is None and kept is not None:
+            p.info["kept_memory"] = kept
+            if fewer_layers:
+                p = _fewer_layers(p, config.replace(recompute=mode), cluster, cap, attempt, score)
+        return p
+    assert pruned is not None
+    raise pruned
+
+
+def fewer_layers_count(plan: Plan, cap: Captured, budget: float) -> int | None:
+    """The fewest repeated layers ``plan``'s recomputation (in every layer) could run in and fit
+    ``budget``: memory falls linearly with the layers recomputed (they are alike), from what plans
+    keeping every activation reach at least (``plan.info["kept_memory"]``) to ``plan``'s own at all
+    ``L``, so ``k = ⌈L · (kept − budget) / (kept − plan's)⌉`` is where ``plan``'s layouts would fit.
+    ``None`` where that is every layer, or no figure says."""
+    kept = plan.info.get("kept_memory")
+    reached = plan.info.get("solver", {}).get("memory")
+    total = len(repeated_layers(cap.gm.graph))  # annotated by the planner's graph passes
+    if plan.recompute_layers is not None or kept is None or reached is None or kept <= reached or total < 2:
+        return None
+    k = math.ceil(total * (kept - budget) / (kept - reached))
+    return k if 1 <= k < total else None
+
+
 def _fewer_layers(
     plan: Plan,
-    kept: float,
-    total: int,
     config: PlanConfig,
     cluster: Cluster,
+    cap: Captured,
     attempt: Callable[[PlanConfig], Plan],
     score: Callable[[Plan], float] | None,
 ) -> Plan:
-    """``plan`` recomputes in every repeated layer; the same mode in the first ``k`` only, where that
-    fits and runs faster (``PlanConfig.recompute_layers``). Memory falls linearly with the layers
-    recomputed (they are alike), from ``kept`` (the least any plan keeping every activation reaches)
-    to ``plan``'s at all ``L = total``: ``k = ⌈L · (kept − budget) / (kept − plan's)⌉`` is the fewest
-    at which ``plan``'s own layouts would fit, one solve more. ``plan.info["recompute_layers_tried"]``
-    says what it gave."""
+    """``plan`` recomputes in every repeated layer; the same mode in the first ``k`` only
+    (``fewer_layers_count``), one solve more, where that fits and runs faster
+    (``PlanConfig.recompute_layers``). ``plan.info["recompute_layers_tried"]`` says what it gave."""
     budget = config.resolved(cluster.device.memory).memory_budget
-    reached = plan.info.get("solver", {}).get("memory")
-    if total < 2 or budget is None or reached is None or kept <= reached:
+    assert budget is not None
+    k = fewer_layers_count(plan, cap, budget)
+    if k is None:
         return plan
-    k = math.ceil(total * (kept - budget) / (kept - reached))
-    if not 1 <= k < total:
-        return plan
-    note: dict[str, Any] = {"layers": k, "of": total}
+    note: dict[str, Any] = {"layers": k, "of": len(repeated_layers(cap.gm.graph))}
     try:
         fewer = attempt(config.replace(recompute_layers=k))
     except (InfeasibleError, NotBetter) as e:

@@ -50,6 +50,9 @@ everything.
 * Under ``recompute="auto"`` the whole batch is planned first keeping every activation; where it
   fits only by recomputing, that plan is made last, its compute path bounded by the best step then
   (``PipelineSearch.recomputing_whole``), and the search goes on as where it does not fit at all.
+* Under ``recompute="auto"`` a candidate recomputes in every repeated layer; where the fastest
+  does, its ``(pp, m)`` is planned once more with the mode in the fewest layers its memory allows
+  (``PipelineSearch.fewer_layers``, ``PlanConfig.recompute_layers``).
 * **Pruning.** A rank is busy at least ``m/pp`` of a micro-batch's *compute path* (what every
   micro-batch puts on the compute stream: ``StrategyGraph.path_terms``), so a stage plan whose
   path exceeds ``FAR_SLOWER · best · pp / m`` is far slower than the best plan so far. The stage
@@ -89,9 +92,10 @@ from autopar.display import fmt_bytes
 from autopar.mesh_pool import Background
 from autopar.microbatch import MicrobatchCaptures
 from autopar.passes.stages import seams
+from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Scored, pipelined_candidates, stage_cluster
 from autopar.planfile import Plan
-from autopar.planner import InfeasibleError, plan_captured
+from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured
 from autopar.solver import NotBetter
 
 __all__ = ["plan_model"]
@@ -199,6 +203,7 @@ class PipelineSearch:
         self.seam_count: int | None = None
         # Whether the whole batch fits one stage only by recomputing, if at all (``recomputing_whole``).
         self.whole_recomputes = False
+        self.kept_whole: float | None = None  # the least memory its plans keeping every activation reach
 
     def best(self) -> float:
         return min((c.step_time for c in self.scored), default=math.inf)
@@ -234,6 +239,7 @@ class PipelineSearch:
             self.errors.append(f"pp=1: {e}")
             self.note_least(e.smallest, "pp=1")
             self.whole_recomputes = auto
+            self.kept_whole = e.smallest
             return None
         self.scored.append(Scored(p, p.predicted.step_time, "pp=1"))
         self.tried.append({"pp": 1, "step_time": p.predicted.step_time})
@@ -263,9 +269,62 @@ class PipelineSearch:
             except InfeasibleError as e:
                 self.errors.append(f"pp=1 recompute={mode}: {e}")
                 continue
+            if self.kept_whole is not None:
+                p.info["kept_memory"] = self.kept_whole  # for ``fewer_layers``
             self.scored.append(Scored(p, p.predicted.step_time, f"pp=1 recompute={mode}"))
             self.tried.append({"pp": 1, "recompute": mode, "step_time": p.predicted.step_time})
             return
+
+    def fewer_layers(self) -> None:
+        """Under ``recompute="auto"``, where the fastest candidate recomputes in every repeated layer:
+        its ``(pp, m)`` planned again with the mode in the fewest layers its memory allows
+        (``planner.fewer_layers_count``), kept where faster. Only the fastest: an estimate and one
+        solve more for each candidate doubled Table 1 row 7's planning."""
+        config = self.config
+        if config.recompute != "auto" or config.recompute_layers is not None or not self.scored:
+            return
+        best = min(self.scored, key=lambda c: c.step_time)
+        plan = best.plan
+        if plan.recompute == "none":
+            return
+        pipe = plan.pipeline
+        pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
+        cap = self.graphs(m)
+        stage = self.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
+        assert stage.memory_budget is not None
+        k = fewer_layers_count(plan, cap, stage.memory_budget)
+        if k is None:
+            return
+        sub = stage_cluster(self.cluster, pp)
+        assert sub is not None
+        score = _Player(cap.gm, self.cluster, config, pp, m, self.budget)
+        try:
+            spmd = plan_captured(
+                cap, sub, stage.replace(recompute=plan.recompute, recompute_layers=k), score=score
+            )
+        except (InfeasibleError, NotBetter) as e:
+            self.tried.append({"pp": pp, "microbatches": m, "recompute_layers": k, "failed": str(e)[:200]})
+            return
+        found = (
+            score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
+        )
+        for c in found:
+            c.plan.info["recompute_layers_tried"] = {
+                "layers": k,
+                "of": len(repeated_layers(cap.gm.graph)),
+                "step": c.step_time,
+                "every_layer_step": best.step_time,
+            }
+            self.tried.append(
+                {
+                    "pp": pp,
+                    "microbatches": m,
+                    "candidate": c.what,
+                    "recompute_layers": k,
+                    "step_time": c.step_time,
+                }
+            )
+        self.scored += found
 
     def possible(self, pp: int, quiet: bool = False) -> bool:
         """Whether ``pp`` ranks can be planned at all (equal stages, enough seams, a batch to
@@ -305,6 +364,21 @@ class PipelineSearch:
                 k *= 2
         return ms
 
+    def stage_config(self, pp: int, m: int) -> PlanConfig:
+        """The SPMD planner's options for one stage of ``pp`` ranks running ``m`` micro-batches
+        (module docstring: stage mesh)."""
+        config = self.config
+        return config.replace(
+            pp=1,
+            microbatches=None,
+            schedule=None,
+            virtual=None,
+            memory_budget=stage_plan_budget(self.budget, pp),
+            activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
+            microbatches_per_sync=m,
+            mesh_shape=config.mesh_shape,  # the mesh inside a stage (``possible`` checked its size)
+        )
+
     def size(self, pp: int, then: int | None = None) -> _Size:
         """Plan ``pp`` pipeline ranks (``pp = 1``: gradient accumulation) over its micro-batch
         counts; every candidate found joins ``scored``. ``then``: the size likely planned next
@@ -335,16 +409,7 @@ class PipelineSearch:
                 self.errors.append(f"pp={pp}: a batch of {batch} does not cut into {m} micro-batches")
                 continue
             cap = self.graphs(m)
-            stage_config = config.replace(
-                pp=1,
-                microbatches=None,
-                schedule=None,
-                virtual=None,
-                memory_budget=stage_plan_budget(self.budget, pp),
-                activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
-                microbatches_per_sync=m,
-                mesh_shape=config.mesh_shape,  # the mesh inside a stage (``possible`` checked its size)
-            )
+            stage_config = self.stage_config(pp, m)
             more = _more_microbatches(batch, pp, m) if escalate and m == ms[-1] else None
             # A rank is busy at least m/pp of a micro-batch's compute path (``StrategyGraph.path_terms``):
             # a candidate whose path exceeds FAR_SLOWER·best·pp/m is far slower than the best plan,
@@ -364,6 +429,7 @@ class PipelineSearch:
                     path_cutoff=far,
                     background=self.prefetch(then) if m == ms[0] else None,
                     score=score,
+                    fewer_layers=False,  # for the fastest candidate only (``fewer_layers``)
                 )
             except NotBetter:
                 why = f"no plan within {FAR_SLOWER}× the best plan's step (its compute path alone is longer)"
@@ -388,7 +454,9 @@ class PipelineSearch:
                 screen = False  # CP-SAT's first plans already met the configured gap: nothing to refine
             if screen and found and min(c.step_time for c in found) * (1 - SCREEN_GAP) <= best_before:
                 try:  # it may win: the stage plan at the configured gap
-                    spmd = plan_captured(cap, sub, stage_config, path_cutoff=far, score=score)
+                    spmd = plan_captured(
+                        cap, sub, stage_config, path_cutoff=far, score=score, fewer_layers=False
+                    )
                     found = score.candidates(spmd)
                     screen = False
                 except (NotBetter, InfeasibleError) as e:
@@ -510,6 +578,7 @@ def plan_model(
     else:
         search.ascending(pps)
     search.recomputing_whole()
+    search.fewer_layers()
     if not search.scored:
         head = "no layout fits the memory budget"
         if search.least is not None:

@@ -190,3 +190,35 @@ def test_the_command_prints_the_configuration_notes_and_both_steps(plans, tmp_pa
     assert main(["export", str(tmp_path / "bare.json"), "--to", "torchtitan", "-q"]) == 0
     out = capsys.readouterr().out
     assert "[parallelism]" in out and "does not record its model" in out
+
+
+def test_recomputing_the_first_layers_of_each_stage_round_trips(workload):
+    """``layouts.megatron(recompute_num_layers=1)`` under pp = 2 (4 layers, 2 per stage): Megatron-LM's
+    block method recomputes each stage's first layer, ``blocks.0`` and ``blocks.2``; exported as
+    ``--recompute-method block --recompute-num-layers 1`` and parsed back to the same plan. A plan
+    recomputing the model's first layer only (``recompute_layers=1``: stage 0's) exports as 1 per
+    stage, with a note; Megatron's knob needs full recomputation."""
+    plan = _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full", recompute_num_layers=1)
+    assert plan.recompute_layers == ("blocks.0", "blocks.2")
+    every = _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full")
+    assert plan.predicted.step_time < every.predicted.step_time
+    assert max(plan.pipeline.peak_memory) > max(every.pipeline.peak_memory)
+    ex = to_megatron(plan)
+    assert "--recompute-method block" in ex.text and "--recompute-num-layers 1" in ex.text and not ex.notes
+    knobs = parse_megatron_args(ex.text)
+    assert knobs == ex.layout.megatron_knobs() and knobs["recompute_num_layers"] == 1
+    parsed = _megatron(workload, **knobs)
+    assert parsed.recompute_layers == plan.recompute_layers
+    assert parsed.predicted.step_time == pytest.approx(plan.predicted.step_time, rel=1e-9)
+    first = _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full", recompute_layers=1)
+    assert first.recompute_layers == ("blocks.0",)
+    layout, notes = nearest_layout(first)
+    assert layout.recompute_num_layers == 1 and any("1/0 layers per stage" in n for n in notes), notes
+    with pytest.raises(ValueError, match="applies to full recomputation"):
+        _megatron(workload, tp=2, recompute="selective", recompute_num_layers=1)
+    with pytest.raises(ValueError, match="give 1 to 2"):
+        _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full", recompute_num_layers=3)
+    with pytest.raises(ValueError, match="checkpoints groups of 2 layers"):
+        parse_megatron_args(
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", 8
+        )

@@ -364,7 +364,9 @@ def test_accumulation_is_tried_when_the_whole_batch_needs_recomputation(make_gpt
     one_stage = next(r for r in rows if r["pp"] == 1 and "microbatches" not in r)
     accumulated = [r for r in rows if r["pp"] == 1 and r.get("microbatches", 1) > 1 and "step_time" in r]
     assert accumulated, rows
-    assert plan.predicted.step_time == min(one_stage["step_time"], *(r["step_time"] for r in accumulated))
+    assert one_stage["step_time"]
+    # The fastest, its recomputation then tried in fewer layers (``PipelineSearch.fewer_layers``).
+    assert plan.predicted.step_time == min(r["step_time"] for r in rows if "step_time" in r)
 
 
 def test_the_default_recomputes_where_a_plan_fits_only_so(make_gpt):

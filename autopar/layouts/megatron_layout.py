@@ -44,6 +44,7 @@ its attention splits along the context axis."""
 
 __all__ = [
     "CP_COMM_TYPES",
+    "block_recompute_layers",
     "fsdp",
     "megatron",
     "megatron_mesh",
@@ -150,6 +151,7 @@ def megatron(
     schedule: str = "1f1b",
     virtual: int = 1,
     distributed_optimizer: bool = False,
+    recompute_num_layers: int | None = None,
     config: PlanConfig | None = None,
     captured: Captured | None = None,
     **options: Any,
@@ -202,7 +204,23 @@ def megatron(
     micro-batches (default ``pp``) run under ``schedule`` (``autopar.schedule``). With ``pp = 1``
     and ``microbatches > 1``: gradient accumulation, Megatron-LM's ``--micro-batch-size`` below
     the per-rank batch (the micro-batches one after another, gradients reduced once).
+
+    ``recompute_num_layers=N`` with ``recompute="full"``: Megatron-LM's ``--recompute-method block
+    --recompute-num-layers N``, the first ``N`` repeated layers of every pipeline stage (of the
+    ``pp · virtual``) recompute and the others keep their activations (``block_recompute_layers``).
     """
+    if recompute_num_layers is not None:
+        pipelined = pp > 1 or (microbatches or 1) > 1
+        if captured is None:
+            captured = (
+                MicrobatchCaptures(model, example_inputs)(microbatches or pp)
+                if pipelined
+                else capture(model, example_inputs)
+            )
+        config = PlanConfig.build(config, **options)
+        options = {}
+        layers = block_recompute_layers(captured, cluster, config, recompute_num_layers, pp * virtual)
+        config = config.replace(recompute_layers=layers)
     if pp > 1 or (microbatches or 1) > 1:
         ((_, _, got),) = megatron_pipelined(
             model, example_inputs, cluster, tp, dp, sequence_parallel, ep=ep, cp=cp, cp_comm_type=cp_comm_type, pp=pp,
@@ -478,6 +496,35 @@ def _distributed_optimizer_spec(
             local[d] //= mesh[a]
             taken.add(d)
     return tuple(spec)
+
+
+def block_recompute_layers(
+    cap: Captured, cluster: Cluster, config: PlanConfig, n: int, stages: int
+) -> tuple[int, ...]:
+    """The repeated-layer ordinals Megatron-LM's block method recomputes with
+    ``--recompute-num-layers n`` (``megatron_core.transformer.transformer_block``: in each of the
+    ``stages`` model chunks, its first ``n`` layers), the chunks cut at equal layer counts."""
+    from autopar.passes.strategies import repeated_layers
+
+    if config.recompute != "full":
+        raise ValueError(
+            f"recompute_num_layers={n} is Megatron-LM's --recompute-num-layers, which applies to full "
+            f"recomputation: give recompute='full', got {config.recompute!r}"
+        )
+    run_passes(cap.gm, PassContext(captured=cap, cluster=cluster, config=config), [annotate_tensors])
+    total = len(repeated_layers(cap.gm.graph))
+    if not total or total % stages:
+        raise ValueError(
+            f"recompute_num_layers: the model's {total} repeated layers do not cut into pp × virtual = "
+            f"{stages} equal stages"
+        )
+    chunk = total // stages
+    if not 1 <= n <= chunk:
+        raise ValueError(
+            f"recompute_num_layers={n}: each of the {stages} stages has {total} / {stages} = {chunk} layers; "
+            f"give 1 to {chunk}"
+        )
+    return tuple(i for i in range(total) if i % chunk < n)
 
 
 def megatron_pipelined(
