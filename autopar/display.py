@@ -584,24 +584,16 @@ def param_count(nodes: Iterable[NodeRecord]) -> int:
 
 
 def recomputed_where(plan: Any) -> str:
-    """Which repeated layers recompute: ``in every repeated layer``, or ``in 5 layers: h.0 … h.4``
-    (``Plan.recompute_layers``), and what the search tried (``info["recompute_layers_tried"]``)."""
-    layers = plan.recompute_layers
-    tried = plan.info.get("recompute_layers_tried") or {}
+    """Which repeated layers recompute (``Plan.recompute_layers``: all, or ``in 5 layers: h.0 … h.4``),
+    and the step of the other count the search tried (``info["recompute_layers_tried"]``)."""
+    layers, tried = plan.recompute_layers, plan.info.get("recompute_layers_tried") or {}
     if layers is None:
-        where = "in every repeated layer"
-        if "step" in tried:
-            where += (
-                f"; recomputing the first {tried['layers']} of {tried['of']} fits but runs slower, "
-                f"{tried['step'] * 1e3:.1f} ms against {tried['every_layer_step'] * 1e3:.1f} ms"
-            )
+        where, other = "in every repeated layer", f"the first {tried.get('layers')} of {tried.get('of')}"
+        steps = (tried.get("every_layer_step"), tried.get("step"))
+    else:
+        shown = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} … {layers[-1]}"
+        where = f"in {len(layers)} repeated layer{'s' if len(layers) > 1 else ''}: {shown}; the others keep theirs"
+        other, steps = f"all {tried.get('of')}", (tried.get("step"), tried.get("every_layer_step"))
+    if None in steps:
         return where
-    names = list(layers)
-    shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} … {names[-1]}"
-    where = f"in {len(names)} repeated layer{'s' if len(names) > 1 else ''}: {shown}; the others keep their activations"
-    if "step" in tried:
-        where += (
-            f" ({tried['step'] * 1e3:.1f} ms a step, against {tried['every_layer_step'] * 1e3:.1f} ms recomputing "
-            f"all {tried['of']})"
-        )
-    return where
+    return f"{where} ({steps[0] * 1e3:.1f} ms a step; {other}: {steps[1] * 1e3:.1f} ms)"

@@ -154,7 +154,9 @@ def test_full_recomputation_keeps_no_dropout_mask():
     full, none = plan("full"), plan("none")
     rule = strategies.recomputed
     with pytest.MonkeyPatch.context() as mp:  # the old rule: random ops never recomputed
-        mp.setattr(strategies, "recomputed", lambda n, m: op_name(n) != "dropout" and rule(n, m))
+        mp.setattr(
+            strategies, "recomputed", lambda n, m, layers=None: op_name(n) != "dropout" and rule(n, m, layers)
+        )
         kept = plan("full")
     assert full < kept < none
     assert kept - full == 2 * batch * seq * hidden * layers

@@ -33,8 +33,9 @@ Modules: ``roles`` (the structural rule), ``megatron_layout`` (the layouts), ``b
 """
 
 from autopar.layouts.best import KNOBS, best_megatron
-from autopar.layouts.megatron_layout import fsdp, megatron, megatron_mesh, megatron_static_bytes
+from autopar.layouts.megatron_layout import fsdp, megatron, megatron_mesh
 from autopar.layouts.roles import expert_weights, megatron_weight_roles
+from autopar.layouts.static_bytes import megatron_static_bytes
 
 __all__ = [
     "KNOBS",

@@ -23,8 +23,9 @@ from autopar.cost.compute import itemsize
 from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.graph import OpFamily, op_family
 from autopar.ir import TENSOR
-from autopar.layouts.megatron_layout import megatron, megatron_pipelined, megatron_static_bytes
+from autopar.layouts.megatron_layout import megatron, megatron_pipelined
 from autopar.layouts.roles import expert_weights, megatron_weight_roles
+from autopar.layouts.static_bytes import megatron_static_bytes
 from autopar.microbatch import MicrobatchCaptures
 from autopar.passes import PassContext, run_passes
 from autopar.passes.annotate import annotate_tensors

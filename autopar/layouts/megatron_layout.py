@@ -2,13 +2,13 @@
 
 ``megatron`` fixes the weights to the roles ``autopar.layouts.roles`` finds and lets the solver
 place everything else; ``megatron_pipelined`` is the same over pipeline stages;
-``megatron_static_bytes`` is the training state a layout holds per device, before planning it.
+``block_recompute_layers`` the layers Megatron-LM's block recomputation method recomputes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,6 @@ from autopar.audit import audited
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
-from autopar.cost.memory import StateBytes
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import TENSOR, Strategy
 from autopar.layouts.roles import (
@@ -49,7 +48,6 @@ __all__ = [
     "megatron",
     "megatron_mesh",
     "megatron_pipelined",
-    "megatron_static_bytes",
 ]
 
 
@@ -589,41 +587,3 @@ def megatron_pipelined(
         plan.info["cluster_desc"] = cluster.describe()
         out.append((schedule, virtual, plan))
     return out
-
-
-def megatron_static_bytes(
-    params: Sequence[tuple[str, int, int, bool]],
-    roles: dict[str, str],
-    experts: dict[str, int],
-    *,
-    tp: int,
-    dp: int,
-    ep: int,
-    pp: int,
-    distributed_optimizer: bool,
-    state: Callable[[int], StateBytes],
-) -> float:
-    """A lower bound on the training state (weights, gradients, optimizer state) one device of
-    the Megatron layout holds: ``params`` are ``(name, elements, bytes per element, trainable)``,
-    ``state(bytes per element)`` the per-parameter accounting (``autopar.cost.memory``: ZeRO's,
-    Rajbhandari et al. Table 1). Each weight is split ``tp`` ways where Megatron splits it
-    (``roles``), experts ``ep`` ways; under the distributed optimizer its gradient and optimizer
-    state are further split over its data-parallel ranks (``dp`` for dense weights, ``dp · tp / ep``
-    for experts) as ZeRO-2 counts them (``megatron``'s docstring); the pipeline's largest stage
-    holds at least ``1/pp`` of the total. Exact splits may fall short where shapes do not divide,
-    so the true figure is at least this."""
-    total = 0.0
-    for fqn, numel, nbytes, trainable in params:
-        role = roles.get(fqn, "")
-        split = ep if fqn in experts else (tp if role and role != "row_bias" else 1)
-        n = numel / split
-        if not trainable:
-            total += n * nbytes
-            continue
-        s = state(nbytes)
-        if distributed_optimizer:
-            group = dp * tp // ep if fqn in experts else dp
-            total += n * (s.weight + (s.grad + s.optimizer) / group)
-        else:
-            total += n * s.total
-    return total / pp
