@@ -196,7 +196,11 @@ def plan_captured(
         common = dict(node_constraint=node_constraint, layout=layout, path_cutoff=path_cutoff, score=score)
         try:
             return plan_captured(
-                cap, cluster, config.replace(recompute="none"), background=background, **common
+                cap,
+                cluster,
+                config.replace(recompute="none", recompute_layers=None),
+                background=background,
+                **common,
             )
         except NotBetter as e:  # none may fit at all: a lighter footprint may still beat the cutoff
             return plan_recomputing(cap, cluster, config, kept=None, pruned=e, **common)

@@ -95,7 +95,7 @@ from autopar.passes.stages import seams
 from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Scored, pipelined_candidates, stage_cluster
 from autopar.planfile import Plan
-from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured
+from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured, plan_recomputing
 from autopar.solver import NotBetter
 
 __all__ = ["plan_model"]
@@ -232,7 +232,9 @@ class PipelineSearch:
             p = plan_captured(
                 self.graphs(1),
                 self.cluster,
-                config.replace(pp=1, recompute="none" if auto else config.recompute),
+                config.replace(pp=1, recompute="none", recompute_layers=None)
+                if auto
+                else config.replace(pp=1),
                 background=self.prefetch(then, eager=True),
             )
         except InfeasibleError as e:
@@ -253,27 +255,25 @@ class PipelineSearch:
         if not self.whole_recomputes:
             return
         best = self.best()
-        for mode in ("selective", "full"):  # full may fit a faster sharding where selective cannot
-            try:
-                p = plan_captured(
-                    self.graphs(1),
-                    self.cluster,
-                    self.config.replace(pp=1, recompute=mode),
-                    path_cutoff=best if best < math.inf else None,
-                )
-            except NotBetter:
-                self.tried.append(
-                    {"pp": 1, "recompute": mode, "pruned": "its compute path exceeds the best step"}
-                )
-                continue
-            except InfeasibleError as e:
-                self.errors.append(f"pp=1 recompute={mode}: {e}")
-                continue
-            if self.kept_whole is not None:
-                p.info["kept_memory"] = self.kept_whole  # for ``fewer_layers``
-            self.scored.append(Scored(p, p.predicted.step_time, f"pp=1 recompute={mode}"))
-            self.tried.append({"pp": 1, "recompute": mode, "step_time": p.predicted.step_time})
+        try:  # selective, then full (which may fit a faster sharding where selective cannot)
+            p = plan_recomputing(
+                self.graphs(1),
+                self.cluster,
+                self.config.replace(pp=1),
+                kept=self.kept_whole,
+                fewer_layers=False,  # for the fastest candidate only (``fewer_layers``)
+                path_cutoff=best if best < math.inf else None,
+            )
+        except NotBetter:
+            self.tried.append(
+                {"pp": 1, "recompute": "auto", "pruned": "its compute path exceeds the best step"}
+            )
             return
+        except InfeasibleError as e:
+            self.errors.append(f"pp=1 recomputing: {e}")
+            return
+        self.scored.append(Scored(p, p.predicted.step_time, f"pp=1 recompute={p.recompute}"))
+        self.tried.append({"pp": 1, "recompute": p.recompute, "step_time": p.predicted.step_time})
 
     def fewer_layers(self) -> None:
         """Under ``recompute="auto"``, where the fastest candidate recomputes in every repeated layer:

@@ -167,6 +167,9 @@ def test_recompute_layers_is_checked():
     with pytest.raises(ValueError, match="layer ordinals"):
         autopar.PlanConfig(recompute="full", recompute_layers=(0, -1))
     model, inputs = build("gpt")
+    # "auto" tries no recomputation first: the layers it names apply to the modes tried after
+    auto = autopar.plan(model, inputs, autopar.Cluster.local(2), recompute="auto", recompute_layers=1, pp=1)
+    assert auto.recompute == "none" and auto.recompute_layers is None
     with pytest.raises(ValueError, match=r"names layers \[7\], but the model has 2 repeated layers"):
         autopar.plan(model, inputs, autopar.Cluster.local(2), recompute="full", recompute_layers=(0, 7), pp=1)
 

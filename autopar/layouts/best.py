@@ -109,7 +109,8 @@ class MegatronSearch:
         cp = knobs.get("cp", 1)
         world = self.cluster.world_size
         dp = world // (tp * pp * cp)
-        config = self.config.replace(recompute=knobs["recompute"], pp=1)
+        layers = self.config.recompute_layers if knobs["recompute"] != "none" else None
+        config = self.config.replace(recompute=knobs["recompute"], recompute_layers=layers, pp=1)
         t0 = time.perf_counter()
         try:
             if pp == 1 and m == 1:
