@@ -45,8 +45,8 @@ def plan(
     device, default the device's memory), ``mesh_shape`` (fix the mesh instead of trying the
     candidates), ``fixed`` (``{name: spec}`` for parameters or user inputs, honored exactly, e.g.
     ``{"lm_head.weight": ("S(0)",)}``), ``optimizer``, ``mixed_precision`` (default: detected from
-    the parameters' dtype), ``zero_stage`` (1, 2 or 3; default the solver picks 2 or 3 per
-    parameter), ``time_limit``, ``workers``, ``disable`` (pass names).
+    the parameters' dtype), ``zero_stage`` (1, 2 or 3, or a tuple the solver picks among per
+    parameter; default 2 or 3, and the 3D search tries 1 on its fastest accumulated candidates), ``time_limit``, ``workers``, ``disable`` (pass names).
 
     The plan is audited (``autopar.audit``): the result in ``plan.info["audit"]``, and one
     ``AuditWarning`` where the plan wastes its devices or predicts what they cannot do.

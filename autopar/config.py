@@ -99,9 +99,10 @@ class PlanConfig:
     """dtype of the optimizer's moments: ``"bfloat16"`` gives the published 12 / 5 / 3.25 / 1.5
     bytes per parameter for DDP / ZeRO-1 / 2 / 3 at N = 8 (fp32 master kept); ``None``: float32
     under mixed precision, else the parameters' dtype (``torch.optim``'s ``zeros_like(param)``)."""
-    zero_stage: int | None = None
-    """ZeRO stage of parameters stored sharded (1, 2 or 3); ``None``: the solver picks 2 or 3
-    per parameter."""
+    zero_stage: int | tuple[int, ...] | None = None
+    """ZeRO stage of parameters stored sharded (1, 2 or 3), or the stages the solver picks from
+    per parameter (a tuple, e.g. ``(1, 2, 3)``); ``None``: 2 or 3 (``autopar.passes.zero_stages``;
+    the 3D search also tries 1 for its fastest accumulated candidate)."""
     time_limit: float = 60.0
     """Seconds CP-SAT may search one mesh before returning its best plan."""
     relative_gap: float = 0.005
@@ -169,8 +170,16 @@ class PlanConfig:
                 f"optimizer_state_dtype must be 'float32', 'bfloat16', 'float16' or None, "
                 f"got {self.optimizer_state_dtype!r}"
             )
-        if self.zero_stage not in (None, 1, 2, 3):
-            fail(f"zero_stage must be 1, 2, 3 or None (solver's choice), got {self.zero_stage!r}")
+        if isinstance(self.zero_stage, (tuple, list)):
+            stages = tuple(sorted(set(self.zero_stage)))
+            if not stages or any(z not in (1, 2, 3) or isinstance(z, bool) for z in stages):
+                fail(f"zero_stage must list stages among 1, 2 and 3, got {self.zero_stage!r}")
+            object.__setattr__(self, "zero_stage", stages[0] if len(stages) == 1 else stages)
+        elif self.zero_stage not in (None, 1, 2, 3) or isinstance(self.zero_stage, bool):
+            fail(
+                f"zero_stage must be 1, 2, 3, a tuple of them (the solver picks among) or None "
+                f"(it picks 2 or 3), got {self.zero_stage!r}"
+            )
         if not (
             isinstance(self.time_limit, (int, float))
             and math.isfinite(self.time_limit)

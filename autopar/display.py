@@ -206,8 +206,7 @@ def _units(plan: PlanRecord) -> list[_Unit]:
         if n.kind not in ("op", "input"):
             continue
         if n.kind == "input":  # the batch: one row before everything it feeds
-            u = units.get("<inputs>")
-            if u is None:
+            if (u := units.get("<inputs>")) is None:
                 u = units["<inputs>"] = _Unit("<inputs>", "<inputs>", None, comm_axes=[0.0] * ndim)
                 order.insert(0, u)
         else:
@@ -242,6 +241,7 @@ def _units(plan: PlanRecord) -> list[_Unit]:
             u = get(owner, new_top_run=False)
         rel = _relative(n.fqn, u.name)
         u.memory += n.memory
+        u.compute += n.compute_time  # a weight's share of the optimizer step (passes.strategies)
         spec = tuple(n.outputs[0]) if n.outputs else ()
         if n.kind == "param":
             u.param_memory += n.memory

@@ -6,6 +6,7 @@ meshes' objectives handed to the others as cutoffs, and the planning process's o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import multiprocessing as mp
@@ -81,10 +82,8 @@ def _objectives(done: dict[int, tuple[float, Any]]) -> dict[int, float]:
 def _import_solver() -> None:
     """Import CP-SAT's Python module here before forking: each child would otherwise import it
     itself (0.55 s of a core each; twelve children plan LLaMA-3-8B on 64 H100)."""
-    try:
+    with contextlib.suppress(ImportError):  # the children raise the solver's own message
         from ortools.sat.python import cp_model  # noqa: F401
-    except ImportError:  # the children raise the solver's own message
-        pass
 
 
 def solve_meshes(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from autopar.planfile import PipelinePlan, Plan
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
 from autopar.simulate import graph_facts, optimizer_time, stage_costs
 
-__all__ = ["Scored", "pipelined_candidates", "stage_cluster"]
+__all__ = ["Player", "Scored", "pipelined_candidates", "stage_cluster"]
 
 log = logging.getLogger("autopar.planner")
 
@@ -230,3 +230,27 @@ def pipelined_candidates(
             }
             out.append(Scored(p, step, label))
     return out
+
+
+@dataclass
+class Player:
+    """A ``(pp, m)`` candidate's score of a stage plan (``plan_captured(score=…)``): the fastest
+    step its schedules play (``pipelined_candidates``), the candidates kept for the plan chosen."""
+
+    gm: Any
+    cluster: Cluster
+    config: PlanConfig
+    pp: int
+    m: int
+    budget: float
+    played: dict[int, list[Scored]] = field(default_factory=dict)
+
+    def candidates(self, p: Plan) -> list[Scored]:
+        if id(p) not in self.played:
+            self.played[id(p)] = pipelined_candidates(
+                p, self.gm, self.cluster, self.config, self.pp, self.m, self.budget
+            )
+        return self.played[id(p)]
+
+    def __call__(self, p: Plan) -> float:
+        return min((c.step_time for c in self.candidates(p)), default=math.inf)

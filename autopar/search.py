@@ -52,7 +52,11 @@ everything.
   (``PipelineSearch.recomputing_whole``), and the search goes on as where it does not fit at all.
 * Under ``recompute="auto"`` a candidate recomputes in every repeated layer; where the fastest
   does, its ``(pp, m)`` is planned once more with the mode in the fewest layers its memory allows
-  (``PipelineSearch.fewer_layers``, ``PlanConfig.recompute_layers``).
+  (``autopar.refine.fewer_layers``, ``PlanConfig.recompute_layers``).
+* Where the solver picks the ZeRO stages, accumulated candidates within ``ZERO1_REACH`` of the
+  fastest are planned once more with stage 1 offered (``autopar.refine.accumulated_zero1``):
+  Megatron-LM's distributed optimizer, a reduce-scatter once a step where stage 2 has one every
+  micro-batch; kept where it plays faster.
 * **Pruning.** A rank is busy at least ``m/pp`` of a micro-batch's *compute path* (what every
   micro-batch puts on the compute stream: ``StrategyGraph.path_terms``), so a stage plan whose
   path exceeds ``FAR_SLOWER · best · pp / m`` is far slower than the best plan so far. The stage
@@ -80,11 +84,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from autopar import refine
 from autopar.capture import Captured, batch_size, normalize_inputs
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
@@ -92,10 +97,9 @@ from autopar.display import fmt_bytes
 from autopar.mesh_pool import Background
 from autopar.microbatch import MicrobatchCaptures
 from autopar.passes.stages import seams
-from autopar.passes.strategies import repeated_layers
-from autopar.pipelined import Scored, pipelined_candidates, stage_cluster
+from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
-from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured, plan_recomputing
+from autopar.planner import InfeasibleError, plan_captured, plan_recomputing
 from autopar.solver import NotBetter
 
 __all__ = ["plan_model"]
@@ -142,30 +146,6 @@ def _solved_to(plan: Plan, gap: float) -> bool:
     return bool(tried) and all(
         "pruned" in t or not t.get("feasible") or t.get("gap", 1.0) <= gap for t in tried
     )
-
-
-@dataclass
-class _Player:
-    """A ``(pp, m)`` candidate's score of a stage plan (``plan_captured(score=…)``): the fastest
-    step its schedules play (``pipelined_candidates``), the candidates kept for the plan chosen."""
-
-    gm: Any
-    cluster: Cluster
-    config: PlanConfig
-    pp: int
-    m: int
-    budget: float
-    played: dict[int, list[Scored]] = field(default_factory=dict)
-
-    def candidates(self, p: Plan) -> list[Scored]:
-        if id(p) not in self.played:
-            self.played[id(p)] = pipelined_candidates(
-                p, self.gm, self.cluster, self.config, self.pp, self.m, self.budget
-            )
-        return self.played[id(p)]
-
-    def __call__(self, p: Plan) -> float:
-        return min((c.step_time for c in self.candidates(p)), default=math.inf)
 
 
 @dataclass
@@ -275,57 +255,6 @@ class PipelineSearch:
         self.scored.append(Scored(p, p.predicted.step_time, f"pp=1 recompute={p.recompute}"))
         self.tried.append({"pp": 1, "recompute": p.recompute, "step_time": p.predicted.step_time})
 
-    def fewer_layers(self) -> None:
-        """Under ``recompute="auto"``, where the fastest candidate recomputes in every repeated layer:
-        its ``(pp, m)`` planned again with the mode in the fewest layers its memory allows
-        (``planner.fewer_layers_count``), kept where faster. Only the fastest: an estimate and one
-        solve more for each candidate doubled Table 1 row 7's planning."""
-        config = self.config
-        if config.recompute != "auto" or config.recompute_layers is not None or not self.scored:
-            return
-        best = min(self.scored, key=lambda c: c.step_time)
-        plan = best.plan
-        if plan.recompute == "none":
-            return
-        pipe = plan.pipeline
-        pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
-        cap = self.graphs(m)
-        stage = self.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
-        assert stage.memory_budget is not None
-        k = fewer_layers_count(plan, cap, stage.memory_budget)
-        if k is None:
-            return
-        sub = stage_cluster(self.cluster, pp)
-        assert sub is not None
-        score = _Player(cap.gm, self.cluster, config, pp, m, self.budget)
-        try:
-            spmd = plan_captured(
-                cap, sub, stage.replace(recompute=plan.recompute, recompute_layers=k), score=score
-            )
-        except (InfeasibleError, NotBetter) as e:
-            self.tried.append({"pp": pp, "microbatches": m, "recompute_layers": k, "failed": str(e)[:200]})
-            return
-        found = (
-            score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
-        )
-        for c in found:
-            c.plan.info["recompute_layers_tried"] = {
-                "layers": k,
-                "of": len(repeated_layers(cap.gm.graph)),
-                "step": c.step_time,
-                "every_layer_step": best.step_time,
-            }
-            self.tried.append(
-                {
-                    "pp": pp,
-                    "microbatches": m,
-                    "candidate": c.what,
-                    "recompute_layers": k,
-                    "step_time": c.step_time,
-                }
-            )
-        self.scored += found
-
     def possible(self, pp: int, quiet: bool = False) -> bool:
         """Whether ``pp`` ranks can be planned at all (equal stages, enough seams, a batch to
         cut); where not, the error says why (unless ``quiet``)."""
@@ -420,7 +349,7 @@ class PipelineSearch:
             # Screened at SCREEN_GAP where a plan exists to beat (module docstring: screening).
             screen = not self.exhaustive and best_before < math.inf and config.relative_gap < SCREEN_GAP
             # Near-tie meshes are ranked by the step this candidate plays (``planner.MESH_TIE``).
-            score = _Player(cap.gm, cluster, config, pp, m, self.budget)
+            score = Player(cap.gm, cluster, config, pp, m, self.budget)
             try:
                 spmd = plan_captured(
                     cap,
@@ -578,7 +507,8 @@ def plan_model(
     else:
         search.ascending(pps)
     search.recomputing_whole()
-    search.fewer_layers()
+    refine.fewer_layers(search)
+    refine.accumulated_zero1(search)
     if not search.scored:
         head = "no layout fits the memory budget"
         if search.least is not None:

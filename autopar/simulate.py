@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from torch.fx import GraphModule, Node
 
 from autopar.cluster import Cluster
-from autopar.cost.memory import OPTIMIZER_MOMENTS
-from autopar.cost.optimizer import OptimizerSettings, optimizer_step_time
+from autopar.cost.optimizer import optimizer_step_time, plan_settings
 from autopar.cost.timeline import Event, StageCost, Timeline, play
 from autopar.graph import OpFamily, op_family, tensor_inputs
 from autopar.ir import COST, TENSOR
@@ -218,10 +217,7 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
         tensors += 1
     opt = plan.info.get("optimizer", "adamw")
     pbytes = int(plan.info.get("param_bytes", 4))
-    settings = OptimizerSettings(
-        optimizer=opt if opt in OPTIMIZER_MOMENTS else "adamw", master_weights=pbytes < 4
-    )
-    return optimizer_step_time(numel, tensors, pbytes, cluster.device, settings)
+    return optimizer_step_time(numel, tensors, pbytes, cluster.device, plan_settings(opt, pbytes))
 
 
 def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from autopar.cost.memory import OPTIMIZER_MOMENTS
 from autopar.devices import DeviceSpec
 
-__all__ = ["OptimizerSettings", "optimizer_bytes_per_param", "optimizer_step_time"]
+__all__ = ["OptimizerSettings", "optimizer_bytes_per_param", "optimizer_step_time", "plan_settings"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +58,15 @@ class OptimizerSettings:
         if self.state_bytes is not None:
             return self.state_bytes
         return 4 if self.master_weights else param_bytes
+
+
+def plan_settings(optimizer: str, param_bytes: int) -> OptimizerSettings:
+    """The settings a plan's step runs with: its optimizer (AdamW where it names one this module
+    does not cost), fused, with an fp32 master copy where the parameters are narrower than fp32
+    (mixed precision, as ``autopar.runtime`` keeps it)."""
+    return OptimizerSettings(
+        optimizer=optimizer if optimizer in OPTIMIZER_MOMENTS else "adamw", master_weights=param_bytes < 4
+    )
 
 
 def optimizer_bytes_per_param(param_bytes: int, settings: OptimizerSettings = OptimizerSettings()) -> float:

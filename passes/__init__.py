@@ -89,7 +89,15 @@ def run_passes(
 def zero_stages(config: PlanConfig) -> tuple[int, ...]:
     """ZeRO stages a sharded parameter may run with where it is gathered (``autopar.cost.memory``).
 
-    The solver picks per parameter between 2 and 3; stage 1 is dominated by stage 2 (same
-    all-gather, a full all-reduce instead of a reduce-scatter, a full gradient kept), so it is
-    offered only when asked for."""
-    return (2, 3) if config.zero_stage is None else (config.zero_stage,)
+    By default the solver picks per parameter between 2 and 3. On one micro-batch per step stage
+    1 is dominated by stage 2 (the same collectives, a full gradient kept). Over ``m``
+    micro-batches per gradient synchronization it reduce-scatters and gathers once a step from the
+    full gradient it accumulates where stage 2 reduce-scatters every micro-batch
+    (``autopar.cost.reshard_cost.edge_cost``; Megatron-LM's distributed optimizer): less volume,
+    but only the last micro-batch's backward to hide it under, which the solver's sum cannot
+    weigh, so it is offered where asked for (``PlanConfig.zero_stage``: a stage or a tuple) and
+    the 3D search asks for it on the accumulated candidates near its fastest (``autopar.refine``),
+    keeping what plays faster."""
+    if config.zero_stage is None:
+        return (2, 3)
+    return config.zero_stage if isinstance(config.zero_stage, tuple) else (config.zero_stage,)

@@ -281,7 +281,9 @@ class _Builder:
                         sync_share=share,
                         steps=steps,
                     )
-                    if once_per_step and src == spec:  # no gather: only the step's gradient all-reduce
+                    # Once per step: a replicated weight's gradient all-reduce (nothing gathered),
+                    # and ZeRO-1's gather and reduce-scatter (``zero_stages``).
+                    if once_per_step and (src == spec or stage == 1):
                         t /= self.per_sync
                     v = (t, share * kept_gather_bytes(shape, itemsize, src, spec, mesh, stage, steps=steps))
                 cache[key] = v

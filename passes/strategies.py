@@ -37,6 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
+from autopar.cost.optimizer import optimizer_step_time, plan_settings
 from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
@@ -191,6 +192,16 @@ def _cost_strategy(
                 if info.requires_grad
                 else numel * val.element_size()
             )
+            # Its share of the optimizer step (``cost.optimizer``, as the simulator plays it): a
+            # sharded or flat-sharded state updates fewer elements. Once per step, so per
+            # micro-batch a ``1/m`` share. Without it a replicated weight and its ZeRO-sharded
+            # twin cost the solver the same where their collectives do, and it kept the slower.
+            if info.requires_grad:
+                settings = plan_settings(ctx.config.optimizer, val.element_size())
+                step = optimizer_step_time(numel / flat, 0, val.element_size(), ctx.cluster.device, settings)
+                return replace(
+                    s, compute_time=step / ctx.config.microbatches_per_sync, comm_time=0.0, memory=mem
+                )
         else:
             mem = _nbytes(local, val.dtype)
         # A user input is written into each device's memory every step: a device given only its

@@ -31,17 +31,21 @@ def test_predicted_throughput_is_within_15_percent_of_the_paper(row):
 @pytest.mark.timeout(300)
 def test_accumulated_micro_batches_plan_the_mesh_that_plays_fastest():
     """Row 1 (GPT 1.7B on 32 A100), 4 micro-batches accumulated on one stage. The solver's
-    objective sums communication and ranks (16, 2) first (718.9 ms against 725.9 ms for (32,));
+    objective sums communication and ranked (16, 2) first (718.9 ms against 725.9 ms for (32,)
+    before the optimizer step was in it; within 0.2 % either way now);
     played with its 4 micro-batches, the data-parallel (32,) is faster, its gradient reduction
     hidden under backward: 2.715 s against 2.787 s. The near tie goes to the played step
     (``autopar.planner.MESH_TIE``), and the plan is within 0.2 % of Megatron-LM's own layout of
-    the same knobs (dp = 32, 4 micro-batches, distributed optimizer)."""
+    the same knobs (dp = 32, 4 micro-batches, distributed optimizer); with ZeRO-1 offered and the
+    optimizer step in the solver's objective, no slower than it."""
     import autopar
+    from autopar.planner import MESH_TIE
 
     model, inputs, cluster = T.row_setup(T.rows()[0])
     plan = autopar.plan(model, inputs, cluster, pp=1, microbatches=4)
     tried = {tuple(m["mesh"]): m for m in plan.info["meshes_tried"]}
-    assert tried[(16, 2)]["objective"] < tried[(32,)]["objective"]
+    # A near tie in the solver's objective (with the optimizer step in it, (32,) is also first there).
+    assert abs(tried[(16, 2)]["objective"] / tried[(32,)]["objective"] - 1) < MESH_TIE
     assert plan.mesh_shape == (32,)
     assert tried[(32,)]["scored_step"] < tried[(16, 2)]["scored_step"]
     meg = autopar.layouts.megatron(
@@ -54,4 +58,7 @@ def test_accumulated_micro_batches_plan_the_mesh_that_plays_fastest():
         distributed_optimizer=True,
         sequence_parallel=False,
     )
-    assert plan.predicted.step_time <= meg.predicted.step_time * 1.002
+    assert plan.predicted.step_time <= meg.predicted.step_time
+    # ZeRO-1 (Megatron's distributed optimizer) offered under accumulation
+    # (``autopar.refine.accumulated_zero1``): the large weights keep whole gradients, reduced once a step.
+    assert 1 in set(plan.zero_stages().values())

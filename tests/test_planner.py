@@ -365,7 +365,7 @@ def test_accumulation_is_tried_when_the_whole_batch_needs_recomputation(make_gpt
     accumulated = [r for r in rows if r["pp"] == 1 and r.get("microbatches", 1) > 1 and "step_time" in r]
     assert accumulated, rows
     assert one_stage["step_time"]
-    # The fastest, its recomputation then tried in fewer layers (``PipelineSearch.fewer_layers``).
+    # The fastest, its recomputation then tried in fewer layers (``autopar.refine.fewer_layers``).
     assert plan.predicted.step_time == min(r["step_time"] for r in rows if "step_time" in r)
 
 

@@ -1,0 +1,149 @@
+"""Second looks at the 3D search's fastest candidates (``autopar.search``; its words): each
+planned once more with a choice the search itself leaves out, its candidates joining the others,
+so a second look wins only where it plays faster.
+
+* **fewer layers** — a candidate recomputing in every repeated layer, again with the mode in the
+  fewest layers its memory allows (``planner.fewer_layers_count``; ``PlanConfig.recompute_layers``).
+* **ZeRO stage 1** — an accumulated candidate (several micro-batches per gradient
+  synchronization), again with stage 1 offered beside 2 and 3 (``passes.zero_stages``):
+  Megatron-LM's distributed optimizer, a reduce-scatter and a gather once a step from the
+  accumulated gradient where stage 2 reduce-scatters every micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.passes.strategies import repeated_layers
+from autopar.pipelined import Player, Scored, stage_cluster
+from autopar.planfile import Plan
+from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured
+from autopar.solver import NotBetter
+
+if TYPE_CHECKING:
+    from autopar.search import PipelineSearch
+
+__all__ = ["ZERO1_REACH", "ZERO1_TIME_LIMIT", "accumulated_zero1", "fewer_layers"]
+
+ZERO1_REACH = 0.02
+"""Accumulated candidates within this fraction of the fastest are planned again with ZeRO stage 1
+offered (``accumulated_zero1``): it gained at most 1.1 % on Table 1's rows."""
+
+ZERO1_TIME_LIMIT = 10.0
+"""Seconds CP-SAT may search each mesh of that plan (``PlanConfig.time_limit`` caps it too): the
+memory-bound ones ran to their 60 s limit on Table 1 row 3; the plan found by then is a rival,
+kept only where it plays faster."""
+
+
+def fewer_layers(search: PipelineSearch) -> None:
+    """Under ``recompute="auto"``, where the fastest candidate recomputes in every repeated layer:
+    its ``(pp, m)`` planned again with the mode in the fewest layers its memory allows
+    (``planner.fewer_layers_count``), kept where faster. Only the fastest: an estimate and one
+    solve more for each candidate doubled Table 1 row 7's planning."""
+    config = search.config
+    if config.recompute != "auto" or config.recompute_layers is not None or not search.scored:
+        return
+    best = min(search.scored, key=lambda c: c.step_time)
+    plan = best.plan
+    if plan.recompute == "none":
+        return
+    pipe = plan.pipeline
+    pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
+    cap = search.graphs(m)
+    stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
+    assert stage.memory_budget is not None
+    k = fewer_layers_count(plan, cap, stage.memory_budget)
+    if k is None:
+        return
+    sub = stage_cluster(search.cluster, pp)
+    assert sub is not None
+    score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
+    try:
+        spmd = plan_captured(
+            cap, sub, stage.replace(recompute=plan.recompute, recompute_layers=k), score=score
+        )
+    except (InfeasibleError, NotBetter) as e:
+        search.tried.append({"pp": pp, "microbatches": m, "recompute_layers": k, "failed": str(e)[:200]})
+        return
+    found = score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
+    for c in found:
+        c.plan.info["recompute_layers_tried"] = {
+            "layers": k,
+            "of": len(repeated_layers(cap.gm.graph)),
+            "step": c.step_time,
+            "every_layer_step": best.step_time,
+        }
+        search.tried.append(
+            {
+                "pp": pp,
+                "microbatches": m,
+                "candidate": c.what,
+                "recompute_layers": k,
+                "step_time": c.step_time,
+            }
+        )
+    search.scored += found
+
+
+def accumulated_zero1(search: PipelineSearch) -> None:
+    """Where the solver picks the ZeRO stages: each accumulated candidate (several micro-batches
+    per gradient synchronization) within ``ZERO1_REACH`` of the fastest, its ``(pp, m)``
+    planned again with stage 1 offered beside 2 and 3 (``passes.zero_stages``: a reduce-scatter
+    and a gather once a step, from the accumulated gradient), its recomputation kept. Its
+    candidates join the others, so one wins only where it plays faster (Table 1 row 1, 4
+    micro-batches: 0.4 %). Offered in the search itself, stage 1 made row 3's 4 micro-batches
+    11 % faster (a plan 5.8 % faster than Megatron-LM's best) but row 7's 2 micro-batches 0.5 %
+    slower (reduce-scatters exposed after the last backward, which the solver's sum cannot
+    see) and row 3's planning 1.5-2.5× longer (memory-bound programs CP-SAT closes slowly)."""
+    config = search.config
+    if config.zero_stage is not None or not search.scored:
+        return
+    best = search.best()
+    seen: set[tuple[int, int]] = set()
+    for c in sorted(search.scored, key=lambda c: c.step_time):
+        pipe = c.plan.pipeline
+        if c.step_time > best * (1 + ZERO1_REACH):
+            break
+        if pipe is None or pipe.microbatches <= 1 or (pipe.pp, pipe.microbatches) in seen:
+            continue
+        seen.add((pipe.pp, pipe.microbatches))
+        _zero1(search, c.plan, pipe.pp, pipe.microbatches)
+
+
+def _zero1(search: PipelineSearch, plan: Plan, pp: int, m: int) -> None:
+    """``accumulated_zero1`` for the candidate ``plan`` of ``(pp, m)``."""
+    cap = search.graphs(m)
+    names = repeated_layers(cap.gm.graph)
+    layers = (
+        tuple(i for i, name in enumerate(names) if name in plan.recompute_layers)
+        if plan.recompute != "none" and plan.recompute_layers is not None
+        else None
+    )
+    stage = search.stage_config(pp, m).replace(
+        recompute=plan.recompute,
+        recompute_layers=layers or None,
+        zero_stage=(1, 2, 3),
+        time_limit=min(search.config.time_limit, ZERO1_TIME_LIMIT),
+    )
+    sub = stage_cluster(search.cluster, pp)
+    assert sub is not None
+    score = Player(cap.gm, search.cluster, search.config, pp, m, search.budget)
+    try:
+        # A rank is busy at least m/pp of a micro-batch's compute path (module docstring: pruning).
+        spmd = plan_captured(
+            cap, sub, stage, score=score, fewer_layers=False, path_cutoff=search.best() * pp / m
+        )
+    except (InfeasibleError, NotBetter) as e:
+        search.tried.append({"pp": pp, "microbatches": m, "zero_stage": "1, 2, 3", "failed": str(e)[:200]})
+        return
+    for c in score.candidates(spmd):
+        search.tried.append(
+            {
+                "pp": pp,
+                "microbatches": m,
+                "candidate": c.what,
+                "zero_stage": "1, 2, 3",
+                "step_time": c.step_time,
+            }
+        )
+        search.scored.append(c)
