@@ -20,6 +20,8 @@ Words:
   gathers and reductions, the backward all-reduce of an activation's gradient).
   **gradient reduction** — its weights' data-parallel gradient reduction and ZeRO parameter
   gathers, which the simulator overlaps with the backward (``autopar.simulate``).
+  **optimizer step** — its weights' update of their local shards, the share the solver charges
+  each weight (``autopar.passes.strategies``; ``1/m`` of it per micro-batch).
 
 Times are one layer's forward + backward on one device: per micro-batch for a plan with several
 micro-batches (its nodes are planned for one micro-batch), per step otherwise.
@@ -35,7 +37,7 @@ from autopar.planfile import NodePlan, Plan
 
 __all__ = ["PARTS", "LayerBreakdown", "LayerPart", "layer_breakdown"]
 
-PARTS = ("attention", "MLP", "norms", "other", "collectives", "gradient reduction")
+PARTS = ("attention", "MLP", "norms", "other", "collectives", "gradient reduction", "optimizer step")
 """The parts in the order they are drawn."""
 
 _ATTENTION = ("attn", "attention")
@@ -161,6 +163,9 @@ def layer_breakdown(plan: Plan) -> LayerBreakdown | None:
             add("gradient reduction", r.time, f"over {axes}")
         else:
             add("collectives", r.time, what or "all_reduce (activation gradient)")
+    for n in plan.nodes:  # its weights' share of the optimizer step (``passes.strategies``)
+        if n.kind == "param" and n.fqn.startswith(layer + ".") and n.compute_time > 0:
+            add("optimizer step", n.compute_time, n.fqn[len(layer) + 1 :])
     p = plan.pipeline
     per = "micro-batch" if p is not None and p.microbatches > 1 else "step"
     return LayerBreakdown(

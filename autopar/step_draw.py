@@ -41,6 +41,7 @@ PART_COLOURS = {
     "other": "#8c8c8c",
     "collectives": "#c44e52",
     "gradient reduction": "#9467bd",
+    "optimizer step": "#bcbd22",
 }
 
 _WIDTH = 1000

@@ -60,6 +60,7 @@ PLANNER = {
     "layouts",
     "simulate",
     "search",
+    "refine",
     "audit",
     "audit_figures",
 }

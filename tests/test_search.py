@@ -90,6 +90,7 @@ def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
     faster (Table 1's row 1)."""
     from types import SimpleNamespace
 
+    import autopar.pipelined as pipelined_mod
     import autopar.search as search_mod
     from autopar.pipelined import Scored
 
@@ -97,7 +98,7 @@ def test_a_slower_accumulation_count_ends_the_counts_unless_it_recomputed(
     monkeypatch.setattr(search_mod, "plan_captured", lambda cap, *a, **k: cap)
     monkeypatch.setattr(search_mod, "seams", lambda gm: [])
     monkeypatch.setattr(
-        search_mod,
+        pipelined_mod,
         "pipelined_candidates",
         lambda spmd, gm, cluster, config, pp, m, budget: [
             Scored(SimpleNamespace(recompute=made[m][1]), made[m][0], f"pp=1 m={m}")
@@ -120,6 +121,7 @@ def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_wher
     0.95 < 1.0) and its refined 0.99 s wins."""
     from types import SimpleNamespace
 
+    import autopar.pipelined as pipelined_mod
     import autopar.search as search_mod
     from autopar.pipelined import Scored
     from autopar.search import SCREEN_GAP
@@ -135,7 +137,7 @@ def test_pipelined_candidates_are_screened_at_a_coarse_gap_and_refined_only_wher
     monkeypatch.setattr(search_mod, "plan_captured", plan_captured)
     monkeypatch.setattr(search_mod, "seams", lambda gm: [])
     monkeypatch.setattr(
-        search_mod,
+        pipelined_mod,
         "pipelined_candidates",
         lambda spmd, gm, cluster, config, pp, m, budget: [
             Scored(SimpleNamespace(recompute="selective"), steps[(spmd.m, spmd.gap)], f"pp=1 m={m}")
