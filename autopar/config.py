@@ -102,7 +102,7 @@ class PlanConfig:
     zero_stage: int | tuple[int, ...] | None = None
     """ZeRO stage of parameters stored sharded (1, 2 or 3), or the stages the solver picks from
     per parameter (a tuple, e.g. ``(1, 2, 3)``); ``None``: 2 or 3 (``autopar.passes.zero_stages``;
-    the 3D search also tries 1 for its fastest accumulated candidate)."""
+    the 3D search also tries 1 on accumulated candidates near its fastest, ``autopar.refine``)."""
     time_limit: float = 60.0
     """Seconds CP-SAT may search one mesh before returning its best plan."""
     relative_gap: float = 0.005
