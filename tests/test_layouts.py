@@ -338,3 +338,62 @@ def test_fixed_placement_that_does_not_divide_gives_the_arithmetic():
         )
     msg = str(err.value)
     assert "cuts dimension 0 (size 66) into 4 pieces, and 66 / 4 = 16.5 is not whole" in msg
+
+
+def _tight_gpt():
+    """A GPT of 8 layers on the meta device and a batch whose activations dominate its memory."""
+    import torch
+
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=1024, vocab_size=8192))
+    ids = torch.empty(8, 1024, dtype=torch.long, device="meta")
+    return model, (ids, ids.clone())
+
+
+@pytest.mark.timeout(120)
+def test_best_megatron_recomputes_the_fewest_layers_that_fit(a100x4):
+    """Between the memory of keeping every activation and of recomputing every layer, Megatron-LM's
+    block method (``--recompute-num-layers N``) fits with fewer layers recomputed, and runs faster
+    than recomputing all; ``best_megatron`` finds the fewest by bisection."""
+    model, inputs = _tight_gpt()
+    every = autopar.layouts.megatron(
+        model, inputs, a100x4, tp=1, recompute="full", distributed_optimizer=True
+    )
+    kept = autopar.layouts.megatron(model, inputs, a100x4, tp=1, recompute="none", distributed_optimizer=True)
+    budget = (every.predicted.memory_per_device + kept.predicted.memory_per_device) / 2
+    config = autopar.PlanConfig(memory_budget=budget)
+    best = autopar.layouts.best_megatron(
+        model, inputs, a100x4, tp=1, pp=1, cp=1, microbatch_size=2, config=config
+    )
+    tried = best.info["megatron_candidates"]
+    block = {
+        c["recompute_num_layers"]: c for c in tried if c.get("recompute_num_layers") and not c.get("skipped")
+    }
+    fits = sorted(n for n, c in block.items() if c["feasible"])
+    assert fits and not any(c["feasible"] for c in tried if c["recompute"] in ("none", "selective")), tried
+    n = fits[0]
+    assert 1 < n < 8 and not block[n - 1]["feasible"], block  # the fewest: one fewer does not fit
+    assert best.recompute == "full" and len(best.recompute_layers) == n
+    assert best.predicted.step_time == pytest.approx(block[n]["step_time"], rel=1e-9)
+    assert best.predicted.step_time < every.predicted.step_time
+    # held: only that N is planned
+    held = autopar.layouts.best_megatron(
+        model, inputs, a100x4, tp=1, pp=1, cp=1, microbatch_size=2, recompute_num_layers=n + 1, config=config
+    )
+    planned = [c for c in held.info["megatron_candidates"] if not c.get("skipped")]
+    assert {c.get("recompute_num_layers") for c in planned} == {n + 1}
+    assert len(held.recompute_layers) == n + 1
+    with pytest.raises(ValueError, match="applies to full recomputation"):
+        autopar.layouts.best_megatron(model, inputs, a100x4, recompute="selective", recompute_num_layers=2)
+
+
+def test_megatron_context_parallel_without_tensor_parallel_or_distributed_optimizer(a100x4):
+    """``tp=1`` keeps a tensor axis of one device, where weights lie whole: with ``cp`` beside it
+    the layout plans (it was refused: a fused QKV weight's column split on that axis had no
+    strategy)."""
+    model, inputs = _tight_gpt()
+    plan = autopar.layouts.megatron(model, inputs, a100x4, tp=1, cp=2, recompute="none")
+    assert dict(zip(plan.mesh_axes, plan.mesh_shape)) == {"dp": 2, "cp": 2, "tp": 1}
+    assert plan.predicted.step_time > 0

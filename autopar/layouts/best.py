@@ -23,12 +23,13 @@ from autopar.cost.compute import itemsize
 from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.graph import OpFamily, op_family
 from autopar.ir import TENSOR
-from autopar.layouts.megatron_layout import megatron, megatron_pipelined
+from autopar.layouts.megatron_layout import block_recompute_layers, megatron, megatron_pipelined
 from autopar.layouts.roles import expert_weights, megatron_weight_roles
 from autopar.layouts.static_bytes import megatron_static_bytes
 from autopar.microbatch import MicrobatchCaptures
 from autopar.passes import PassContext, run_passes
 from autopar.passes.annotate import annotate_tensors
+from autopar.passes.strategies import repeated_layers
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError
 
@@ -47,6 +48,7 @@ KNOBS = {
     "virtual": "v",
     "sequence_parallel": "sp",
     "recompute": "recompute",
+    "recompute_num_layers": "recompute_num_layers",
     "distributed_optimizer": "distributed_optimizer",
 }
 """The knobs ``best_megatron`` tunes (Megatron-LM's names) and their keys in
@@ -104,12 +106,35 @@ class MegatronSearch:
 
     def plan(self, knobs: dict[str, Any], m: int, schedules: list[tuple[str, int]]) -> float:
         """Plan one candidate (one stage plan, every schedule around it), record each schedule;
-        the fastest step that fits (``inf`` where none does)."""
+        the fastest step that fits (``inf`` where none does). ``knobs["recompute_num_layers"]``
+        (full recomputation in the first ``N`` layers of each model chunk) cuts the chunks by
+        ``pp · virtual``, so each schedule then has a stage plan of its own."""
+        n = knobs.get("recompute_num_layers")
+        if n is None:
+            return self._plan(knobs, m, schedules, None)
+        fastest = math.inf
+        for schedule, v in schedules:
+            config = self.config.replace(recompute="full", pp=1)
+            try:
+                layers = block_recompute_layers(self.captured(m), self.cluster, config, n, knobs["pp"] * v)
+            except ValueError as e:
+                self.tried.append(
+                    {**knobs, "schedule": schedule, "v": v, "feasible": False, "why": str(e)[:200]}
+                )
+                continue
+            fastest = min(fastest, self._plan(knobs, m, [(schedule, v)], layers))
+        return fastest
+
+    def _plan(
+        self, knobs: dict[str, Any], m: int, schedules: list[tuple[str, int]], layers: tuple[int, ...] | None
+    ) -> float:
+        """``plan`` with the recomputed layers given (``None``: ``config.recompute_layers``)."""
         tp, pp, ep, sp, do = (knobs[k] for k in ("tp", "pp", "ep", "sp", "distributed_optimizer"))
         cp = knobs.get("cp", 1)
         world = self.cluster.world_size
         dp = world // (tp * pp * cp)
-        layers = self.config.recompute_layers if knobs["recompute"] != "none" else None
+        if layers is None:
+            layers = self.config.recompute_layers if knobs["recompute"] != "none" else None
         config = self.config.replace(recompute=knobs["recompute"], recompute_layers=layers, pp=1)
         t0 = time.perf_counter()
         try:
@@ -142,13 +167,17 @@ class MegatronSearch:
         self, base: dict[str, Any], m: int, schedules: list[tuple[str, int]], optimizers: list[bool]
     ) -> tuple[float, int]:
         """Pruning 2: recomputation levels lightest first, stopping at the first that fits, the
-        distributed optimizer only where the layout does not fit without it. The fastest step
-        and the index of the level that fit (``inf, -1`` where none does)."""
-        levels = self.options("recompute", ["none", "selective", "full"])
+        distributed optimizer only where the layout does not fit without it; where that level is
+        full recomputation, the fewest layers recomputing that fit (``fewest_layers``). The
+        fastest step and the index of the level that fit (``inf, -1`` where none does)."""
+        held = self.fixed.get("recompute_num_layers")
+        levels = self.options("recompute", ["none", "selective", "full"] if held is None else ["full"])
         for k, rc in enumerate(levels):
             step = math.inf
             for do in optimizers:
                 knobs = {**base, "recompute": rc, "distributed_optimizer": do}
+                if rc == "full" and held is not None:
+                    knobs["recompute_num_layers"] = held
                 if step < math.inf:
                     self.skip(f"fits without the distributed optimizer at recompute={rc} (rule 2)", **knobs)
                     continue
@@ -156,8 +185,38 @@ class MegatronSearch:
             if step < math.inf:
                 for heavier in levels[k + 1 :]:
                     self.skip(f"recompute={rc} fits with the same knobs (rule 2)", **base, recompute=heavier)
+                if rc == "full" and "recompute_num_layers" not in self.fixed:
+                    # with the distributed optimizer where allowed: more room for activations
+                    knobs = {**base, "recompute": rc, "distributed_optimizer": max(optimizers)}
+                    step = min(step, self.fewest_layers(knobs, m, schedules))
                 return step, k
         return math.inf, -1
+
+    def fewest_layers(self, knobs: dict[str, Any], m: int, schedules: list[tuple[str, int]]) -> float:
+        """Pruning 2, block recomputation: where full recomputation in every layer is the lightest
+        level that fits, Megatron-LM's ``--recompute-method block --recompute-num-layers N``
+        (the first ``N`` layers of each model chunk), ``N`` the fewest that fit, found by bisection
+        for each schedule (memory rises and time falls as ``N`` falls; ``N`` = the chunk is every
+        layer, already planned). The fastest step found (``inf`` where no ``N`` fits)."""
+        cap = self.captured(m)
+        run_passes(
+            cap.gm, PassContext(captured=cap, cluster=self.cluster, config=self.config), [annotate_tensors]
+        )
+        total = len(repeated_layers(cap.gm.graph))
+        fastest = math.inf
+        for schedule, v in schedules:
+            stages = knobs["pp"] * v
+            if total < 2 or total % stages:
+                continue
+            lo, hi = 1, total // stages  # hi: every layer of the chunk, which fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                step = self.plan({**knobs, "recompute_num_layers": mid}, m, [(schedule, v)])
+                if step < math.inf:
+                    hi, fastest = mid, min(fastest, step)
+                else:
+                    lo = mid + 1
+        return fastest
 
     def tune_stage(
         self, tp: int, pp: int, ep: int, optimizers: list[bool], moe: bool, cp: int = 1
@@ -245,7 +304,9 @@ def best_megatron(
     only: powers of two dividing the data-parallel size and the experts — Megatron-LM's
     ``ep | dp`` — 1 included), micro-batch size ``microbatch_size`` (1, 2, 4, 8 sequences per
     data-parallel rank), ``schedule`` (1F1B, interleaved with ``virtual=2``),
-    ``sequence_parallel``, ``recompute`` (none, selective, full), ``distributed_optimizer`` and
+    ``sequence_parallel``, ``recompute`` (none, selective, full), ``recompute_num_layers`` (full
+    recomputation in the first ``N`` layers of each model chunk only; held at ``None``: in every
+    layer, as Megatron-LM before its block method), ``distributed_optimizer`` and
     context parallel size ``cp`` (models whose attention runs over the inputs' sequence: 1, then
     powers of two dividing the sequence and the devices left; the solver picks each layer's
     attention form, ``megatron``'s ``cp_comm_type=None``). Expert tensor parallel size stays 1
@@ -260,7 +321,12 @@ def best_megatron(
        exceeds the memory budget (``megatron_static_bytes``, a lower bound) is not planned;
     2. **recomputation** — levels are tried lightest first and, with the same other knobs, none
        heavier once one fits (recomputing only adds compute); the distributed optimizer only
-       where the layout does not fit without it at that level (it saves memory, not time);
+       where the layout does not fit without it at that level (it saves memory, not time); where
+       full recomputation is the lightest level that fits, also Megatron-LM's block method
+       (``recompute_num_layers=N``: the first ``N`` layers of each model chunk recompute, the
+       others keep their activations) with the fewest layers that fit, found by bisection with
+       the distributed optimizer where allowed (each layer recomputed adds its forward again
+       and frees its activations: the fewest that fit is the fastest);
     3. **sequence parallelism** — a mixture-of-experts model with tensor parallelism runs it, as
        Megatron-LM requires ("When using MoE and tensor parallelism, sequence parallelism must
        be used"); dense models try both;
@@ -292,6 +358,12 @@ def best_megatron(
     unknown = sorted(set(fixed) - set(KNOBS))
     if unknown:
         raise TypeError(f"best_megatron: unknown knob(s) {unknown}; known: {sorted(KNOBS)}")
+    if fixed.get("recompute_num_layers") is not None and fixed.get("recompute", "full") != "full":
+        raise ValueError(
+            f"best_megatron(recompute_num_layers={fixed['recompute_num_layers']}): Megatron-LM's "
+            f"--recompute-num-layers applies to full recomputation, but recompute={fixed['recompute']!r} is held; "
+            "give recompute='full' or leave recompute free"
+        )
     t_start = time.perf_counter()
     config = PlanConfig.build(config)
     args, kwargs = normalize_inputs(example_inputs)

@@ -285,12 +285,10 @@ def megatron(
         else:  # row_bias
             tp_p = "R"
         spec = ["R"] * len(mesh)
-        if t_axis is not None:
+        if t_axis is not None and mesh[t_axis] > 1:  # tp = 1 keeps an axis of one device: whole there
             spec[t_axis] = tp_p
         fixed[fqn] = tuple(spec)
-        split_dims[fqn] = (
-            {int(tp_p[2:-1])} if tp_p != "R" and t_axis is not None and mesh[t_axis] > 1 else set()
-        )
+        split_dims[fqn] = {int(tp_p[2:-1])} if t_axis is not None and spec[t_axis] != "R" else set()
     for fqn in experts:  # split by expert along ep; whole everywhere else (expert TP size 1)
         spec = ["R"] * len(mesh)
         if e_axis is not None:
