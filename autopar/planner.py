@@ -399,6 +399,10 @@ def plan_recomputing(
             continue
         if config.recompute_layers is None and kept is not None:
             p.info["kept_memory"] = kept
+            # The candidates a 3D-search score played from ``p`` (``pipelined.Player``) copied its
+            # info before this figure was known: theirs too, for ``refine.fewer_layers``.
+            for c in getattr(score, "played", {}).get(id(p), ()):
+                c.plan.info["kept_memory"] = kept
             if fewer_layers:
                 p = _fewer_layers(p, config.replace(recompute=mode), cluster, cap, attempt, score)
         return p

@@ -159,6 +159,29 @@ def test_auto_recomputes_the_fewest_layers_it_estimates_fit():
     assert counts[0] < counts[1] < 8
 
 
+def test_auto_recomputes_fewer_layers_under_a_pipeline():
+    """Under pp = 2 too, where keeping every activation does not fit a rank: the first ``k`` layers
+    recompute, fitting each rank and faster than every layer. (The pipelined candidates had
+    copied the stage plan's info before ``kept_memory`` was set, so the estimate found no figure
+    and every layer recomputed.)"""
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=1024, vocab_size=8192))
+    ids = torch.empty(16, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("A100-80GB", gpus_per_node=2, nodes=1)
+    common = dict(pp=2, microbatches=8, schedule="1f1b", workers=1)
+    kept = autopar.plan(model, (ids, ids.clone()), cluster, recompute="none", **common)
+    every = autopar.plan(model, (ids, ids.clone()), cluster, recompute="full", **common)
+    low, high = every.predicted.memory_per_device, kept.predicted.memory_per_device
+    budget = low + 0.6 * (high - low)
+    p = autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, **common)
+    assert p.pipeline is not None and p.pipeline.pp == 2
+    assert p.recompute == "full" and p.recompute_layers is not None, p.info.get("recompute_layers_tried")
+    assert 0 < len(p.recompute_layers) < 8 and max(p.pipeline.peak_memory) <= budget
+    assert kept.predicted.step_time < p.predicted.step_time < every.predicted.step_time
+
+
 def test_recompute_layers_is_checked():
     with pytest.raises(ValueError, match="recompute='none'"):
         autopar.PlanConfig(recompute="none", recompute_layers=2)
