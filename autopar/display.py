@@ -332,7 +332,8 @@ def replication_notes(plan: PlanRecord, *, batch_only: bool = False) -> list[str
     batch does not divide over the axis's devices, or splitting was predicted to cost more than
     it saves — and what to change. ``batch_only``: only the axes the batch does not divide over
     (the input's fault, which the planner warns about; the other case is the solver's choice)."""
-    batch = next((n.shape[0] for n in plan.nodes if n.kind == "input" and n.shape), None)
+    # The batch: the largest leading size among the inputs (a lifted constant is an input too).
+    batch = max((n.shape[0] for n in plan.nodes if n.kind == "input" and n.shape), default=None)
     dp = math.prod(n for name, n in zip(plan.mesh_axes, plan.mesh_shape) if name.startswith("dp"))
     notes = []
     for a, (name, size) in enumerate(zip(plan.mesh_axes, plan.mesh_shape)):

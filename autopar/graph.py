@@ -142,7 +142,7 @@ def _table() -> dict[str, OpInfo]:
         OpInfo(F.POINTWISE, cheap=True, identity_like=True),
     )
     put("view reshape _unsafe_view", OpInfo(F.VIEW, cheap=True, identity_like=True, shape_arg=1))
-    put("expand", OpInfo(F.VIEW, cheap=True, shape_arg=1))
+    put("expand broadcast_to", OpInfo(F.VIEW, cheap=True, shape_arg=1))
     put(
         "unsqueeze squeeze flatten transpose swapaxes swapdims permute t numpy_T mT",
         OpInfo(F.VIEW, cheap=True),

@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 from autopar.capture import Captured
 from autopar.config import PlanConfig
 from autopar.cost.reshard_cost import edge_cost, kept_gather_bytes
-from autopar.graph import tensor_inputs, written_inputs
+from autopar.graph import OpFamily, op_family, tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
@@ -293,11 +293,12 @@ class _Builder:
 
     def add_edges(self) -> None:
         pending: dict[tuple, list] = {}
+        through = views_written_through(self.nodes)
         for c in self.nodes:
             c_leader, c_map = self.roots[c]
             c_i = self.index[c_leader]
             c_strats = c.meta[STRATEGIES].strategies
-            written = set(written_inputs(c))
+            written = set(written_inputs(c)) | {i for i in tensor_inputs(c) if (i, c) in through}
             for j, i in enumerate(tensor_inputs(c)):
                 if i not in self.roots:
                     continue
@@ -390,6 +391,21 @@ class _Builder:
             node_choice=node_choice,
             mesh_shape=self.mesh.shape,
         )
+
+
+def views_written_through(nodes: list[Node]) -> set[tuple[Node, Node]]:
+    """The edges ``(base, view)`` of the views an in-place op writes through (T5's
+    ``shifted[..., 1:].copy_(ids[..., :-1])``, a ``slice`` of ``new_zeros``), back to the tensor
+    they view: like the written input itself, none may be resharded — a reshard is a copy, and the
+    write would land in the copy, not in the tensor later read."""
+    out: set[tuple[Node, Node]] = set()
+    for c in nodes:
+        for v in written_inputs(c):
+            while v.op == "call_function" and op_family(v) is OpFamily.VIEW and tensor_inputs(v):
+                base = tensor_inputs(v)[0]
+                out.add((base, v))
+                v = base
+    return out
 
 
 def _memory_scale(n: Node, in_flight: int) -> int:

@@ -187,3 +187,66 @@ def test_unruled_op_warning_reaches_the_caller_once_when_meshes_are_solved_in_pa
     ours = [w for w in caught if "no sharding rule" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in ours]
     assert ours[0].filename == __file__
+
+
+def test_advanced_indexing_keeps_the_dimensions_it_does_not_index():
+    """``x[:, :, idx]`` (Falcon's multi-query keys and values): the dimensions before the indexed
+    one stay in place, those after it move by the index's rank; indices on two dimensions that are
+    not adjacent put theirs first (PyTorch's rule)."""
+    idx = torch.tensor([1])
+    g = _graph(lambda x, i: x[:, :, i], torch.randn(4, 16, 6, 8), idx)
+    table = _table(_node(g, "index"))
+    assert (("S(0)", "R"), ("S(0)",), "") in table
+    assert (("S(1)", "R"), ("S(1)",), "") in table
+    assert (("S(3)", "R"), ("S(3)",), "") in table
+    assert not any(s[0][0] == "S(2)" for s in table)  # the indexed dimension stays whole
+    assert (("P", "R"), ("P",), "") in table
+    i, j = torch.tensor([[1, 2]]), torch.tensor([[0, 3]])
+    g = _graph(lambda x, i, j: x[:, i, :, j], torch.randn(4, 5, 6, 7), i, j)
+    table = _table(_node(g, "index"))  # result (1, 2, 4, 6)
+    assert (("S(0)", "R", "R"), ("S(2)",), "") in table and (("S(2)", "R", "R"), ("S(3)",), "") in table
+
+
+def test_max_along_a_dimension_and_scatter_of_one_value_split_the_other_dimensions():
+    g = _graph(lambda x: x.max(dim=-1, keepdim=True).values, torch.randn(4, 6, 8))
+    table = _table(_node(g, "max"))
+    assert (("S(0)",), ("S(0)", "S(0)"), "") in table and (("S(1)",), ("S(1)", "S(1)"), "") in table
+    assert not any(s[0] == ("S(2)",) for s in table)
+    g = _graph(lambda x: x.max(dim=1).values, torch.randn(4, 6, 8))
+    assert (("S(2)",), ("S(1)", "S(1)"), "") in _table(_node(g, "max"))
+    # DeepSeek-V3's group mask: zeros.scatter_(1, top groups, 1), one row per token
+    g = _graph(
+        lambda s, i: torch.zeros_like(s).scatter_(1, i, 1.0), torch.randn(16, 4), torch.tensor([[1]] * 16)
+    )
+    table = _table(_node(g, "scatter_"))
+    assert (("S(0)", "S(0)"), ("S(0)",), "") in table
+    assert not any("P" in s[1] for s in table)  # a write, not a sum
+
+
+def test_in_place_copy_constant_copy_and_broadcast_to_have_rules():
+    g = _graph(lambda x, y: x.clone()[:, :2].copy_(y), torch.randn(4, 6), torch.randn(4, 2))
+    assert has_rule(_node(g, "copy_"))
+    g = _graph(lambda x: torch.broadcast_to(x, (3, 4, 6)), torch.randn(4, 6))
+    node = next(n for n in g.nodes if n.op == "call_function" and "broadcast_to" in str(n.target))
+    assert (("S(0)",), ("S(1)",), "") in _table(node)
+    g = _graph(lambda x: x[:, torch.tensor([0, 2])], torch.randn(4, 6))  # a lifted constant index
+    assert has_rule(
+        next(n for n in g.nodes if n.op == "call_function" and "lift_fresh_copy" in str(n.target))
+    )
+
+
+def test_views_written_through_may_not_be_resharded():
+    """T5's right shift writes through a slice of a fresh tensor: the slice's edge from that tensor
+    is a write too (a reshard there would be a copy, and the write would land in it)."""
+    from autopar.passes.formulate import views_written_through
+
+    def shift(ids):
+        out = ids.new_zeros(ids.shape)
+        out[..., 1:].copy_(ids[..., :-1])
+        return out
+
+    g = _graph(shift, torch.zeros(4, 8, dtype=torch.long))
+    nodes = [n for n in g.nodes if n.op == "call_function"]
+    through = views_written_through(nodes)
+    names = {(a.target.__name__.split(".")[0], b.target.__name__.split(".")[0]) for a, b in through}
+    assert ("new_zeros", "slice") in names, names

@@ -103,6 +103,13 @@ def megatron_weight_roles(graph: torch.fx.Graph) -> dict[str, str]:
             is_row = bool(xu) and not xnorm and all(role_of_matmul.get(m) == "col" for m in xu)
             role = "row" if is_row else "col"
             role_of_matmul[n] = role
+            if role == "col" and w.meta[TENSOR].shape[out_d] == 1:
+                # One output per token (a gate: Qwen-MoE's and Megatron-Core's shared-expert gate,
+                # a (1, hidden) weight Megatron-Core keeps whole on every tensor-parallel rank):
+                # nothing to split; whole, and no row-parallel reader.
+                role_of_matmul[n] = "whole"
+                upstream[n] = (frozenset({n}), False)
+                continue
             fqn = w.meta[TENSOR].fqn
             roles[fqn] = f"{role}:{out_d if role == 'col' else in_d}"
             if b is not None:

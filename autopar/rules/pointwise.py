@@ -42,6 +42,7 @@ UNARY = [
     aten.dropout,
     aten.native_dropout,
     aten.clone,
+    aten.lift_fresh_copy,
     aten.contiguous,
     aten.alias,
     aten.detach,
@@ -102,6 +103,7 @@ UNARY = [
     aten.div_,
     aten.masked_fill_,
     aten.clamp_,
+    aten.copy_,
 ]
 # Ops linear in each tensor input (so Partial passes through when all tensor inputs are Partial).
 _LINEAR_ALL = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.add, aten.sub}

@@ -86,3 +86,23 @@ def _diff(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         for d in range(len(shape))
         if d != dim and shape[d] > 1
     ]
+
+
+@register(aten.max, aten.min)
+def _max_min(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """``max(x, dim)`` / ``min(x, dim)``, the values and their indices along one dimension (GPT-OSS's
+    attention sinks): any other dimension stays split. The elementwise ``max(x, y)`` and the
+    whole-tensor reduction get no strategy here (they run replicated)."""
+    src = node.args[0]
+    if len(node.args) < 2 or not isinstance(node.args[1], int) or not isinstance(src, Node):
+        return []
+    rank = len(shape_of(src))
+    dim = norm_dim(node.args[1], rank)
+    keep = bool(arg(node, "keepdim", False))
+    out = []
+    for d in range(rank):
+        if d == dim or shape_of(src)[d] <= 1:
+            continue
+        o = d if keep or d < dim else d - 1
+        out.append(AxisStrategy((Shard(d),), (Shard(o), Shard(o))))
+    return out

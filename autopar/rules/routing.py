@@ -67,33 +67,50 @@ def _gather(node: Node, ins: list[Node]) -> list[AxisStrategy]:
 
 @register(aten.index)
 def _index(node: Node, ins: list[Node]) -> list[AxisStrategy]:
-    """``x[idx]`` (one index tensor, on dimension 0): split the indices (each device gathers the
-    rows its indices name, from the whole ``x``), or split a dimension of ``x`` that is not
-    indexed; ``x`` Partial gives a Partial result."""
+    """``x[..., idx, ...]``: advanced indexing by integer index tensors on some dimensions of
+    ``x`` (``None`` on the others: ``x[:, :, idx]``). PyTorch's result holds the index tensors'
+    broadcast dimensions where the indexed ones were when those are adjacent, first otherwise,
+    and ``x``'s other dimensions in order. Split a dimension of ``x`` that is not indexed (its
+    place in the result), or the one index tensor's (each device gathers what its indices name,
+    from the whole ``x``); ``x`` Partial gives a Partial result."""
     x, indices = node.args[0], node.args[1]
-    if len(indices) != 1 or not isinstance(indices[0], Node) or x is indices[0]:
+    where = [k for k, i in enumerate(indices) if i is not None]
+    idxs = [indices[k] for k in where]
+    if not idxs or not all(isinstance(i, Node) for i in idxs) or x in idxs:
         return []
-    idx = indices[0]
-    if idx.meta["val"].dtype == torch.bool:
+    if any(i.meta["val"].dtype == torch.bool for i in idxs):
         return []
-    xr, ir = len(shape_of(x)), len(shape_of(idx))
-    out = []
-    for d in range(ir):
-        if shape_of(idx)[d] > 1:
-            out.append(AxisStrategy(tuple(Shard(d) if i is idx else R for i in ins), (Shard(d),)))
-    for d in range(1, xr):
-        if shape_of(x)[d] > 1:
-            out.append(AxisStrategy(tuple(Shard(d) if i is x else R for i in ins), (Shard(d - 1 + ir),)))
+    xr = len(shape_of(x))
+    ir = max(len(shape_of(i)) for i in idxs)
+    adjacent = where == list(range(where[0], where[-1] + 1))
+    first = where[0] if adjacent else 0
+    out: list[AxisStrategy] = []
+    if len(idxs) == 1:
+        idx = idxs[0]
+        for d in range(ir):
+            if shape_of(idx)[d] > 1:
+                out.append(AxisStrategy(tuple(Shard(d) if i is idx else R for i in ins), (Shard(first + d),)))
+    kept = [d for d in range(xr) if d not in where]
+    for d in kept:
+        if shape_of(x)[d] <= 1:
+            continue
+        if adjacent:
+            o = d if d < where[0] else d - len(where) + ir
+        else:
+            o = ir + kept.index(d)
+        out.append(AxisStrategy(tuple(Shard(d) if i is x else R for i in ins), (Shard(o),)))
     out.append(AxisStrategy(tuple(P if i is x else R for i in ins), (P,)))
     return out
 
 
 @register(
-    aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_, aten.index_put, aten.index_put_
-)
+    aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_, aten.index_put, aten.index_put_,
+    aten.scatter, aten.scatter_,
+)  # fmt: skip
 def _scatter(node: Node, ins: list[Node]) -> list[AxisStrategy]:
-    """Scatter ``src`` into ``self`` along a dimension: other dimensions split alike; split rows of
-    ``src`` accumulated into a Partial ``self`` give a Partial result (each device adds its rows)."""
+    """Scatter ``src`` (or one value: ``scatter(self, dim, index, value)``) into ``self`` along a
+    dimension: other dimensions split alike; split rows of ``src`` accumulated into a Partial
+    ``self`` give a Partial result (each device adds its rows)."""
     key = op_key(node)
     target = node.args[0]
     rank = len(shape_of(target))
@@ -108,16 +125,24 @@ def _scatter(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     else:
         dim = norm_dim(node.args[1], rank)
         idx, src = node.args[2], node.args[3]
-        accumulate = True
-    if not isinstance(src, Node) or target in (idx, src) or idx is src:
+        accumulate = key not in (aten.scatter, aten.scatter_)  # scatter writes; it does not add
+    value = not isinstance(src, Node)  # scatter(self, dim, index, value): one value written
+    if (value and accumulate) or not isinstance(idx, Node) or target is idx or target is src or idx is src:
         return []
-    sshape, ishape = shape_of(src), shape_of(idx)
+    ishape = shape_of(idx)
+    sshape = ishape if value else shape_of(src)
     out = []
     for d in range(rank):
         if d == dim or shape_of(target)[d] <= 1 or len(sshape) != rank or sshape[d] != shape_of(target)[d]:
             continue
+        if len(ishape) == rank and ishape[d] != shape_of(target)[d]:
+            continue
         ip = Shard(d) if len(ishape) == rank else R
-        out.append(AxisStrategy(tuple(Shard(d) if i in (target, src) else ip for i in ins), (Shard(d),)))
+        out.append(
+            AxisStrategy(
+                tuple(Shard(d) if i is target or (i is src and not value) else ip for i in ins), (Shard(d),)
+            )
+        )
     if accumulate and sshape and sshape[0 if len(ishape) == 1 else dim] > 1:
         sd = dim if len(ishape) == rank else 0
         out.append(

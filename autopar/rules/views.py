@@ -91,7 +91,7 @@ register(
 )(with_hints(_view_like))
 
 
-@register(aten.expand)
+@register(aten.expand, aten.broadcast_to)
 def _expand(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     src = node.args[0]
     in_shape, out_shape = shape_of(src), shape_of(node)
