@@ -179,7 +179,7 @@ def _units(plan: PlanRecord) -> list[_Unit]:
     """The plan's units in execution order (see module docstring)."""
     ndim = len(plan.mesh_shape)
     by_consumer: dict[str, list] = defaultdict(list)
-    for r in plan.reshards:
+    for r in plan.distinct_reshards():
         by_consumer[r.consumer].append(r)
     units: dict[str, _Unit] = {}
     order: list[_Unit] = []
@@ -473,7 +473,7 @@ def _full_table(plan: PlanRecord, max_rows: int | None) -> str:
     """Every module, execution order: its ops with their output specs, compute, communication."""
     comm_by_consumer: dict[str, float] = defaultdict(float)
     coll_by_consumer: dict[str, list[str]] = defaultdict(list)
-    for r in plan.reshards:
+    for r in plan.distinct_reshards():
         comm_by_consumer[r.consumer] += r.time
         coll_by_consumer[r.consumer].extend(_collective_kinds(r))
     rows: dict[str, dict] = {}
@@ -521,7 +521,7 @@ def plan_nodes_table(plan: PlanRecord, max_rows: int | None = None) -> str:
     """The plan node by node (``autopar.explain(plan)``): op, module, global shape, input specs →
     output spec, per-axis rewrites, compute, in-op and reshard communication, memory, ZeRO stage."""
     comm_in: dict[str, float] = defaultdict(float)
-    for r in plan.reshards:
+    for r in plan.distinct_reshards():
         comm_in[r.consumer] += r.time
     header = (
         f"{'node':<28} {'op':<24} {'module':<40} {'shape':<20} {'inputs → output':<34} "

@@ -154,7 +154,7 @@ def layer_breakdown(plan: Plan) -> LayerBreakdown | None:
         if n.comm_time > 0:
             add("collectives", n.comm_time, next((c.split("(")[0] for c in n.comms if c), "in-op"))
     kind = {n.name: n.kind for n in plan.nodes}
-    for r in plan.reshards:
+    for r in plan.distinct_reshards():
         if r.consumer not in names or r.time <= 0:
             continue
         what = ", ".join(dict.fromkeys(c.split("(")[0] for c in r.collectives if not c.startswith("slice")))

@@ -74,7 +74,7 @@ def pipelined_candidates(
     link = cluster.axis_link((pp, *mesh), 0)
 
     reshard_time: dict[str, float] = {}
-    for r in spmd.reshards:  # charged where they are consumed, as ``stage_costs`` charges them
+    for r in spmd.distinct_reshards():  # charged where they are consumed, as ``stage_costs`` charges them
         if not r.grad_sync_axes:
             reshard_time[r.consumer] = reshard_time.get(r.consumer, 0.0) + r.time
 

@@ -149,7 +149,7 @@ def stage_costs(
         f[s] += nf
         b[s] += nb
         w[s] += nw
-    for r in plan.reshards:
+    for r in plan.distinct_reshards(where):
         s = where(r.consumer)
         if r.grad_sync_axes and kind.get(r.producer) == "param":
             # A weight's gradient: reduced beside the backward, once per step (data parallel).

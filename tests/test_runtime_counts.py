@@ -147,3 +147,42 @@ def test_sequence_parallel_block_pairs_reduce_scatter_with_all_gather(block_runs
         assert set(counts) == {
             f"{k}/{d}" for k in ("reduce_scatter", "all_gather", "all_reduce") for d in ("fwd", "bwd")
         }
+
+
+def fan_out_worker(rank: int, world: int, plan: autopar.Plan) -> dict[str, int]:
+    """One forward and backward of the one-layer LLaMA under ``plan``: the collectives issued on
+    the tensor axis."""
+    from conftest import llama, lm_batch
+
+    H.quiet()
+    torch.manual_seed(0)
+    model, inputs = llama(layers=1, hidden=64, heads=4, kv_heads=2, vocab_size=64), lm_batch(2, 64, 64)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    before = Counter(pm.axes[0].counts)
+    pm(**inputs).loss.backward()
+    counts = Counter(pm.axes[0].counts)
+    counts.subtract(before)
+    return {k: v for k, v in counts.items() if v}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_value_read_by_several_projections_is_gathered_once_as_the_simulator_charges():
+    """LLaMA's q, k and v projections (and gate and up) read one norm output, which sequence
+    parallelism splits: the plan lists an all-gather on each of those edges, the rank program runs
+    one per value (``passes.lower`` memoizes it), and the simulator charges what the program runs
+    (``Plan.distinct_reshards``): its forward all-gathers are the program's."""
+    from conftest import llama, lm_batch
+
+    torch.manual_seed(0)
+    model, inputs = llama(layers=1, hidden=64, heads=4, kv_heads=2, vocab_size=64), lm_batch(2, 64, 64)
+    plan = autopar.layouts.megatron(model, inputs, autopar.Cluster.local(TP), tp=TP, sequence_parallel=True)
+
+    def gathers(reshards: list) -> int:
+        return sum(c.startswith("all_gather") for r in reshards for c in r.collectives)
+
+    listed, distinct = gathers(plan.reshards), gathers(plan.distinct_reshards())
+    assert listed >= distinct + 3, (listed, distinct)  # q, k, v: two more; gate, up: one more
+    counts = spawn(fan_out_worker, TP, plan, timeout=150)
+    for rank, got in enumerate(counts):
+        assert got.get("all_gather/fwd", 0) == distinct, f"rank {rank}: {got}, the plan's distinct {distinct}"
