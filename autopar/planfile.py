@@ -232,17 +232,18 @@ class Plan:
 
     def distinct_reshards(self, stage: Callable[[str], int] | None = None) -> list[ReshardPlan]:
         """The reshards the rank program runs (``reshards`` has one per producer-consumer edge): a
-        value laid out one way for several readers is laid out once — one collective, one
-        gradient sync — at its first reader, per pipeline stage (``stage``: a consumer's;
+        value laid out one way for several readers is laid out once — one collective and its
+        backward — at its first reader, per pipeline stage (``stage``: a consumer's;
         ``passes.lower`` memoizes by producer, layout and stage). LLaMA's q, k and v projections
         read one all-gathered norm output under sequence parallelism: without this, the step
-        was charged three all-gathers for the one the program runs. A weight's edges are kept
-        apart: its gradient synchronization is already shared among them (``grad_sync_share``)."""
+        was charged three all-gathers for the one the program runs. Kept apart: a weight's
+        edges, and edges with no collective (a gradient synchronization only, Megatron-LM's
+        ``f``), whose synchronization each edge already pays a share of (``grad_sync_share``)."""
         kinds = {n.name: n.kind for n in self.nodes}
         seen: set[tuple] = set()
         out = []
         for r in self.reshards:
-            if kinds.get(r.producer) != "param":
+            if r.collectives and kinds.get(r.producer) != "param":
                 key = (r.producer, r.dst, r.collectives, r.grad_sync_axes, stage(r.consumer) if stage else 0)
                 if key in seen:
                     continue

@@ -183,6 +183,10 @@ def test_a_value_read_by_several_projections_is_gathered_once_as_the_simulator_c
 
     listed, distinct = gathers(plan.reshards), gathers(plan.distinct_reshards())
     assert listed >= distinct + 3, (listed, distinct)  # q, k, v: two more; gate, up: one more
+    # Without sequence parallelism the readers' edges carry no collective, only shares of one
+    # gradient all-reduce (Megatron-LM's f, ``grad_sync_share``): every one is kept.
+    plain = autopar.layouts.megatron(model, inputs, autopar.Cluster.local(TP), tp=TP)
+    assert plain.distinct_reshards() == plain.reshards
     counts = spawn(fan_out_worker, TP, plan, timeout=150)
     for rank, got in enumerate(counts):
         assert got.get("all_gather/fwd", 0) == distinct, f"rank {rank}: {got}, the plan's distinct {distinct}"

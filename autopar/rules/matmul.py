@@ -136,3 +136,64 @@ def _matmul(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy]:
 
 
 register(aten.mm, aten.bmm, aten.matmul, aten.addmm, aten.baddbmm, aten.linear)(_matmul)
+
+
+def _einsum_subscripts(equation: str, ranks: Sequence[int]) -> tuple[list[str], str] | None:
+    """Each operand's subscripts and the output's, one letter per dimension (an ellipsis spelled
+    out as letters of its own); ``None`` where the output is implicit or the equation does not
+    match the operands' ranks."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        return None
+    spare = iter(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)
+    ell = ""
+    spelled = []
+    for term, rank in zip(terms, ranks):
+        if "..." in term:
+            n = rank - (len(term) - 3)
+            if n < 0:
+                return None
+            while len(ell) < n:
+                ell = next(spare) + ell  # broadcast dims line up from the right
+            term = term.replace("...", ell[len(ell) - n :])
+        if len(term) != rank:
+            return None
+        spelled.append(term)
+    if "..." in out:
+        out = out.replace("...", ell)
+    return spelled, out
+
+
+@register(aten.einsum)
+def _einsum(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """``einsum``, read off its equation (Mamba-2's scans, bilinear forms): a letter in the output
+    splits every operand holding it and the output there (batch and free dimensions); a letter
+    summed away splits every operand holding it, the output ``Partial`` (a sharded contraction);
+    one operand ``Partial`` with the others whole gives a ``Partial`` result (einsum is linear in
+    each). Letters repeated within an operand (a diagonal) are not split."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or not all(isinstance(o, Node) for o in operands):
+        return []
+    if len(set(operands)) != len(operands) or list(operands) != list(ins):
+        return []
+    parsed = _einsum_subscripts(equation, [len(shape_of(o)) for o in operands])
+    if parsed is None:
+        return []
+    terms, out = parsed
+    out_strats = []
+    for letter in dict.fromkeys("".join(terms)):
+        if any(t.count(letter) > 1 for t in terms) or out.count(letter) > 1:
+            continue
+        holders = [k for k, t in enumerate(terms) if letter in t]
+        if any(shape_of(operands[k])[terms[k].index(letter)] <= 1 for k in holders):
+            continue
+        placements = tuple(Shard(terms[k].index(letter)) if k in holders else R for k in range(len(terms)))
+        result = Shard(out.index(letter)) if letter in out else P
+        out_strats.append(AxisStrategy(placements, (result,)))
+    for k in range(len(terms)):
+        out_strats.append(AxisStrategy(tuple(P if j == k else R for j in range(len(terms))), (P,)))
+    return out_strats

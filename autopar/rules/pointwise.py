@@ -43,6 +43,7 @@ UNARY = [
     aten.native_dropout,
     aten.clone,
     aten.lift_fresh_copy,
+    aten.fill,
     aten.contiguous,
     aten.alias,
     aten.detach,
@@ -104,6 +105,8 @@ UNARY = [
     aten.masked_fill_,
     aten.clamp_,
     aten.copy_,
+    aten.fill_,
+    aten.detach_,
 ]
 # Ops linear in each tensor input (so Partial passes through when all tensor inputs are Partial).
 _LINEAR_ALL = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.add, aten.sub}
