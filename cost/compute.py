@@ -58,6 +58,8 @@ __all__ = [
     "TensorArg",
     "attention_efficiency",
     "causal_fraction",
+    "einsum_gemm_dims",
+    "einsum_subscripts",
     "gemm_efficiency",
     "itemsize",
     "kernel_time",
@@ -381,6 +383,57 @@ _SPLIT = frozenset(["split", "split_with_sizes", "chunk", "unbind"])
 _FACTORY_EMPTY = frozenset(["empty_like", "new_empty", "empty"])
 
 
+def einsum_subscripts(equation: str, ranks: Sequence[int]) -> tuple[list[str], str] | None:
+    """Each operand's subscripts and the output's in ``torch.einsum``'s ``equation``, one letter per
+    dimension (an ellipsis spelled out as letters of its own, broadcast from the right);
+    ``None`` where the output is implicit or the equation does not match the operands' ranks."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        return None
+    spare = iter(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)
+    ell = ""
+    spelled = []
+    for term, rank in zip(terms, ranks):
+        if "..." in term:
+            n = rank - (len(term) - 3)
+            if n < 0:
+                return None
+            while len(ell) < n:
+                ell = next(spare) + ell  # broadcast dims line up from the right
+            term = term.replace("...", ell[len(ell) - n :])
+        if len(term) != rank:
+            return None
+        spelled.append(term)
+    if "..." in out:
+        out = out.replace("...", ell)
+    return spelled, out
+
+
+def einsum_gemm_dims(equation: str, shapes: Sequence[Sequence[int]]) -> tuple[int, int, int, int] | None:
+    """A two-operand ``einsum`` as the GEMM it runs (``torch.einsum`` permutes and reshapes its
+    operands to one ``bmm``: ``sumproduct_pair`` in ATen's ``native/Linear.cpp``): ``(m, n, k, batch)``, the products of the sizes of the letters in the first operand
+    and the output only, the second and the output only, both operands but not the output (the
+    contraction), and all three. ``None`` for other forms (one operand, three, implicit output)."""
+    parsed = einsum_subscripts(equation, [len(s) for s in shapes]) if len(shapes) == 2 else None
+    if parsed is None:
+        return None
+    (a, b), out = parsed
+    size: dict[str, int] = {}
+    for t, s in zip((a, b), shapes):
+        for c, d in zip(t, s):
+            size[c] = max(size.get(c, 1), d)  # a broadcast dimension: the larger
+
+    def prod(letters: set[str]) -> int:
+        return math.prod(size[c] for c in letters)
+
+    sa, sb, so = set(a), set(b), set(out)
+    return prod((sa - sb) & so), prod((sb - sa) & so), prod((sa & sb) - so), prod(sa & sb & so)
+
+
 def op_kernels(
     op: str,
     ins: Sequence[TensorArg],
@@ -393,6 +446,7 @@ def op_kernels(
     groups: int = 1,
     grad_contributions: int = 1,
     tf32: bool = False,
+    equation: str | None = None,
 ) -> OpKernels:
     """The kernels eager PyTorch runs for aten op ``op`` (packet name) forward and backward.
 
@@ -418,8 +472,9 @@ def op_kernels(
 
     if fam is OpFamily.ASSERT or op == "getitem":
         return OpKernels()
-    if fam is OpFamily.MATMUL and len(ins) >= 2:
-        m, n, k, batch, a_i, b_i = _gemm_dims(op, ins, out)
+    dims = einsum_gemm_dims(equation, [i.shape for i in ins]) if op == "einsum" and equation else None
+    if (fam is OpFamily.MATMUL and len(ins) >= 2) or dims is not None:
+        m, n, k, batch, a_i, b_i = (*dims, 0, 1) if dims is not None else _gemm_dims(op, ins, out)
         dtype = _gemm_dtype(ins[a_i].dtype, tf32)
         fwd.append(_gemm(m, n, k, batch, dtype))  # a bias is added in the GEMM's epilogue
         if requires_grad:

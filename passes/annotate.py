@@ -390,6 +390,8 @@ class OpFacts:
     """Attention only: ``attention_mask``."""
     groups: int = 1
     """Convolution only: its groups."""
+    equation: str | None = None
+    """``einsum`` only: its equation (costed as the GEMM it runs: ``cost.compute.einsum_gemm_dims``)."""
 
 
 def op_facts(node: Node, fused: bool = False) -> OpFacts:
@@ -409,6 +411,7 @@ def op_facts(node: Node, fused: bool = False) -> OpFacts:
         causal=causal,
         masked=masked,
         groups=groups if isinstance(groups, int) else 1,
+        equation=node.args[0] if op_name(node) == "einsum" and isinstance(node.args[0], str) else None,
     )
 
 
@@ -483,6 +486,7 @@ def node_kernels(
         groups=f.groups,
         grad_contributions=f.grad_contributions,
         tf32=tf32,
+        equation=f.equation,
     )
 
 

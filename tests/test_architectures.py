@@ -93,6 +93,24 @@ def build(name: str) -> tuple[nn.Module, object]:
             "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=64, use_cache=False, **small,
         )  # fmt: skip
+    if name == "bart":  # the decoder's inputs shifted right: fill_ into a slice of a fresh tensor
+        import transformers
+
+        cfg = transformers.BartConfig(
+            vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            dropout=0.0, attention_dropout=0.0, use_cache=False,
+        )  # fmt: skip
+        ids = torch.randint(3, V, (4, 16))
+        return transformers.BartForConditionalGeneration(cfg), {
+            "input_ids": ids,
+            "labels": torch.randint(3, V, (4, 8)),
+        }
+    if name == "mamba2":  # state-space scans written as einsum (the path without CUDA kernels)
+        return _lm(
+            "Mamba2Config", "Mamba2ForCausalLM", vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8,
+            num_heads=4, head_dim=16, n_groups=1, expand=2, chunk_size=8,
+        )  # fmt: skip
     if name == "bert":
         return _lm(
             "BertConfig", "BertForMaskedLM", max_position_embeddings=32, hidden_dropout_prob=0.0,
@@ -126,10 +144,11 @@ def _train(model: nn.Module, batch: object, steps: int = 2) -> list[float]:
 
 
 ALL = ["mistral", "qwen2", "gpt_neox", "opt", "mixtral", "bert", "t5", "vit", "cnn"]
-NEWER = ["falcon", "deepseek_v3", "gpt_oss", "qwen2_moe"]
+NEWER = ["falcon", "deepseek_v3", "gpt_oss", "qwen2_moe", "bart", "mamba2"]
 """Architectures whose ops the sweep of 2026-11-27 found without a rule (or a rule too narrow):
 advanced indexing with ``None`` (Falcon), ``copy_`` and ``scatter_`` (DeepSeek-V3), ``max`` along a
-dimension (GPT-OSS), and a Megatron role for a (1, hidden) gate (Qwen2-MoE)."""
+dimension (GPT-OSS), a Megatron role for a (1, hidden) gate (Qwen2-MoE), ``fill_`` through a slice
+(BART) and ``einsum`` (Mamba-2)."""
 
 
 @pytest.mark.timeout(300)
@@ -187,7 +206,7 @@ def _available(name: str) -> bool:
     """Whether this ``transformers`` has the architecture (the newest are recent additions)."""
     import transformers
 
-    cfg = {"deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}.get(name)
+    cfg = {"deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig", "mamba2": "Mamba2Config"}.get(name)
     return cfg is None or hasattr(transformers, cfg)
 
 

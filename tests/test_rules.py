@@ -250,3 +250,25 @@ def test_views_written_through_may_not_be_resharded():
     through = views_written_through(nodes)
     names = {(a.target.__name__.split(".")[0], b.target.__name__.split(".")[0]) for a, b in through}
     assert ("new_zeros", "slice") in names, names
+
+
+def test_einsum_splits_by_its_equation_and_costs_as_its_gemm():
+    """Letters kept in the output split every operand holding them; a summed letter splits both
+    operands into a Partial result; a letter of one operand and the output splits only it. Two
+    operands cost as the bmm ``torch.einsum`` runs."""
+    from autopar.cost.compute import TensorArg, op_kernels
+
+    g = _graph(lambda a, b: torch.einsum("bij,bjk->bik", a, b), torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+    table = _table(_node(g, "einsum"))
+    assert (("S(0)", "S(0)"), ("S(0)",), "") in table  # batch
+    assert (("S(1)", "R"), ("S(1)",), "") in table  # rows of a
+    assert (("R", "S(2)"), ("S(2)",), "") in table  # columns of b
+    assert (("S(2)", "S(1)"), ("P",), "") in table  # the contraction
+    assert (("P", "R"), ("P",), "") in table and (("R", "P"), ("P",), "") in table
+    g = _graph(lambda a: torch.einsum("ii->i", a), torch.randn(4, 4))
+    assert not any("S" in "".join(s[0]) for s in _table(_node(g, "einsum")))  # a diagonal: whole
+    args = [TensorArg((2, 3, 4), "float32", True), TensorArg((2, 4, 5), "float32", True)]
+    out = [TensorArg((2, 3, 5), "float32")]
+    ein = op_kernels("einsum", args, out, requires_grad=True, equation="bij,bjk->bik")
+    bmm = op_kernels("bmm", args, out, requires_grad=True)
+    assert [k.flops for k in ein.fwd + ein.bwd] == [k.flops for k in bmm.fwd + bmm.bwd] == [240.0] * 3

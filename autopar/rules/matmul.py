@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from torch.fx import Node
 
+from autopar.cost.compute import einsum_subscripts
 from autopar.placement import Placement, Shard
 from autopar.rules.base import AxisStrategy, P, R, aten, op_key, register, shape_of, with_hints
 
@@ -138,36 +139,6 @@ def _matmul(node: Node, ins: list[Node], hints: dict) -> list[AxisStrategy]:
 register(aten.mm, aten.bmm, aten.matmul, aten.addmm, aten.baddbmm, aten.linear)(_matmul)
 
 
-def _einsum_subscripts(equation: str, ranks: Sequence[int]) -> tuple[list[str], str] | None:
-    """Each operand's subscripts and the output's, one letter per dimension (an ellipsis spelled
-    out as letters of its own); ``None`` where the output is implicit or the equation does not
-    match the operands' ranks."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq:
-        return None
-    lhs, out = eq.split("->")
-    terms = lhs.split(",")
-    if len(terms) != len(ranks):
-        return None
-    spare = iter(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)
-    ell = ""
-    spelled = []
-    for term, rank in zip(terms, ranks):
-        if "..." in term:
-            n = rank - (len(term) - 3)
-            if n < 0:
-                return None
-            while len(ell) < n:
-                ell = next(spare) + ell  # broadcast dims line up from the right
-            term = term.replace("...", ell[len(ell) - n :])
-        if len(term) != rank:
-            return None
-        spelled.append(term)
-    if "..." in out:
-        out = out.replace("...", ell)
-    return spelled, out
-
-
 @register(aten.einsum)
 def _einsum(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     """``einsum``, read off its equation (Mamba-2's scans, bilinear forms): a letter in the output
@@ -180,7 +151,7 @@ def _einsum(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         return []
     if len(set(operands)) != len(operands) or list(operands) != list(ins):
         return []
-    parsed = _einsum_subscripts(equation, [len(shape_of(o)) for o in operands])
+    parsed = einsum_subscripts(equation, [len(shape_of(o)) for o in operands])
     if parsed is None:
         return []
     terms, out = parsed
