@@ -415,8 +415,9 @@ def einsum_subscripts(equation: str, ranks: Sequence[int]) -> tuple[list[str], s
 
 def einsum_gemm_dims(equation: str, shapes: Sequence[Sequence[int]]) -> tuple[int, int, int, int] | None:
     """A two-operand ``einsum`` as the GEMM it runs (``torch.einsum`` permutes and reshapes its
-    operands to one ``bmm``: ``sumproduct_pair`` in ATen's ``native/Linear.cpp``): ``(m, n, k, batch)``, the products of the sizes of the letters in the first operand
-    and the output only, the second and the output only, both operands but not the output (the
+    operands to one ``bmm``: ``sumproduct_pair`` in ATen's ``native/Linear.cpp``):
+    ``(m, n, k, batch)``, the products of the sizes of the letters in the first operand and the
+    output only, the second and the output only, both operands but not the output (the
     contraction), and all three. ``None`` for other forms (one operand, three, implicit output)."""
     parsed = einsum_subscripts(equation, [len(s) for s in shapes]) if len(shapes) == 2 else None
     if parsed is None:
@@ -459,7 +460,8 @@ def op_kernels(
     (one addition kernel per extra contribution). ``tf32``: float32 matmuls run on the TF32 tensor
     cores (``torch.get_float32_matmul_precision()`` "high" or "medium"); float32 convolutions always
     do (cuDNN's default, ``torch.backends.cudnn.allow_tf32``). Otherwise a float32 GEMM runs at the
-    device's plain FP32 rate (``DeviceSpec.peak_flops["float32"]``).
+    device's plain FP32 rate (``DeviceSpec.peak_flops["float32"]``). ``equation``: an ``einsum``'s,
+    whose two operands run as one GEMM (``einsum_gemm_dims``).
     """
     info = op_info(op)
     fam = info.family
