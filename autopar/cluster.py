@@ -21,7 +21,18 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from autopar.devices import GB, PRESETS, TB, DeviceSpec, GiB, Link, check_count, link_from_dict, link_to_dict
+from autopar.devices import (
+    GB,
+    NETWORKS,
+    PRESETS,
+    TB,
+    DeviceSpec,
+    GiB,
+    Link,
+    check_count,
+    link_from_dict,
+    link_to_dict,
+)
 
 __all__ = ["PROFILE_VERSION", "Cluster", "load_profile", "mesh_arithmetic"]
 
@@ -115,8 +126,13 @@ class Cluster:
         *,
         nics_per_node: int | None = None,
         profile: str | os.PathLike[str] | dict[str, Any] | None = None,
+        network: str | None = None,
     ) -> Cluster:
         """A cluster of a known accelerator: one of ``Cluster.presets()``.
+
+        ``network``: the nodes joined by one of ``autopar.devices.NETWORKS`` (``"ethernet-400g"``:
+        one 400 Gb/s NIC per node, a cloud cluster) instead of the preset's InfiniBand, one NIC per
+        GPU; ``nics_per_node`` given overrides the network's count.
 
         ``profile``: a profile written by ``autopar.runtime.calibrate`` (a path or the dict): its
         measured device figures replace the preset's (the datasheet peaks stay unless measured),
@@ -124,9 +140,17 @@ class Cluster:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-        cl = cls(
-            **PRESETS[name]._asdict(), gpus_per_node=gpus_per_node, nodes=nodes, nics_per_node=nics_per_node
-        )
+        fields_ = PRESETS[name]._asdict()
+        if network is not None:
+            if network not in NETWORKS:
+                raise ValueError(
+                    f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}"
+                )
+            link, nics = NETWORKS[network]
+            if network != "infiniband":
+                fields_["inter_node"] = link
+                nics_per_node = nics_per_node if nics_per_node is not None else nics
+        cl = cls(**fields_, gpus_per_node=gpus_per_node, nodes=nodes, nics_per_node=nics_per_node)
         return cl.with_profile(profile) if profile is not None else cl
 
     @staticmethod

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from autopar.cost.compression import METHODS, GradCompression
 from autopar.cost.memory import OPTIMIZER_BYTES_PER_PARAM
 from autopar.placement import parse_spec
 
@@ -133,12 +134,35 @@ class PlanConfig:
     charges each chain of memory-bound ops as one generated kernel (``autopar.passes.chains``,
     ``autopar.cost.compiled``), and the plan records it (``Plan.compile``), so ``parallelize``
     compiles when given the plan."""
+    allow_compression: bool = False
+    """Let the plan compress the data-parallel gradient all-reduces, a lossy change to training
+    (``autopar.cost.compression``): the 3D search's fastest candidates are planned again with each
+    method (``autopar.refine.compressed``) and one is kept where it plays at least 5 % faster
+    (``refine.COMPRESSION_GAIN``). Off: gradients are reduced exactly."""
+    compression: str | None = None
+    """Compress every data-parallel gradient all-reduce with this method (``"bf16"`` or
+    ``"powersgd"``, ``autopar.cost.compression.METHODS``) in every candidate: the solver prices
+    it, the plan records it (``Plan.compression``) and the runtime runs it. ``None``: exact, unless
+    ``allow_compression`` lets the search choose."""
+    compression_rank: int = 4
+    """PowerSGD's approximation rank (``GradCompression.rank``)."""
+    compression_warmup: int = 0
+    """Steps reduced exactly before PowerSGD starts (``GradCompression.warmup_steps``)."""
     float32_matmul_precision: str | None = None
     """What float32 matmuls run at, as ``torch.set_float32_matmul_precision`` names it:
     ``"highest"`` (PyTorch's default: the device's plain FP32 rate), ``"high"`` or ``"medium"``
     (TF32 tensor cores where the device has them); ``None``: this process's
     ``torch.get_float32_matmul_precision()`` when planning (set it before planning as before
     training). bf16 and fp16 models are unaffected."""
+
+    @property
+    def grad_compression(self) -> GradCompression | None:
+        """``compression`` as the record the cost model and the plan take."""
+        if self.compression is None:
+            return None
+        return GradCompression(
+            method=self.compression, rank=self.compression_rank, warmup_steps=self.compression_warmup
+        )
 
     @property
     def matmul_tf32(self) -> bool:
@@ -261,6 +285,22 @@ class PlanConfig:
                 f"float32_matmul_precision is one of 'highest', 'high', 'medium' (torch's names) or None, "
                 f"got {self.float32_matmul_precision!r}"
             )
+        if not isinstance(self.allow_compression, bool):
+            fail(f"allow_compression is True or False, got {self.allow_compression!r}")
+        if self.compression is not None and self.compression not in METHODS:
+            fail(
+                f"compression must be one of {', '.join(repr(m) for m in METHODS)} or None (exact "
+                f"reduction), got {self.compression!r}"
+            )
+        r = self.compression_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            fail(
+                f"compression_rank must be a whole number ≥ 1 (PowerSGD sends (m + n) · rank values for "
+                f"an m × n gradient), got {r!r}"
+            )
+        w = self.compression_warmup
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            fail(f"compression_warmup must be a whole number of steps ≥ 0, got {w!r}")
         fixed = {}
         for name, spec in dict(self.fixed or {}).items():
             texts = (spec,) if isinstance(spec, str) else tuple(spec)

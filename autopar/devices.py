@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "NETWORKS",
     "PRESETS",
     "DeviceSpec",
     "Link",
@@ -303,6 +304,19 @@ _NVLINK4 = Link(name="NVLink4", bandwidth=450 * GB, latency=4e-6)
 _IB_EDR = Link(name="IB-EDR", bandwidth=12.5 * GB, latency=10e-6)
 _IB_HDR = Link(name="IB-HDR", bandwidth=25 * GB, latency=10e-6)
 _IB_NDR = Link(name="IB-NDR", bandwidth=50 * GB, latency=8e-6)
+
+
+NETWORKS: dict[str, tuple[Link, int | None]] = {
+    "infiniband": (_IB_NDR, None),
+    "ethernet-400g": (Link(name="Ethernet-400G", bandwidth=50 * GB, latency=25e-6), 1),
+    "ethernet-200g": (Link(name="Ethernet-200G", bandwidth=25 * GB, latency=25e-6), 1),
+    "ethernet-100g": (Link(name="Ethernet-100G", bandwidth=12.5 * GB, latency=25e-6), 1),
+}
+"""Inter-node networks ``Cluster.preset(network=...)`` puts between nodes in place of the preset's
+own: the NIC's link and how many a node has (``None``: one per GPU, the preset's InfiniBand as in
+DGX systems, at the preset's own rate). The Ethernet ones are a cloud instance's single NIC per
+node at its line rate per direction (400, 200, 100 Gb/s); latency 25 µs, NCCL's socket transport
+over TCP (tens of µs a message where InfiniBand's verbs take under 10)."""
 
 
 class Preset(NamedTuple):

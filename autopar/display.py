@@ -401,6 +401,8 @@ def plan_summary(plan: PlanRecord) -> str:
             "  fused kernels assumed (autopar.program.kernels): "
             + ", ".join(f"{kind} ×{n}" for kind, n in fused.items())
         )
+    if getattr(plan, "compression", None) is not None or info.get("compression_tried"):
+        lines.append("  " + compression_text(plan))
     if plan.compile:
         lines.append("  compiled by Inductor: the step's memory-bound chains costed as one kernel each")
     budget = info.get("memory_budget")
@@ -582,6 +584,21 @@ def graph_table(gm: torch.fx.GraphModule, max_rows: int | None = None, title: st
 def param_count(nodes: Iterable[NodeRecord]) -> int:
     """Elements of the plan's parameters (each counted once)."""
     return sum(math.prod(n.shape) for n in nodes if n.kind == "param")
+
+
+def compression_text(plan: Any) -> str:
+    """The plan's gradient compression (``Plan.compression``), or that exact reduction was kept,
+    with each method's step the search played (``info["compression_tried"]``)."""
+    c = getattr(plan, "compression", None)
+    tried = plan.info.get("compression_tried") or {}
+    head = (
+        f"gradient compression (lossy): {c.describe()} on the data-parallel weight-gradient all-reduces"
+        if c is not None
+        else "gradient compression allowed, none chosen: gradients reduced exactly"
+    )
+    if tried:
+        head += "; steps played: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in tried.items())
+    return head
 
 
 def recomputed_where(plan: Any) -> str:

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.placement import Spec
 
 __all__ = [
+    "COMPRESS_CAST",
     "COST",
+    "GRAD_MEMBERS",
     "PHASE",
     "RANK",
     "STRATEGIES",
@@ -197,6 +200,13 @@ class PrimalInfo:
 
 
 RANK = "autopar.rank"
+GRAD_MEMBERS = "autopar.grad_members"
+"""On a gradient bucket's all-reduce issue (``passes.overlap.bucket_gradients``): the shapes of the
+gradients flattened into it, in order (``passes.compress`` compresses each)."""
+COMPRESS_CAST = "autopar.compress_cast"
+"""On the cast ``passes.compress`` puts before a gradient all-reduce (bf16 compression): the
+value before it is the gradient in its own precision (``passes.stage_cut.defer_reductions`` sums
+micro-batches there)."""
 """``gm.meta`` key of the joint program's :class:`RankInfo`."""
 
 
@@ -215,3 +225,6 @@ class RankInfo:
     recompute_sources: frozenset[str] = frozenset()
     """Captured nodes the plan recomputes (``passes.strategies.recomputed``: the rule the plan
     was costed with)."""
+    compression: Any = None
+    """The plan's gradient compression (``Plan.compression``, an
+    ``autopar.cost.compression.GradCompression``; ``passes.compress``); ``None``: exact."""

@@ -118,7 +118,12 @@ class Mesh:
             per_node, nodes = self.cluster.group_span(self.shape, sizes) if sizes else (1, 1)
             c = self.cluster
             g = self._groups[key] = comm.Group(
-                per_node=per_node, nodes=nodes, intra=c.intra_node, inter=c.inter_node, nics=c.nics
+                per_node=per_node,
+                nodes=nodes,
+                intra=c.intra_node,
+                inter=c.inter_node,
+                nics=c.nics,
+                sharing=max(1, min(c.gpus_per_node, self.devices) // per_node),
             )
         return g
 

@@ -12,7 +12,14 @@ import torch
 from torch.fx import Node
 
 from autopar.capture import Captured
-from autopar.cost.reshard_cost import edge_cost, grad_reduce_axes, grad_sync_bytes, step_cost
+from autopar.cost.compression import GradCompression
+from autopar.cost.reshard_cost import (
+    compressed_grad_sync,
+    edge_cost,
+    grad_reduce_axes,
+    grad_sync_bytes,
+    step_cost,
+)
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.mesh import Mesh
@@ -77,7 +84,12 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
     return tuple(names)
 
 
-def build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) -> Plan:
+def build_plan(
+    gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any, compression: GradCompression | None = None
+) -> Plan:
+    """The Plan of the solver's solution ``sol`` for ``gm`` on ``mesh``: each node's strategy, each
+    reshard with its seconds and bytes (gradient all-reduces under ``compression``), and the
+    predicted step as the solver's objective sums it (the simulator plays it later)."""
     choice = sol.choice
     nodes: list[NodePlan] = []
     chosen: dict[Node, Strategy] = {}
@@ -142,13 +154,24 @@ def build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) ->
                 bucketed_sync=bucketed_grad_sync(i),
                 zero_stage=stage,
                 sync_share=1.0 if first_sync else 0.0,
+                compression=compression,
+            )
+            squeezed = (
+                compressed_grad_sync(
+                    shape, itemsize, dst, mesh, sync_axes, compression, steps, stage, bucketed_grad_sync(i)
+                )
+                if first_sync
+                else None
             )
             per_axis = [0.0] * mesh.ndim
             for st in steps:
                 b = math.prod(st.out_shape if st.kind == StepKind.ALL_GATHER else st.in_shape) * itemsize
                 if step_cost(st, itemsize, mesh) > 0:
                     per_axis[st.axis] += b
-            if first_sync:
+            if squeezed is not None:  # the compressed all-reduces' bytes
+                for a in sync_axes:
+                    per_axis[a] += squeezed.wire_bytes if mesh.shape[a] > 1 else 0.0
+            elif first_sync:
                 for a, b in enumerate(grad_sync_bytes(shape, itemsize, dst, sync_axes, mesh)):
                     per_axis[a] += b
             for a in range(mesh.ndim):
@@ -164,6 +187,7 @@ def build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) ->
                     grad_sync_axes=grad_axes,
                     time=t,
                     bytes_per_axis=tuple(per_axis),
+                    blocking=squeezed.blocking if squeezed is not None else 0.0,
                 )
             )
     compute = sum(s.compute_time for s in chosen.values())
@@ -194,6 +218,7 @@ def build_plan(gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any) ->
         ),
         cluster=mesh.cluster.to_dict(),
         fingerprint=cap.fingerprint,
+        compression=compression,
         info={
             "solver": {
                 "objective": sol.objective,

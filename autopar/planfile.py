@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import autopar.display as display
+from autopar.cost.compression import GradCompression
 from autopar.placement import Spec, parse_spec
 
 __all__ = ["FusionPlan", "NodePlan", "PipelinePlan", "Plan", "Predicted", "ReshardPlan"]
@@ -71,6 +72,9 @@ class ReshardPlan:
     time: float
     """Forward + backward seconds."""
     bytes_per_axis: tuple[float, ...]
+    blocking: float = 0.0
+    """Seconds of ``time`` spent on the device's compute rather than beside it: a compressed
+    gradient all-reduce's own work (``autopar.cost.compression``; ``Plan.compression``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +196,9 @@ class Plan:
     compile: bool = False
     """The predicted costs are the step compiled by Inductor (``PlanConfig.compile``:
     ``autopar.passes.chains``); ``parallelize`` given this plan compiles unless told otherwise."""
+    compression: GradCompression | None = None
+    """How the data-parallel gradient all-reduces are compressed (``PlanConfig.compression``,
+    ``autopar.cost.compression``; the runtime's ``passes.compress``); ``None``: reduced exactly."""
 
     @property
     def world_size(self) -> int:
@@ -293,6 +300,7 @@ class Plan:
             ),
             "fusions": [asdict(f) for f in self.fusions],
             "compile": self.compile,
+            **({"compression": self.compression.to_dict()} if self.compression is not None else {}),
         }
 
     @classmethod
@@ -341,6 +349,7 @@ class Plan:
                 for f in d.get("fusions", [])
             ],
             compile=bool(d.get("compile", False)),
+            compression=GradCompression.from_dict(d["compression"]) if d.get("compression") else None,
         )
 
     def save(self, path: str | Path) -> None:
@@ -496,6 +505,14 @@ def _validate(d: dict[str, Any]) -> None:
         fail("recompute_layers", "a list of layer instance names", layers)
     if not isinstance(d.get("compile", False), bool):
         fail("compile", "true or false", d.get("compile"))
+    comp = d.get("compression")
+    if comp is not None:
+        if not isinstance(comp, dict) or "method" not in comp:
+            fail("compression", "an object with a 'method'", comp)
+        try:
+            GradCompression.from_dict(comp)
+        except (TypeError, ValueError) as e:
+            fail("compression", f"a valid compression ({e})", comp)
     fusions = d.get("fusions", [])
     if not isinstance(fusions, list):
         fail("fusions", "a list", type(fusions).__name__)

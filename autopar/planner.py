@@ -310,7 +310,7 @@ def plan_captured(
         """The Plan of ``mesh``'s solution, its step simulated."""
         if len(meshes) > 1:  # the mesh's strategies again (the plan reads them; not the solver's input)
             annotate(mesh, [p for p in mesh_passes if p is not formulate])
-        p = build_plan(gm, cap, Mesh(mesh, cluster), sol)
+        p = build_plan(gm, cap, Mesh(mesh, cluster), sol, config.grad_compression)
         p.recompute = config.recompute
         if config.recompute != "none":
             order = repeated_layers(gm.graph)

@@ -23,12 +23,25 @@ from autopar.solver import NotBetter
 if TYPE_CHECKING:
     from autopar.search import PipelineSearch
 
-__all__ = ["ZERO1_REACH", "ZERO1_TIME_LIMIT", "accumulated_zero1", "fewer_layers"]
+__all__ = [
+    "COMPRESSION_GAIN",
+    "ZERO1_REACH",
+    "ZERO1_TIME_LIMIT",
+    "accumulated_zero1",
+    "compressed",
+    "compression_methods",
+    "fewer_layers",
+]
 
 ZERO1_REACH = 0.02
 """Accumulated candidates within this fraction of the fastest are planned again with ZeRO stage 1
 offered (``accumulated_zero1``): on Table 1 it gained 0.3 % on row 1, the fastest candidate;
 row 3's 4 micro-batches, which stage 1 makes 11 % faster, lie 11 % off the fastest without it."""
+
+COMPRESSION_GAIN = 0.05
+"""A compressed candidate replaces the exact ones only where it plays at least this fraction
+faster: compression changes the training (lossy), so a gain within the model's error is not
+worth it."""
 
 ZERO1_TIME_LIMIT = 10.0
 """Seconds CP-SAT may search each mesh of that plan (``PlanConfig.time_limit`` caps it too): the
@@ -114,15 +127,10 @@ def accumulated_zero1(search: PipelineSearch) -> None:
 def _zero1(search: PipelineSearch, plan: Plan, pp: int, m: int) -> None:
     """``accumulated_zero1`` for the candidate ``plan`` of ``(pp, m)``."""
     cap = search.graphs(m)
-    names = repeated_layers(cap.gm.graph)
-    layers = (
-        tuple(i for i, name in enumerate(names) if name in plan.recompute_layers)
-        if plan.recompute != "none" and plan.recompute_layers is not None
-        else None
-    )
+    layers = _layer_ordinals(plan, repeated_layers(cap.gm.graph))
     stage = search.stage_config(pp, m).replace(
         recompute=plan.recompute,
-        recompute_layers=layers or None,
+        recompute_layers=layers,
         zero_stage=(1, 2, 3),
         time_limit=min(search.config.time_limit, ZERO1_TIME_LIMIT),
     )
@@ -148,3 +156,65 @@ def _zero1(search: PipelineSearch, plan: Plan, pp: int, m: int) -> None:
             }
         )
         search.scored.append(c)
+
+
+def compression_methods(plan: Plan) -> list[str]:
+    """The compression methods worth planning for ``plan``: PowerSGD, and bf16 where its
+    parameters (so their gradients) are 4 bytes: a gradient already in 2 bytes gains nothing."""
+    methods = ["powersgd"]
+    if int(plan.info.get("param_bytes", 4)) > 2:
+        methods.append("bf16")
+    return methods
+
+
+def _layer_ordinals(plan: Plan, names: list[str]) -> tuple[int, ...] | None:
+    """``plan``'s recomputed layers as ordinals of ``names`` (``PlanConfig.recompute_layers``)."""
+    if plan.recompute == "none" or plan.recompute_layers is None:
+        return None
+    return tuple(i for i, name in enumerate(names) if name in plan.recompute_layers) or None
+
+
+def compressed(search: PipelineSearch) -> None:
+    """Under ``allow_compression``, the fastest candidate's ``(pp, m)`` planned again with each
+    method of ``compression_methods``, its recomputation kept; the candidates join the others
+    (module docstring)."""
+    config = search.config
+    if not config.allow_compression or config.compression is not None or not search.scored:
+        return
+    best = min(search.scored, key=lambda c: c.step_time)
+    plan = best.plan
+    pipe = plan.pipeline
+    pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
+    cap = search.graphs(m)
+    layers = _layer_ordinals(plan, repeated_layers(cap.gm.graph))
+    stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
+    tried = {"none": best.step_time}
+    for method in compression_methods(plan):
+        sub = stage_cluster(search.cluster, pp)
+        assert sub is not None
+        score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
+        c_stage = stage.replace(
+            recompute=plan.recompute, recompute_layers=layers, compression=method, allow_compression=False
+        )
+        try:
+            spmd = plan_captured(cap, sub, c_stage, score=score, fewer_layers=False)
+        except (InfeasibleError, NotBetter) as e:
+            search.tried.append({"pp": pp, "microbatches": m, "compression": method, "failed": str(e)[:200]})
+            continue
+        found = (
+            score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
+        )
+        for c in found:
+            search.tried.append(
+                {
+                    "pp": pp,
+                    "microbatches": m,
+                    "candidate": c.what,
+                    "compression": method,
+                    "step_time": c.step_time,
+                }
+            )
+            tried[method] = min(tried.get(method, c.step_time), c.step_time)
+        search.scored += [c for c in found if c.step_time < best.step_time * (1 - COMPRESSION_GAIN)]
+    for c in search.scored:
+        c.plan.info["compression_tried"] = tried

@@ -476,7 +476,7 @@ def plan_model(
     t0 = time.perf_counter()
     if graphs is None:
         graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
-    if config.pp == 1 and config.microbatches in (None, 1):
+    if config.pp == 1 and config.microbatches in (None, 1) and not config.allow_compression:
         return plan_captured(graphs(1), cluster, config)
     world = cluster.world_size
     search = PipelineSearch(graphs, cluster, config, batch_size(args, kwargs))
@@ -509,6 +509,7 @@ def plan_model(
     search.recomputing_whole()
     refine.fewer_layers(search)
     refine.accumulated_zero1(search)
+    refine.compressed(search)
     if not search.scored:
         head = "no layout fits the memory budget"
         if search.least is not None:

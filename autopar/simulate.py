@@ -132,6 +132,7 @@ def stage_costs(
     kind = {n.name: n.kind for n in plan.nodes}
     zero = {n.name: n.zero_stage for n in plan.nodes if n.kind == "param"}
     gather = [0.0] * num_stages
+    blocking = [0.0] * num_stages
 
     def where(name: str) -> int:
         s = stage_of.get(name)
@@ -160,7 +161,8 @@ def stage_costs(
             # once per step (Megatron-LM's distributed optimizer), stage 2 every micro-batch.
             stage = zero.get(r.producer, 0)
             if not r.collectives:
-                sync[s] += r.time
+                sync[s] += r.time - r.blocking
+                blocking[s] += r.blocking
             elif stage == 3:
                 mb_sync[s] += r.time
             else:
@@ -190,6 +192,7 @@ def stage_costs(
                 microbatch_sync=mb_sync[s],
                 sync_chunks=max(1, min(chunks[s], 8)),
                 param_gather=gather[s],
+                sync_compute=blocking[s],
             )
         )
     return out

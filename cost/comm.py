@@ -18,16 +18,21 @@ shaped) uses ``α + β·S`` from the measurement instead of the formula.
 node with ``nics`` network cards). NCCL runs its rings and trees over several channels at once and
 gives every GPU the NIC nearest to it (DGX systems carry one NIC per GPU), so a node's share of the
 traffic leaves through ``min(per_node, nics)`` NICs in parallel while each GPU still forwards its
-own share over NVLink. For the ring volumes above, the busiest resource is either a GPU's NVLink
-(carrying the whole per-device volume) or a node's NICs (carrying the same volume between them):
+own share over NVLink. The other groups of the same mesh axes on the node (``sharing`` of them:
+the node's devices in the mesh over ``per_node``) run the same collective at the same time — every
+tensor-parallel rank reduces its data-parallel gradient together — so they share the node's NICs:
+a group gets ``nic_share = min(per_node, nics / sharing)`` of them. With a NIC per GPU (DGX) that
+is ``per_node``, as before; with one 400 Gb/s NIC per node (a cloud instance) and eight
+single-member groups per node, an eighth. For the ring volumes above, the busiest resource is
+either a GPU's NVLink (carrying the whole per-device volume) or a node's NICs (carrying the same
+volume between them):
 
-    bus bandwidth = min(B_intra, min(per_node, nics) · B_nic)        (nodes > 1)
+    bus bandwidth = min(B_intra, nic_share · B_nic)        (nodes > 1)
 
 (NCCL, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA blog 2019; the
 nccl-tests bus-bandwidth notes above: a 2-node DGX A100 all-reduce reaches close to 8 × 25 GB/s).
 An all-to-all sends ``(n − per_node)/n · S`` of each device's buffer off-node and shares the
-node's NICs among its ``per_node`` devices: per-device bandwidth ``min(per_node, nics)/per_node ·
-B_nic``. Latency: rings pay one step per device on the slowest hop (``(n−1)·α_inter`` across
+node's NICs among its ``per_node`` devices: per-device bandwidth ``nic_share/per_node · B_nic``. Latency: rings pay one step per device on the slowest hop (``(n−1)·α_inter`` across
 nodes); NCCL's all-reduce across nodes uses double binary trees (Sanders, Speck and Träff,
 Parallel Computing 2009), ``2(per_node−1)·α_intra + 2⌈log₂ nodes⌉·α_inter``, whichever is less.
 
@@ -112,10 +117,20 @@ class Group:
     """One NIC between nodes."""
     nics: int
     """NICs per node."""
+    sharing: int = 1
+    """Groups of the same mesh axes on one node, running the same collective at once (SPMD: every
+    tensor-parallel rank all-reduces its data-parallel gradient together): they share the node's
+    NICs (module docstring)."""
 
     def __post_init__(self) -> None:
-        if self.per_node < 1 or self.nodes < 1 or self.nics < 1:
-            raise ValueError(f"Group needs per_node, nodes and nics >= 1, got {self}")
+        if self.per_node < 1 or self.nodes < 1 or self.nics < 1 or self.sharing < 1:
+            raise ValueError(f"Group needs per_node, nodes, nics and sharing >= 1, got {self}")
+
+    @property
+    def nic_share(self) -> float:
+        """NICs of a node this group's traffic leaves through: its members' own NICs, as many as it
+        has members there, at most the node's NICs shared evenly among its ``sharing`` groups."""
+        return min(float(self.per_node), self.nics / self.sharing)
 
     @property
     def size(self) -> int:
@@ -126,7 +141,7 @@ class Group:
         """Bytes/s of the ring volume per device (see module docstring)."""
         if self.nodes == 1:
             return self.intra.bandwidth
-        nic = min(self.per_node, self.nics) * self.inter.bandwidth
+        nic = self.nic_share * self.inter.bandwidth
         return nic if self.per_node == 1 else min(self.intra.bandwidth, nic)
 
     @property
@@ -134,7 +149,7 @@ class Group:
         """Bytes/s per device of the off-node part of an all-to-all."""
         if self.nodes == 1:
             return self.intra.bandwidth
-        return min(self.per_node, self.nics) / self.per_node * self.inter.bandwidth
+        return self.nic_share / self.per_node * self.inter.bandwidth
 
     def ring_latency(self, steps_per_device: int) -> float:
         """Latency of a ring with ``steps_per_device · (n − 1)`` steps, each on the slowest hop."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from autopar.cost.compression import CompressedSync, GradCompression, compressed_sync
 from autopar.mesh import Mesh
 from autopar.placement import Spec, local_shape
 from autopar.reshard import ReshardStep, StepKind, grad_sync_axes, reshard_steps
 
 __all__ = [
+    "compressed_grad_sync",
     "edge_cost",
     "grad_reduce_axes",
     "grad_sync_bytes",
@@ -87,6 +89,7 @@ def edge_cost(
     zero_stage: int = 0,
     sync_share: float = 1.0,
     steps: Sequence[ReshardStep] | None = None,
+    compression: GradCompression | None = None,
 ) -> float:
     """Forward + backward seconds of a producer→consumer edge, gradient synchronization included.
 
@@ -110,6 +113,9 @@ def edge_cost(
 
     ``steps``: ``reshard_steps(shape, src, dst, mesh.shape)`` where the caller already has them
     (the solver's formulation costs one reshard under several gradient settings).
+
+    ``compression``: a weight's gradient all-reduce compressed (``autopar.cost.compression``;
+    given for weights only), where ``compressed_grad_sync`` says it applies.
     """
     if steps is None:
         steps = reshard_steps(shape, src, dst, mesh.shape)
@@ -125,9 +131,36 @@ def edge_cost(
             bwd += step_cost(s, itemsize, mesh)
     axes = grad_reduce_axes(consumer_split, dst, mesh, steps, zero_stage)
     if axes and sync_share > 0:
-        local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
-        bwd += sync_share * mesh.all_reduce_cost(local, axes=axes, bucketed=bucketed_sync)
+        squeezed = compressed_grad_sync(
+            shape, itemsize, dst, mesh, axes, compression, steps, zero_stage, bucketed_sync
+        )
+        if squeezed is not None:
+            bwd += sync_share * squeezed.time
+        else:
+            local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
+            bwd += sync_share * mesh.all_reduce_cost(local, axes=axes, bucketed=bucketed_sync)
     return fwd + bwd
+
+
+def compressed_grad_sync(
+    shape: Sequence[int],
+    itemsize: int,
+    dst: Spec,
+    mesh: Mesh,
+    axes: Sequence[int],
+    compression: GradCompression | None,
+    steps: Sequence[ReshardStep],
+    zero_stage: int,
+    bucketed_sync: bool,
+) -> CompressedSync | None:
+    """The compressed all-reduce of a weight's gradient over ``axes``, or ``None`` where it is not
+    compressed: no ``compression``, a ZeRO parameter (its gradient is reduce-scattered), or a
+    weight resharded on its way to the consumer (its gradient is reduced inside the reshard's
+    backward). What is left is the gradient all-reduced where the weight is stored, the one the
+    runtime buckets and compresses (``autopar.passes.compress``)."""
+    if compression is None or zero_stage or steps or not bucketed_sync or not axes:
+        return None
+    return compressed_sync(local_shape(shape, dst, mesh.shape), itemsize, compression, mesh, axes)
 
 
 def grad_reduce_axes(

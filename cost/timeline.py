@@ -11,7 +11,9 @@ Words:
   ``microbatch_sync`` seconds of the reductions every micro-batch runs (a ZeRO parameter's
   gradient reduce-scatter: its full gradient is not kept between micro-batches), and
   ``param_gather`` seconds of the all-gather that brings back the whole weights of ZeRO-1/2
-  parameters once per step after the optimizer updated their shards.
+  parameters once per step after the optimizer updated their shards, and ``sync_compute``
+  seconds the step's gradient reduction takes on the compute itself (compression,
+  ``autopar.cost.compression``), added to the stage's last ``W``.
 * **play** — an action starts when its rank is free and its inputs have arrived: ``F(s, i)`` after
   ``F(s−1, i)`` plus the transfer (none when both stages are on one rank), ``B(s, i)`` after its
   ``F`` and ``B(s+1, i)`` plus the transfer, ``W(s, i)`` after its ``B``. Sends are asynchronous
@@ -80,6 +82,7 @@ class StageCost:
     microbatch_sync: float = 0.0
     sync_chunks: int = 1
     param_gather: float = 0.0
+    sync_compute: float = 0.0
 
 
 @dataclass
@@ -209,6 +212,8 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
                 kind, s, _ = a
                 c = stages[s]
                 dur = c.forward if kind == "F" else c.backward_input if kind == "B" else c.backward_weight
+                if kind == "W" and last_w[(r, s)] == pos[r]:  # the step's compressed reductions
+                    dur += c.sync_compute
                 start = max(free[r], t)
                 end = start + dur
                 if kind == "F" and pos[r] == 0 and gather[r] > 0:  # waits for its last bucket

@@ -37,7 +37,8 @@ from torch.fx import GraphModule, Node
 
 from autopar.capture import Captured
 from autopar.config import PlanConfig
-from autopar.cost.reshard_cost import edge_cost, kept_gather_bytes
+from autopar.cost.compression import GradCompression
+from autopar.cost.reshard_cost import compressed_grad_sync, edge_cost, grad_reduce_axes, kept_gather_bytes
 from autopar.graph import OpFamily, op_family, tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
@@ -129,9 +130,16 @@ EdgeCost = Callable[[int, int], tuple[float, float]]
 
 class _Builder:
     def __init__(
-        self, gm: GraphModule, mesh: Mesh, fixed: dict[str, Spec], in_flight: int = 1, per_sync: int = 1
+        self,
+        gm: GraphModule,
+        mesh: Mesh,
+        fixed: dict[str, Spec],
+        in_flight: int = 1,
+        per_sync: int = 1,
+        compression: GradCompression | None = None,
     ) -> None:
         self.gm = gm
+        self.compression = compression
         self.in_flight = in_flight
         self.per_sync = per_sync
         self.mesh = mesh
@@ -249,6 +257,7 @@ class _Builder:
         bucketed = bucketed_grad_sync(i)
         share = grad_sync_share(i)
         mesh, cache, keys, steps_cache = self.mesh, self.edge_cache, self.keys, self.steps_cache
+        compression = self.compression
         once_per_step = info.kind == "param" and self.per_sync > 1
         signature = self._intern(("value", shape, itemsize, rg, bucketed, share, once_per_step))
 
@@ -280,12 +289,20 @@ class _Builder:
                         zero_stage=stage,
                         sync_share=share,
                         steps=steps,
+                        compression=compression,
                     )
                     # Once per step: a replicated weight's gradient all-reduce (nothing gathered),
                     # and ZeRO-1's gather and reduce-scatter (``zero_stages``).
                     if once_per_step and (src == spec or stage == 1):
                         t /= self.per_sync
-                    v = (t, share * kept_gather_bytes(shape, itemsize, src, spec, mesh, stage, steps=steps))
+                    kept = kept_gather_bytes(shape, itemsize, src, spec, mesh, stage, steps=steps)
+                    if compression is not None and rg:  # error feedback kept from step to step
+                        axes = grad_reduce_axes(split, spec, mesh, steps, stage)
+                        squeezed = compressed_grad_sync(
+                            shape, itemsize, spec, mesh, axes, compression, steps, stage, bucketed
+                        )
+                        kept += squeezed.kept if squeezed is not None else 0.0
+                    v = (t, share * kept)
                 cache[key] = v
             return v
 
@@ -419,7 +436,14 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Build the ``StrategyGraph`` of ``gm`` on ``ctx.mesh`` (see module docstring)."""
     assert ctx.mesh is not None, "formulate needs a mesh"
     fixed = parse_fixed(ctx.captured, ctx.config, ctx.mesh.ndim)
-    b = _Builder(gm, ctx.mesh, fixed, ctx.config.activations_in_flight, ctx.config.microbatches_per_sync)
+    b = _Builder(
+        gm,
+        ctx.mesh,
+        fixed,
+        ctx.config.activations_in_flight,
+        ctx.config.microbatches_per_sync,
+        ctx.config.grad_compression,
+    )
     b.build_decisions()
     b.add_unary()
     graph = b.graph()

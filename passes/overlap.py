@@ -38,7 +38,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.graph import OpFamily, op_family, op_info, outer_instance, output_node
-from autopar.ir import PHASE, RANK, Phase
+from autopar.ir import GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
 from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
@@ -214,6 +214,7 @@ def _make_bucket(gm: GraphModule, bucket: list[tuple[Node, Node]]) -> None:
         total = sum(f.numel() for f in fake)
         cat = node(aten.cat.default, (flats,), lambda: torch.cat([f.reshape(-1) for f in fake]))
         ar = node(_fc.all_reduce.default, (cat, "sum", group), lambda: cat.meta["val"].clone())
+        ar.meta[GRAD_MEMBERS] = tuple(tuple(f.shape) for f in fake)
         w = node(_fc.wait_tensor.default, (ar,), lambda: ar.meta["val"].clone())
     offset = 0
     for (old_ar, old_w), f in zip(bucket, fake):

@@ -33,6 +33,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.capture import Captured
+from autopar.ir import COMPRESS_CAST
 from autopar.passes.joint import JointProgram, subprogram
 from autopar.planfile import Plan
 from autopar.program.records import RankStages, StageStep
@@ -320,19 +321,33 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
 
     ``(None, bwd_w, 0)`` when nothing is deferred."""
     from autopar.passes.overlap import _only_returned, is_issue, is_wait
+    from autopar.program.compression import PowerSGDReduce
 
     def deferrable(g: Graph) -> list[Node]:
         out = output_node_of(g)
         return [
             n
             for n in g.nodes
-            if is_issue(n)
-            and n.target is torch.ops._c10d_functional.all_reduce.default
-            and n.args[1] == "sum"
-            and len(n.users) == 1
-            and is_wait(next(iter(n.users)))
-            and _only_returned(next(iter(n.users)), out)
+            if (
+                is_issue(n)
+                and n.target is torch.ops._c10d_functional.all_reduce.default
+                and n.args[1] == "sum"
+                and len(n.users) == 1
+                and is_wait(next(iter(n.users)))
+                and _only_returned(next(iter(n.users)), out)
+            )
+            or (
+                n.op == "call_module"
+                and isinstance(g.owning_module.get_submodule(n.target), PowerSGDReduce)
+                and _only_returned(n, out)
+            )
         ]
+
+    def summed(issue: Node) -> Node:
+        """The value a deferred reduction sums: its input, or before a compression's cast
+        (``passes.compress``) the gradient in its own precision."""
+        x = issue.args[0]
+        return x.args[0] if x.meta.get(COMPRESS_CAST) else x
 
     def output_node_of(g: Graph) -> Node:
         return next(n for n in reversed(g.nodes) if n.op == "output")
@@ -349,12 +364,14 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
         for k in reversed(range(len(issues))):
             sums.insert(0, last.graph.placeholder(f"deferred_sum_{k}"))
     for issue, acc in zip(issues, sums):
-        x = issue.args[0]
+        x = summed(issue)
+        reader = issue if x is issue.args[0] else issue.args[0]
         acc.meta.update({k: v for k, v in x.meta.items() if k == "val"})
-        with last.graph.inserting_before(issue):
+        with last.graph.inserting_before(reader):
             added = last.graph.call_function(torch.ops.aten.add.Tensor, (x, acc))
-        added.meta.update(issue.meta)
-        issue.update_arg(0, added)
+        added.meta.update({k: v for k, v in reader.meta.items() if k != COMPRESS_CAST})
+        added.meta.update({k: v for k, v in x.meta.items() if k == "val"})
+        reader.update_arg(0, added)
     last.graph.lint()
     last.recompile()
 
@@ -364,7 +381,7 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
     issues = deferrable(g)
     out = output_node_of(g)
     reduced: set[Node] = set()
-    stack = [next(iter(i.users)) for i in issues]
+    stack = [i if i.op == "call_module" else next(iter(i.users)) for i in issues]
     while stack:
         n = stack.pop()
         if n in reduced or n is out:
@@ -372,7 +389,7 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
         reduced.add(n)
         stack.extend(n.users)
     grads = [None if isinstance(r, Node) and r in reduced else r for r in out.args[0]]
-    unreduced = [i.args[0] for i in issues]
+    unreduced = [summed(i) for i in issues]
     out.args = ((*grads, *unreduced),)
     for n in reversed(list(g.nodes)):  # collectives count as side effects: erase them by hand
         if (n in reduced or n in issues) and not n.users:

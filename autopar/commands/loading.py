@@ -44,7 +44,9 @@ def build_cluster(args: argparse.Namespace, name: str | None = None) -> Any:
             return Cluster.from_dict(d.get("cluster", d))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{name}: not a cluster profile ({type(e).__name__}: {e})") from None
-    return Cluster.preset(name, gpus_per_node=args.gpus_per_node, nodes=args.nodes)
+    return Cluster.preset(
+        name, gpus_per_node=args.gpus_per_node, nodes=args.nodes, network=getattr(args, "network", None)
+    )
 
 
 def plan_config(args: argparse.Namespace) -> Any:
@@ -65,6 +67,7 @@ def plan_config(args: argparse.Namespace) -> Any:
         relative_gap=getattr(args, "relative_gap", None),
         fixed=fixed or None, pp=getattr(args, "pp", None), microbatches=getattr(args, "microbatches", None),
         schedule=getattr(args, "schedule", None), recompute=getattr(args, "recompute", None),
+        allow_compression=getattr(args, "allow_compression", None), compression=getattr(args, "compression", None),
     )  # fmt: skip
 
 

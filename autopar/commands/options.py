@@ -152,6 +152,9 @@ def cluster_args(
     else:
         g.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
     g.add_argument("--gpus-per-node", type=positive_int, default=8, help="devices per node (default 8)")
+    g.add_argument("--network", choices=("infiniband", "ethernet-400g", "ethernet-200g", "ethernet-100g"),
+                   help="the network between nodes (default: the preset's InfiniBand, one NIC per GPU; "
+                        "ethernet-*: one NIC per node, a cloud cluster)")  # fmt: skip
 
 
 def planning_args(p: argparse.ArgumentParser) -> None:
@@ -180,6 +183,11 @@ def planning_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule (default searched)")  # fmt: skip
     g.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
                    help="activation recomputation (default auto: the lightest that fits)")  # fmt: skip
+    g.add_argument("--allow-compression", action="store_true", default=None,
+                   help="let the plan compress the data-parallel gradient all-reduces (lossy: PowerSGD or bf16) "
+                        "where that plays faster")  # fmt: skip
+    g.add_argument("--compression", choices=("bf16", "powersgd"),
+                   help="compress every data-parallel gradient all-reduce this way (lossy)")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

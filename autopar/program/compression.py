@@ -1,0 +1,131 @@
+"""Compressed gradient all-reduces as the per-rank program runs them (``autopar.passes.compress``
+puts them there; ``autopar.cost.compression`` defines the words and prices them).
+
+``PowerSGDReduce`` is a module the program calls (``call_module``) in place of one gradient
+all-reduce (one gradient, or a bucket of them flattened into one buffer,
+``passes.overlap.bucket_gradients``): it holds PowerSGD's state from step to step — each
+compressed matrix's error feedback and warm-start ``Q`` — as buffers, so the state lives with the
+program that uses it, is moved with it and starts the same on every rank.
+
+The sum convention is the program's: the result is the sum of every rank's gradient over the
+group (a rank-``r`` approximation of it for the compressed matrices), equal on every rank.
+
+One compression, for each of the ``k`` compressed matrices ``M = g + e`` (``m × n``, fp32) of a
+bucket (Vogels et al., arXiv 1905.13727, Algorithm 1; PyTorch's ``powerSGD_hook``):
+
+1. ``P = M Q``; the ``P`` of the bucket all-reduced as one buffer; each ``P`` orthonormalized
+   (reduced QR);
+2. ``Q = Mᵀ P``; the ``Q`` of the bucket all-reduced as one buffer, kept for the next step;
+3. ``M̂ = P Qᵀ`` (the summed gradient's approximation) is the result; ``e = M − M̂ / size`` is
+   kept, what this rank's gradient lost.
+
+The bucket's other members (vectors, small matrices) are all-reduced as they are, in one buffer
+issued before the rounds and waited for after them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives  # registers torch.ops._c10d_functional
+
+__all__ = ["PowerSGDReduce"]
+
+_fc = torch.ops._c10d_functional
+
+
+def _all_reduce(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _fc.wait_tensor(_fc.all_reduce(t, "sum", group_name))
+
+
+class PowerSGDReduce(torch.nn.Module):
+    """The PowerSGD-compressed sum of one gradient buffer over a process group (module
+    docstring). ``shapes``: the buffer's members, in order (one for an unbucketed gradient);
+    ``matrices``: each member's ``(m, n)`` where it is compressed, else ``None``; ``seed``: the
+    initial ``Q``'s seed, the same on every rank; ``warmup_steps``: calls reduced exactly before
+    compression starts (``GradCompression.warmup_steps``)."""
+
+    def __init__(
+        self,
+        shapes: Sequence[Sequence[int]],
+        matrices: Sequence[tuple[int, int] | None],
+        rank: int,
+        group_name: str,
+        seed: int = 0,
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        if len(shapes) != len(matrices):
+            raise ValueError(
+                f"PowerSGDReduce: {len(shapes)} member shapes but {len(matrices)} matrix entries"
+            )
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.matrices = list(matrices)
+        self.rank = int(rank)
+        self.group_name = group_name
+        self.seed = int(seed)
+        self.warmup_steps = int(warmup_steps)
+        self.started = False
+        self.calls = 0
+        """Compressions run (the tests read it)."""
+
+    def extra_repr(self) -> str:
+        k = sum(m is not None for m in self.matrices)
+        return f"rank={self.rank}, compressed {k} of {len(self.shapes)} members, group={self.group_name}"
+
+    def _start(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(self.seed)
+        for k, mn in enumerate(self.matrices):
+            if mn is None:
+                continue
+            m, n = mn
+            q = torch.randn(n, self.rank, generator=gen, dtype=torch.float32)
+            self.register_buffer(f"q{k}", torch.linalg.qr(q).Q.to(device), persistent=False)
+            self.register_buffer(
+                f"e{k}", torch.zeros(m, n, dtype=torch.float32, device=device), persistent=False
+            )
+        self.started = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.started:
+            self._start(x.device)
+        self.calls += 1
+        if self.calls <= self.warmup_steps:  # exact until PowerSGD starts
+            return _all_reduce(x, self.group_name)
+        size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(self.group_name))
+        parts = x.reshape(-1).split([math.prod(s) for s in self.shapes])
+        plain = [k for k, mn in enumerate(self.matrices) if mn is None]
+        pending = (
+            _fc.all_reduce(torch.cat([parts[k] for k in plain]), "sum", self.group_name) if plain else None
+        )
+        squeezed = [k for k, mn in enumerate(self.matrices) if mn is not None]
+        ms, ps = {}, []
+        for k in squeezed:
+            m, n = self.matrices[k]
+            ms[k] = parts[k].reshape(m, n).float() + getattr(self, f"e{k}")
+            ps.append(ms[k] @ getattr(self, f"q{k}"))
+        summed_p = _all_reduce(torch.cat([p.reshape(-1) for p in ps]), self.group_name)
+        p_of, qs, at = {}, [], 0
+        for k in squeezed:
+            m, _ = self.matrices[k]
+            p_of[k] = torch.linalg.qr(summed_p[at : at + m * self.rank].reshape(m, self.rank)).Q
+            at += m * self.rank
+            qs.append(ms[k].t() @ p_of[k])
+        summed_q = _all_reduce(torch.cat([q.reshape(-1) for q in qs]), self.group_name)
+        out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        at = 0
+        for k in squeezed:
+            _, n = self.matrices[k]
+            q = summed_q[at : at + n * self.rank].reshape(n, self.rank)
+            at += n * self.rank
+            getattr(self, f"q{k}").copy_(q)
+            approx = p_of[k] @ q.t()
+            getattr(self, f"e{k}").copy_(ms[k] - approx / size)
+            out[k] = approx.to(x.dtype).reshape(-1)
+        if pending is not None:
+            for k, piece in zip(plain, _fc.wait_tensor(pending).split([parts[k].numel() for k in plain])):
+                out[k] = piece
+        return torch.cat(out).reshape(x.shape)  # type: ignore[arg-type]

@@ -1,0 +1,116 @@
+"""``compress_gradients``: the plan's gradient compression written into the rank program.
+
+A rank-program pass (``passes.overlap.RANK_PASSES``, after ``sink_waits``). Its words are
+``autopar.cost.compression``'s. It rewrites the *gradient all-reduces*: sum all-reduces in the
+backward whose waited result reaches only the program's outputs, through views and copies —
+data-parallel weight gradients and their buckets (``passes.overlap.bucket_gradients``), exactly
+the reductions the cost model compresses (``cost.reshard_cost.compressed_grad_sync``) and the
+ones a pipeline stage defers to its last micro-batch (``passes.stage_cut.defer_reductions``).
+
+* ``bf16``: a cast to bfloat16 before the issue and one back after the wait. The issue and wait
+  stay where ``sink_waits`` put them, so the reduction overlaps the backward as before. The
+  cast's node carries ``COMPRESS_CAST``: deferral adds the earlier micro-batches' sum before it,
+  in the gradient's own precision. A gradient already in 2 bytes is left alone.
+* ``powersgd``: the issue and its wait replaced by one call of a ``PowerSGDReduce`` module
+  (``autopar.program.compression``), registered on the program, at the issue's place (the
+  bucket's last gradient is ready there). Buffers without a member worth compressing
+  (``cost.compression.powersgd_matrix``) are left alone.
+
+Each buffer's members are read off ``GRAD_MEMBERS`` (the bucket's shapes, set by
+``bucket_gradients``), or, for an unbucketed gradient, off the value all-reduced.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar.cost.compression import powersgd_matrix
+from autopar.graph import output_node
+from autopar.ir import COMPRESS_CAST, GRAD_MEMBERS, PHASE, RANK, Phase
+from autopar.passes import PassContext
+from autopar.passes.overlap import _only_returned, is_issue, is_wait
+from autopar.program.compression import PowerSGDReduce
+
+__all__ = ["compress_gradients", "gradient_all_reduces"]
+
+log = logging.getLogger("autopar.passes")
+
+_fc = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def gradient_all_reduces(gm: GraphModule) -> list[tuple[Node, Node]]:
+    """``(issue, wait)`` of each gradient all-reduce (module docstring) in ``gm``."""
+    out = output_node(gm)
+    found = []
+    for n in gm.graph.nodes:
+        if not (is_issue(n) and n.target is _fc.all_reduce.default and n.args[1] == "sum"):
+            continue
+        if n.meta.get(PHASE) != Phase.BWD or len(n.users) != 1:
+            continue
+        (w,) = n.users
+        if is_wait(w) and _only_returned(w, out):
+            found.append((n, w))
+    return found
+
+
+def _members(issue: Node) -> list[tuple[int, ...]]:
+    shapes = issue.meta.get(GRAD_MEMBERS)
+    if shapes is not None:
+        return [tuple(s) for s in shapes]
+    return [tuple(issue.args[0].meta["val"].shape)]
+
+
+def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Write the plan's gradient compression into ``gm`` (module docstring)."""
+    info = gm.meta.get(RANK)
+    c = getattr(info, "compression", None)
+    if c is None:
+        return gm
+    g = gm.graph
+    done = 0
+    for issue, wait in gradient_all_reduces(gm):
+        x = issue.args[0]
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if c.method == "bf16":
+            if val.element_size() <= 2:
+                continue
+            with g.inserting_before(issue):
+                cast = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+            cast.meta.update({PHASE: Phase.BWD, COMPRESS_CAST: True, "val": val.to(torch.bfloat16)})
+            issue.update_arg(0, cast)
+            issue.meta["val"] = cast.meta["val"]
+            with g.inserting_after(wait):
+                back = g.call_function(aten._to_copy.default, (wait,), {"dtype": val.dtype})
+            back.meta.update({PHASE: Phase.BWD, "val": val})
+            wait.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)
+            wait.meta["val"] = cast.meta["val"]
+        else:
+            shapes = _members(issue)
+            matrices = [powersgd_matrix(s, c) for s in shapes]
+            if all(m is None for m in matrices):
+                continue
+            name = f"powersgd_{done}"
+            gm.add_submodule(
+                name,
+                PowerSGDReduce(
+                    shapes, matrices, c.rank, issue.args[2], seed=done, warmup_steps=c.warmup_steps
+                ),
+            )
+            with g.inserting_before(issue):
+                call = g.call_module(name, (x,))
+            call.meta.update({PHASE: Phase.BWD, "val": val})
+            wait.replace_all_uses_with(call)
+            g.erase_node(wait)
+            g.erase_node(issue)
+        done += 1
+    if done:
+        log.info("compress_gradients: %d gradient all-reduces compressed (%s)", done, c.describe())
+        g.lint()
+        gm.recompile()
+    return gm
