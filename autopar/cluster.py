@@ -2,7 +2,8 @@
 
 A ``Cluster`` is ``nodes`` machines of ``gpus_per_node`` identical devices. Devices inside a node
 talk over ``intra_node`` (NVLink), devices on different nodes over ``inter_node`` (InfiniBand,
-bandwidth per device). A device mesh laid over the cluster is row-major with its last axis
+bandwidth per device), and, where the nodes sit in racks of ``nodes_per_rack`` under a spine
+oversubscribed ``spine_oversubscription``:1, groups that span racks at that fraction of it. A device mesh laid over the cluster is row-major with its last axis
 innermost, so an axis whose devices all sit in one node uses NVLink; ``Cluster.axis_link`` says
 which link an axis of a given mesh uses.
 
@@ -54,6 +55,12 @@ class Cluster:
     nics_per_node: int | None = None
     """Inter-node NICs per node, used side by side by a collective that spans nodes (NCCL gives
     each GPU the NIC nearest to it); ``None``: one per GPU, as in DGX systems."""
+    nodes_per_rack: int | None = None
+    """Nodes under one top-of-rack switch; ``None``: every node under one switch (no spine)."""
+    spine_oversubscription: float = 1.0
+    """How many times more bandwidth a rack's NICs have than its uplinks to the spine (2.0: a 2:1
+    oversubscribed fat tree): a collective whose groups span racks sees the inter-node bandwidth
+    divided by it (``axis_link``, ``autopar.mesh.Mesh.group``)."""
     backend: str = "nccl"
     """torch.distributed backend the runtime uses on this cluster (``"gloo"`` for ``Cluster.local``)."""
     overlap_comm: bool = True
@@ -100,6 +107,23 @@ class Cluster:
                     fix="give the inter-node NICs per node, or None for one per GPU",
                 ),
             )
+        if self.nodes_per_rack is not None:
+            object.__setattr__(
+                self,
+                "nodes_per_rack",
+                check_count(
+                    "Cluster",
+                    "nodes_per_rack",
+                    self.nodes_per_rack,
+                    fix="give the nodes under one top-of-rack switch, or None for a single switch",
+                ),
+            )
+        o = self.spine_oversubscription
+        if isinstance(o, bool) or not isinstance(o, numbers.Real) or not math.isfinite(o) or o < 1:
+            raise ValueError(
+                f"Cluster: spine_oversubscription must be ≥ 1 (rack NIC bandwidth ÷ rack uplink bandwidth; "
+                f"1 for a non-blocking network), got {o!r}"
+            )
         for what, v, cls in (
             ("device", self.device, DeviceSpec),
             ("intra_node", self.intra_node, Link),
@@ -127,12 +151,15 @@ class Cluster:
         nics_per_node: int | None = None,
         profile: str | os.PathLike[str] | dict[str, Any] | None = None,
         network: str | None = None,
+        nodes_per_rack: int | None = None,
+        spine_oversubscription: float = 1.0,
     ) -> Cluster:
         """A cluster of a known accelerator: one of ``Cluster.presets()``.
 
         ``network``: the nodes joined by one of ``autopar.devices.NETWORKS`` (``"ethernet-400g"``:
         one 400 Gb/s NIC per node, a cloud cluster) instead of the preset's InfiniBand, one NIC per
-        GPU; ``nics_per_node`` given overrides the network's count.
+        GPU; ``nics_per_node`` given overrides the network's count. ``nodes_per_rack`` and
+        ``spine_oversubscription``: racks under an oversubscribed spine (``Cluster``'s fields).
 
         ``profile``: a profile written by ``autopar.runtime.calibrate`` (a path or the dict): its
         measured device figures replace the preset's (the datasheet peaks stay unless measured),
@@ -150,7 +177,14 @@ class Cluster:
             if network != "infiniband":
                 fields_["inter_node"] = link
                 nics_per_node = nics_per_node if nics_per_node is not None else nics
-        cl = cls(**fields_, gpus_per_node=gpus_per_node, nodes=nodes, nics_per_node=nics_per_node)
+        cl = cls(
+            **fields_,
+            gpus_per_node=gpus_per_node,
+            nodes=nodes,
+            nics_per_node=nics_per_node,
+            nodes_per_rack=nodes_per_rack,
+            spine_oversubscription=spine_oversubscription,
+        )
         return cl.with_profile(profile) if profile is not None else cl
 
     @staticmethod
@@ -271,30 +305,42 @@ class Cluster:
         any of their nodes holds: a collective is as slow as its slowest group, and a node's share
         of the inter-node traffic goes through as many NICs as it has members there.
         """
-        shape = tuple(mesh_shape)
-        strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
-        offsets = [0]
-        for a in axes:
-            offsets = [o + i * strides[a] for o in offsets for i in range(shape[a])]
-        others = [a for a in range(len(shape)) if a not in axes]
-        bases = [0]
-        for a in others:
-            bases = [b + i * strides[a] for b in bases for i in range(shape[a])]
-        worst = (len(offsets), 1)
-        for b in bases:
+        groups = _device_groups(mesh_shape, axes)
+        worst = (len(groups[0]), 1)
+        for devices in groups:
             per_node: dict[int, int] = {}
-            for o in offsets:
-                node = (b + o) // self.gpus_per_node
+            for d in devices:
+                node = d // self.gpus_per_node
                 per_node[node] = per_node.get(node, 0) + 1
             span = (min(per_node.values()), len(per_node))
             if span[1] > worst[1] or (span[1] == worst[1] and span[0] < worst[0]):
                 worst = span
         return worst
 
+    def racks_spanned(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
+        """The most racks any group of mesh axes ``axes`` spans (``nodes_per_rack``; 1 without)."""
+        if self.nodes_per_rack is None or not axes:
+            return 1
+        per_rack = self.gpus_per_node * self.nodes_per_rack
+        return max(len({d // per_rack for d in devices}) for devices in _device_groups(mesh_shape, axes))
+
+    def network_link(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> Link:
+        """The inter-node NIC as the groups of mesh axes ``axes`` see it: slowed by the spine's
+        oversubscription where they span racks."""
+        if self.spine_oversubscription == 1 or self.racks_spanned(mesh_shape, axes) <= 1:
+            return self.inter_node
+        return replace(
+            self.inter_node,
+            name=f"{self.inter_node.name} via {self.spine_oversubscription:g}:1 spine",
+            bandwidth=self.inter_node.bandwidth / self.spine_oversubscription,
+        )
+
     def axis_link(self, mesh_shape: tuple[int, ...], axis: int) -> Link:
         """The link that mesh axis ``axis`` uses: NVLink when all its devices share a node, else
         the inter-node NIC (``autopar.mesh.Mesh`` costs collectives over several NICs at once)."""
-        return self.intra_node if self.group_span(mesh_shape, (axis,))[1] == 1 else self.inter_node
+        if self.group_span(mesh_shape, (axis,))[1] == 1:
+            return self.intra_node
+        return self.network_link(mesh_shape, (axis,))
 
     def describe(self) -> str:
         d = self.device
@@ -307,7 +353,13 @@ class Cluster:
             f"{self.nodes} node(s) × {self.gpus_per_node} {d.name} "
             f"({d.flops_for('bfloat16') / TB:.0f} TFLOP/s bf16, {d.memory / GiB:.0f} GiB, "
             f"{self.intra_node.name} {self.intra_node.bandwidth / GB:.0f} GB/s, "
-            f"{self.nics} × {self.inter_node.name} {self.inter_node.bandwidth / GB:.1f} GB/s per node)"
+            f"{self.nics} × {self.inter_node.name} {self.inter_node.bandwidth / GB:.1f} GB/s per node"
+            + (
+                f"; {self.nodes_per_rack} nodes a rack, {self.spine_oversubscription:g}:1 spine"
+                if self.nodes_per_rack is not None and self.nodes_per_rack < self.nodes
+                else ""
+            )
+            + ")"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -318,6 +370,8 @@ class Cluster:
             "intra_node": link_to_dict(self.intra_node),
             "inter_node": link_to_dict(self.inter_node),
             "nics_per_node": self.nics_per_node,
+            "nodes_per_rack": self.nodes_per_rack,
+            "spine_oversubscription": self.spine_oversubscription,
             "backend": self.backend,
             "overlap_comm": self.overlap_comm,
         }
@@ -331,6 +385,8 @@ class Cluster:
             intra_node=link_from_dict(d["intra_node"]),
             inter_node=link_from_dict(d["inter_node"]),
             nics_per_node=d.get("nics_per_node"),
+            nodes_per_rack=d.get("nodes_per_rack"),
+            spine_oversubscription=d.get("spine_oversubscription", 1.0),
             backend=d.get("backend", "nccl"),
             overlap_comm=d.get("overlap_comm", True),
         )
@@ -358,6 +414,20 @@ def load_profile(profile: str | os.PathLike[str] | dict[str, Any]) -> dict[str, 
     if unknown:
         raise ValueError(f"calibration profile: unknown device field(s) {unknown}; known: {sorted(known)}")
     return prof
+
+
+def _device_groups(mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> list[list[int]]:
+    """The device groups mesh axes ``axes`` form together: each group's device numbers, the mesh
+    numbered row-major over the first devices of the cluster."""
+    shape = tuple(mesh_shape)
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    offsets = [0]
+    for a in axes:
+        offsets = [o + i * strides[a] for o in offsets for i in range(shape[a])]
+    bases = [0]
+    for a in (a for a in range(len(shape)) if a not in axes):
+        bases = [b + i * strides[a] for b in bases for i in range(shape[a])]
+    return [[b + o for o in offsets] for b in bases]
 
 
 def mesh_arithmetic(mesh_shape: tuple[int, ...]) -> str:

@@ -121,7 +121,7 @@ class Mesh:
                 per_node=per_node,
                 nodes=nodes,
                 intra=c.intra_node,
-                inter=c.inter_node,
+                inter=c.network_link(self.shape, sizes),
                 nics=c.nics,
                 sharing=max(1, min(c.gpus_per_node, self.devices) // per_node),
             )

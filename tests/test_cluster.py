@@ -172,3 +172,37 @@ def test_device_overheads_and_measured_rows_are_checked():
         Link(name="x", bandwidth=1e9, latency=1e-6, measured=(("all_reduce", 2, 1e-5, NAN),))
     with pytest.raises(ValueError, match="world_size >= 1"):
         Cluster.local(2.5)
+
+
+def test_groups_sharing_a_nodes_nics_each_get_their_share():
+    """Eight data-parallel groups (one per tensor-parallel rank) cross nodes at once: with a NIC
+    per GPU each has its own; with one NIC per node (cloud Ethernet) each gets an eighth."""
+    from autopar.mesh import Mesh
+
+    dgx = Mesh((8, 8), Cluster.preset("H100-SXM", nodes=8))
+    cloud = Mesh((8, 8), Cluster.preset("H100-SXM", nodes=8, nics_per_node=8, network="ethernet-400g"))
+    one_nic = Mesh((8, 8), Cluster.preset("H100-SXM", nodes=8, network="ethernet-400g"))
+    assert dgx.group(0).bus_bandwidth == 50e9 and cloud.group(0).bus_bandwidth == 50e9
+    assert one_nic.group(0).nic_share == 1 / 8 and one_nic.group(0).bus_bandwidth == 50e9 / 8
+    nbytes = 1e9
+    assert one_nic.all_reduce_cost(nbytes, 0) == pytest.approx(2 * 7 / 8 * nbytes / (50e9 / 8), rel=1e-3)
+    # One group over all 64 devices (pure data parallelism) has the node's NIC to itself.
+    assert Mesh((64,), one_nic.cluster).group(0).nic_share == 1
+
+
+def test_groups_spanning_racks_see_the_spine_oversubscription():
+    cl = Cluster.preset("H100-SXM", nodes=4, nodes_per_rack=2, spine_oversubscription=4)
+    flat = Cluster.preset("H100-SXM", nodes=4)
+    assert "2 nodes a rack, 4:1 spine" in cl.describe()
+    assert cl.racks_spanned((2, 2, 8), (1,)) == 1 and cl.racks_spanned((2, 2, 8), (0,)) == 2
+    assert cl.axis_link((2, 2, 8), 1).bandwidth == flat.inter_node.bandwidth  # inside a rack
+    assert cl.axis_link((2, 2, 8), 0).bandwidth == flat.inter_node.bandwidth / 4
+    from autopar.mesh import Mesh
+
+    slow, fast = Mesh((4, 8), cl), Mesh((4, 8), flat)
+    assert slow.all_reduce_cost(1e9, 0) == pytest.approx(4 * fast.all_reduce_cost(1e9, 0), rel=0.01)
+    assert Cluster.from_dict(cl.to_dict()) == cl
+    with pytest.raises(ValueError, match="spine_oversubscription must be ≥ 1"):
+        Cluster.preset("H100-SXM", nodes=4, nodes_per_rack=2, spine_oversubscription=0.5)
+    with pytest.raises(ValueError, match="nodes_per_rack must be a whole number"):
+        Cluster.preset("H100-SXM", nodes=4, nodes_per_rack=0)

@@ -45,7 +45,12 @@ def build_cluster(args: argparse.Namespace, name: str | None = None) -> Any:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{name}: not a cluster profile ({type(e).__name__}: {e})") from None
     return Cluster.preset(
-        name, gpus_per_node=args.gpus_per_node, nodes=args.nodes, network=getattr(args, "network", None)
+        name,
+        gpus_per_node=args.gpus_per_node,
+        nodes=args.nodes,
+        network=getattr(args, "network", None),
+        nodes_per_rack=getattr(args, "nodes_per_rack", None),
+        spine_oversubscription=getattr(args, "spine_oversubscription", 1.0),
     )
 
 

@@ -155,6 +155,10 @@ def cluster_args(
     g.add_argument("--network", choices=("infiniband", "ethernet-400g", "ethernet-200g", "ethernet-100g"),
                    help="the network between nodes (default: the preset's InfiniBand, one NIC per GPU; "
                         "ethernet-*: one NIC per node, a cloud cluster)")  # fmt: skip
+    g.add_argument("--nodes-per-rack", type=positive_int,
+                   help="nodes under one top-of-rack switch (default: all under one switch)")  # fmt: skip
+    g.add_argument("--spine-oversubscription", type=float, default=1.0,
+                   help="rack NIC bandwidth ÷ rack uplink bandwidth, e.g. 2 for 2:1 (default 1: non-blocking)")  # fmt: skip
 
 
 def planning_args(p: argparse.ArgumentParser) -> None:

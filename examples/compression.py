@@ -1,0 +1,208 @@
+"""Gradient compression as a plan choice: what it costs in learning, what it sends, what it gains.
+
+    python examples/compression.py converge [--steps 200] [--ranks 2 4 8]
+    python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b] [--no-baseline]
+
+* ``converge`` — a small GPT (2 layers, width 64) trained data parallel on 4 gloo processes for
+  ``--steps`` AdamW steps on a stream of sequences from a fixed random bigram table (two
+  successors per token: at best ``ln 2`` nats a token), once reducing its gradients exactly, once
+  in bf16 and once with PowerSGD at each ``--ranks``; then each final model's loss on held-out
+  sequences, against the exact run's, and the bytes one rank's collectives carried in the last
+  step (counted as they are issued) against the plan's prediction.
+* ``ethernet`` — each model's shape planned for 8 nodes × 8 H100 joined by one 400 Gb/s Ethernet
+  NIC per node (``Cluster.preset(network="ethernet-400g")``): the best Megatron-LM layout for that
+  cluster (``layouts.best_megatron``, every knob tuned; it compresses nothing: Megatron-LM has no
+  gradient compression), autopar's plan with exact gradients, autopar's plan with compression
+  allowed (``allow_compression=True``), and autopar's plan made for the same nodes on InfiniBand
+  (one NIC per GPU) as if the network were uniform, run on Ethernet: its layout (mesh, every
+  weight's placement, pipeline, micro-batches, recomputation) held and re-planned there. Each with
+  its simulated step: compute and collectives, exposed gradient reduction, optimizer.
+
+Models (meta device, bf16): ``llama3-8b`` (``autopar.zoo``, 64 × 8192 tokens a step) and
+``gpt3-1.3b`` (``autopar.models.GPT`` with GPT-3's 1.3B shape, Brown et al. 2020 Table 2.1: 24
+layers, width 2048, 16 heads; 512 × 2048 tokens, its published batch of 1M tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import autopar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+# ----------------------------------------------------------------------------------- converge
+
+
+def _converge_worker(rank: int, world: int, plans: dict[str, Any], steps: int) -> dict[str, Any]:
+    from test_compression import _bigram_batches, _CollectiveBytes, _gpt
+
+    out = {}
+    data = _bigram_batches(steps, seed=1)
+    for name, plan in plans.items():
+        pm = autopar.parallelize(_gpt(), autopar.Cluster.local(world), data[0], plan=plan)
+        opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+        counted = 0
+        for x, y in data:
+            with _CollectiveBytes() as c:
+                loss = pm(x, y)
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+            counted = c.bytes
+        out[name] = {"bytes": counted, "state": pm.full_state_dict() if rank == 0 else None}
+    return out
+
+
+def converge(steps: int, ranks: list[int]) -> None:
+    from test_compression import _bigram_batches, _gpt
+
+    from autopar.runtime.launch import spawn
+
+    model, data = _gpt(), _bigram_batches(1, seed=1)
+    cluster = autopar.Cluster.local(4)
+    variants: dict[str, dict[str, Any]] = {"exact": {}, "bf16": {"compression": "bf16"}}
+    for r in ranks:
+        variants[f"powersgd rank {r}"] = {"compression": "powersgd", "compression_rank": r}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = {
+            k: autopar.layouts.megatron(model, data[0], cluster, tp=1, **kw) for k, kw in variants.items()
+        }
+    t0 = time.perf_counter()
+    out = spawn(_converge_worker, 4, plans, steps, timeout=3600)[0]
+    held_out = _bigram_batches(8, seed=99)
+
+    def evaluate(state: dict[str, torch.Tensor]) -> float:
+        m = _gpt()
+        m.load_state_dict(state)
+        with torch.no_grad():
+            return sum(m(x, y).item() for x, y in held_out) / len(held_out)
+
+    print(f"4 gloo processes, {steps} AdamW steps ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"{'reduction':<18} {'held-out loss':>13} {'vs exact':>9} {'bytes measured':>15} {'predicted':>10} {'ratio':>6}"
+    )
+    exact = evaluate(out["exact"]["state"])
+    for name, run in out.items():
+        loss = evaluate(run["state"])
+        predicted = plans[name].predicted.comm_bytes_per_axis[0]
+        print(
+            f"{name:<18} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {run['bytes']:>15,} "
+            f"{predicted:>10,.0f} {run['bytes'] / predicted:>6.3f}"
+        )
+
+
+# ----------------------------------------------------------------------------------- ethernet
+
+
+def _workload(name: str) -> tuple[torch.nn.Module, Any]:
+    if name == "llama3-8b":
+        w = autopar.zoo.load("llama3-8b", batch=64, seq=8192)
+        return w.model, w.example_inputs
+    if name == "gpt3-1.3b":
+        from autopar.models import GPT, GPTConfig
+
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=24, n_head=16, n_embd=2048, vocab_size=51200, block_size=2048))
+            model = model.to(torch.bfloat16)
+        ids = torch.empty(512, 2048, dtype=torch.long, device="meta")
+        return model, (ids, ids.clone())
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def _row(label: str, plan: Any, t: float) -> str:
+    sim = plan.info.get("simulated", {})
+    pipe = plan.pipeline
+    layout = f"mesh {dict(zip(plan.mesh_axes, plan.mesh_shape))}"
+    if pipe is not None:
+        layout += f", pp {pipe.pp} × {pipe.microbatches} mb"
+    if plan.recompute != "none":
+        layout += f", recompute {plan.recompute}"
+    if plan.compression is not None:
+        layout += f", {plan.compression.describe()}"
+    return (
+        f"  {label:<34} {plan.predicted.step_time * 1e3:>9.1f} ms  compute+coll "
+        f"{sim.get('compute_and_comm', 0) * 1e3:>7.1f}  exposed reduction {sim.get('exposed_grad_sync', 0) * 1e3:>7.1f}"
+        f"  optimizer {sim.get('optimizer', 0) * 1e3:>5.1f}  [{layout}; planned in {t:.0f} s]"
+    )
+
+
+def _held(plan: Any, model: Any, inputs: Any, cluster: Any) -> Any:
+    """``plan``'s layout re-planned on ``cluster`` (module docstring: as if uniform)."""
+    pipe = plan.pipeline
+    fixed = {k: tuple(v) for k, v in plan.params.items()}
+    kw: dict[str, Any] = {
+        "mesh_shape": tuple(plan.mesh_shape),
+        "fixed": fixed,
+        "recompute": plan.recompute,
+        "pp": pipe.pp if pipe is not None else 1,
+        "microbatches": pipe.microbatches if pipe is not None else 1,
+    }
+    if pipe is not None:
+        kw.update(schedule=pipe.schedule, virtual=pipe.virtual)
+    return autopar.plan(model, inputs, cluster, **kw)
+
+
+def _compare(name: str, eth: Any, ib: Any, baseline: bool) -> None:
+    """One model's rows (module docstring)."""
+    model, inputs = _workload(name)
+    print(f"\n{name}")
+    candidates = [
+        ("autopar, exact gradients", lambda: autopar.plan(model, inputs, eth)),
+        ("autopar, compression allowed", lambda: autopar.plan(model, inputs, eth, allow_compression=True)),
+        (
+            "autopar planned for InfiniBand",
+            lambda: _held(autopar.plan(model, inputs, ib), model, inputs, eth),
+        ),
+    ]
+    if baseline:
+        candidates.append(
+            ("best Megatron-LM layout", lambda: autopar.layouts.best_megatron(model, inputs, eth))
+        )
+    rows: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, fn in candidates:
+            t0 = time.perf_counter()
+            rows[label] = fn()
+            print(_row(label, rows[label], time.perf_counter() - t0), flush=True)
+    best = rows["autopar, compression allowed"].predicted.step_time
+    for label, plan in rows.items():
+        print(f"  compression allowed vs {label}: {plan.predicted.step_time / best:.3f}×")
+
+
+def ethernet(models: list[str], baseline: bool) -> None:
+    eth = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=8, network="ethernet-400g")
+    ib = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=8)
+    print(f"cluster: {eth.describe()}")
+    for name in models:
+        _compare(name, eth, ib, baseline)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("converge")
+    c.add_argument("--steps", type=int, default=200)
+    c.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    e = sub.add_parser("ethernet")
+    e.add_argument("--models", nargs="+", default=["llama3-8b", "gpt3-1.3b"])
+    e.add_argument("--no-baseline", action="store_true", help="skip best_megatron (slow)")
+    args = p.parse_args()
+    if args.what == "converge":
+        converge(args.steps, args.ranks)
+    else:
+        ethernet(args.models, not args.no_baseline)
+
+
+if __name__ == "__main__":
+    main()
