@@ -355,7 +355,25 @@ def export(plan: Plan, engine: str) -> Export:
     """``plan`` as ``engine``'s configuration (``ENGINES``)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
-    return ENGINES[engine](plan)
+    out = ENGINES[engine](plan)
+    c = plan.compression
+    if c is None:
+        return out
+    if engine == "deepspeed" and c.method == "bf16":
+        d = json.loads(out.text)
+        d["communication_data_type"] = "bf16"
+        return dataclasses.replace(out, text=json.dumps(d, indent=2) + "\n")
+    hook = (
+        f"register_comm_hook(PowerSGDState(process_group=None, matrix_approximation_rank={c.rank}), powerSGD_hook)"
+        if c.method == "powersgd"
+        else "register_comm_hook(None, bf16_compress_hook)"
+    )
+    note = (
+        f"the plan compresses its data-parallel gradients ({c.describe()}), which {ENGINE_NAMES[engine]} does not: "
+        f"exported uncompressed, so the step is slower than predicted where the network is slow (PyTorch DDP "
+        f"runs it: {hook})"
+    )
+    return dataclasses.replace(out, notes=(*out.notes, note))
 
 
 # ------------------------------------------------------------------------------------ comparison

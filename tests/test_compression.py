@@ -4,6 +4,7 @@ prices it, the program that runs it and the search that chooses it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -115,6 +116,11 @@ def test_a_compressed_plan_prices_fewer_bytes_and_says_so():
     blocking = [r for r in psgd.reshards if r.blocking > 0]
     assert blocking and all(r.blocking == r.time for r in blocking)  # PowerSGD's rounds block
     assert "PowerSGD rank 4" in psgd.summary()
+    from autopar.export import export
+
+    assert "PowerSGD rank 4" in export(psgd, "megatron").notes[-1]  # Megatron-LM cannot run it
+    half = dataclasses.replace(psgd, compression=GradCompression(method="bf16"))
+    assert '"communication_data_type": "bf16"' in export(half, "deepspeed").text
     again = autopar.Plan.from_dict(psgd.to_dict())
     assert again.compression == psgd.compression
     bad = psgd.to_dict()
