@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from autopar.cost.compression import METHODS, GradCompression
 from autopar.cost.memory import OPTIMIZER_BYTES_PER_PARAM
+from autopar.grad_compression import METHODS, GradCompression
 from autopar.placement import parse_spec
 
 __all__ = ["PlanConfig", "stage_plan_budget"]

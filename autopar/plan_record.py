@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 from autopar.capture import Captured
-from autopar.cost.compression import GradCompression
+from autopar.grad_compression import GradCompression
 from autopar.cost.reshard_cost import (
     compressed_grad_sync,
     edge_cost,

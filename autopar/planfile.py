@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import autopar.display as display
-from autopar.cost.compression import GradCompression
+from autopar.grad_compression import GradCompression
 from autopar.placement import Spec, parse_spec
 
 __all__ = ["FusionPlan", "NodePlan", "PipelinePlan", "Plan", "Predicted", "ReshardPlan"]

@@ -27,7 +27,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.compression import powersgd_matrix
+from autopar.grad_compression import powersgd_matrix
 from autopar.graph import output_node
 from autopar.ir import COMPRESS_CAST, GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext

@@ -1,0 +1,85 @@
+"""The gradient compression a plan records: which method, its settings, and which gradients
+PowerSGD compresses.
+
+A data-level record (``Plan.compression``), read by the cost model (``autopar.cost.compression``,
+which defines the words and prices it), the rank-program pass that writes it into the program
+(``autopar.passes.compress``) and the plan file. ``powersgd_matrix`` is the one rule both the
+cost model and that pass apply, so the plan prices exactly the matrices the program compresses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["METHODS", "GradCompression", "powersgd_matrix"]
+
+METHODS = ("bf16", "powersgd")
+"""The compression methods (module docstring)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GradCompression:
+    """How the data-parallel gradient all-reduces are compressed (module docstring)."""
+
+    method: str
+    """``"bf16"`` or ``"powersgd"``."""
+    rank: int = 4
+    """PowerSGD's approximation rank ``r`` (Vogels et al. reach the uncompressed accuracy at 2–4
+    on their image and language models)."""
+    min_compression_rate: float = 2.0
+    """PowerSGD compresses a matrix only where it sends at least this many times fewer bytes."""
+    warmup_steps: int = 0
+    """Steps whose gradients are all-reduced exactly before PowerSGD starts (PyTorch's
+    ``start_powerSGD_iter``; Vogels et al. start from the first step). The predicted step is the
+    compressed one that follows."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"GradCompression: unknown method {self.method!r}; known: {', '.join(METHODS)}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(
+                f"GradCompression: rank must be a whole number ≥ 1 (PowerSGD sends (m + n) · rank values "
+                f"for an m × n gradient), got {self.rank!r}"
+            )
+        w = self.warmup_steps
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"GradCompression: warmup_steps must be a whole number ≥ 0, got {w!r}")
+        if not isinstance(self.min_compression_rate, (int, float)) or self.min_compression_rate < 1:
+            raise ValueError(
+                f"GradCompression: min_compression_rate must be ≥ 1 (a matrix is compressed where "
+                f"(m + n) · rank · rate < m · n), got {self.min_compression_rate!r}"
+            )
+
+    def describe(self) -> str:
+        return f"PowerSGD rank {self.rank}" if self.method == "powersgd" else "bf16 all-reduce"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "rank": self.rank,
+            "min_compression_rate": self.min_compression_rate,
+            "warmup_steps": self.warmup_steps,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GradCompression:
+        return cls(
+            method=d["method"],
+            rank=int(d.get("rank", 4)),
+            min_compression_rate=float(d.get("min_compression_rate", 2.0)),
+            warmup_steps=int(d.get("warmup_steps", 0)),
+        )
+
+
+def powersgd_matrix(shape: Sequence[int], c: GradCompression) -> tuple[int, int] | None:
+    """``(m, n)`` of the matrix PowerSGD compresses a gradient of ``shape`` as, or ``None`` where
+    it is sent as it is (a vector, or too small to gain ``min_compression_rate``)."""
+    if len(shape) < 2:
+        return None
+    m, n = int(shape[0]), math.prod(int(s) for s in shape[1:])
+    if (m + n) * c.rank * c.min_compression_rate >= m * n:
+        return None
+    return m, n
