@@ -12,7 +12,6 @@ import torch
 from torch.fx import Node
 
 from autopar.capture import Captured
-from autopar.grad_compression import GradCompression
 from autopar.cost.reshard_cost import (
     compressed_grad_sync,
     edge_cost,
@@ -20,6 +19,7 @@ from autopar.cost.reshard_cost import (
     grad_sync_bytes,
     step_cost,
 )
+from autopar.grad_compression import GradCompression
 from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.mesh import Mesh

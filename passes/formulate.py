@@ -37,8 +37,8 @@ from torch.fx import GraphModule, Node
 
 from autopar.capture import Captured
 from autopar.config import PlanConfig
-from autopar.grad_compression import GradCompression
 from autopar.cost.reshard_cost import compressed_grad_sync, edge_cost, grad_reduce_axes, kept_gather_bytes
+from autopar.grad_compression import GradCompression
 from autopar.graph import OpFamily, op_family, tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
