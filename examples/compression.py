@@ -1,7 +1,7 @@
 """Gradient compression as a plan choice: what it costs in learning, what it sends, what it gains.
 
     python examples/compression.py converge [--steps 200] [--ranks 2 4 8]
-    python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b] [--no-baseline]
+    python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b:128] [--no-baseline]
 
 * ``converge`` — a small GPT (2 layers, width 64) trained data parallel on 4 gloo processes for
   ``--steps`` AdamW steps on a stream of sequences from a fixed random bigram table (two
@@ -20,7 +20,8 @@
 
 Models (meta device, bf16): ``llama3-8b`` (``autopar.zoo``, 64 × 8192 tokens a step) and
 ``gpt3-1.3b`` (``autopar.models.GPT`` with GPT-3's 1.3B shape, Brown et al. 2020 Table 2.1: 24
-layers, width 2048, 16 heads; 512 × 2048 tokens, its published batch of 1M tokens).
+layers, width 2048, 16 heads; 512 × 2048 tokens, its published batch of 1M tokens); ``name:B``
+plans ``B`` sequences a step instead.
 """
 
 from __future__ import annotations
@@ -104,9 +105,13 @@ def converge(steps: int, ranks: list[int]) -> None:
 # ----------------------------------------------------------------------------------- ethernet
 
 
-def _workload(name: str) -> tuple[torch.nn.Module, Any]:
+def _workload(spec: str) -> tuple[torch.nn.Module, Any]:
+    """``name`` or ``name:batch`` (sequences a step; default the module docstring's)."""
+    name, _, b = spec.partition(":")
     if name == "llama3-8b":
-        w = autopar.zoo.load("llama3-8b", batch=64, seq=8192)
+        from autopar import zoo
+
+        w = zoo.load("llama3-8b", batch=int(b or 64), seq=8192)
         return w.model, w.example_inputs
     if name == "gpt3-1.3b":
         from autopar.models import GPT, GPTConfig
@@ -114,7 +119,7 @@ def _workload(name: str) -> tuple[torch.nn.Module, Any]:
         with torch.device("meta"):
             model = GPT(GPTConfig(n_layer=24, n_head=16, n_embd=2048, vocab_size=51200, block_size=2048))
             model = model.to(torch.bfloat16)
-        ids = torch.empty(512, 2048, dtype=torch.long, device="meta")
+        ids = torch.empty(int(b or 512), 2048, dtype=torch.long, device="meta")
         return model, (ids, ids.clone())
     raise SystemExit(f"unknown model {name!r}")
 
@@ -129,6 +134,9 @@ def _row(label: str, plan: Any, t: float) -> str:
         layout += f", recompute {plan.recompute}"
     if plan.compression is not None:
         layout += f", {plan.compression.describe()}"
+    tried = plan.info.get("compression_tried")
+    if tried:
+        layout += "; compression tried: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in tried.items())
     return (
         f"  {label:<34} {plan.predicted.step_time * 1e3:>9.1f} ms  compute+coll "
         f"{sim.get('compute_and_comm', 0) * 1e3:>7.1f}  exposed reduction {sim.get('exposed_grad_sync', 0) * 1e3:>7.1f}"

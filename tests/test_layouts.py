@@ -4,6 +4,7 @@ and LLaMA's nn.Linear, the (dp, tp) mesh, and the arithmetic in its errors."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.capture import capture
@@ -397,3 +398,26 @@ def test_megatron_context_parallel_without_tensor_parallel_or_distributed_optimi
     plan = autopar.layouts.megatron(model, inputs, a100x4, tp=1, cp=2, recompute="none")
     assert dict(zip(plan.mesh_axes, plan.mesh_shape)) == {"dp": 2, "cp": 2, "tp": 1}
     assert plan.predicted.step_time > 0
+
+
+@pytest.mark.timeout(300)
+def test_best_megatron_pipelines_past_the_shortest_that_fits_while_it_gets_faster():
+    """Rule 5: across two nodes joined by 100 Gb/s Ethernet a 2-layer GPT fits on one stage, but
+    its data-parallel gradient reduction crosses the slow link; two stages send only activations
+    and win, so an expert (and ``best_megatron``) pipelines though memory does not ask for it."""
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_head=8, n_embd=1024, vocab_size=8192, block_size=1024))
+        model = model.to(torch.bfloat16)
+    ids = torch.empty(8, 1024, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=1, nodes=2, network="ethernet-100g")
+    best = autopar.layouts.best_megatron(
+        model, (ids, ids.clone()), cluster, tp=1, recompute="none", sequence_parallel=False,
+        distributed_optimizer=False,
+    )  # fmt: skip
+    planned = [c for c in best.info["megatron_candidates"] if c.get("feasible")]
+    one = min(c["step_time"] for c in planned if c["pp"] == 1)
+    two = min(c["step_time"] for c in planned if c["pp"] == 2)
+    assert two < one and best.pipeline is not None and best.pipeline.pp == 2
+    assert best.predicted.step_time == pytest.approx(two, rel=1e-9)
