@@ -1,6 +1,6 @@
 """``compress_gradients``: the plan's gradient compression written into the rank program.
 
-A rank-program pass (``passes.overlap.RANK_PASSES``, after ``sink_waits``). Its words are
+A rank-program pass (``passes.overlap.RANK_PASSES``, the last). Its words are
 ``autopar.cost.compression``'s. It rewrites the *gradient all-reduces*: sum all-reduces in the
 backward whose waited result reaches only the program's outputs, through views and copies —
 data-parallel weight gradients and their buckets (``passes.overlap.bucket_gradients``), exactly
@@ -31,7 +31,7 @@ from autopar.grad_compression import powersgd_matrix
 from autopar.graph import output_node
 from autopar.ir import COMPRESS_CAST, GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
-from autopar.passes.overlap import _only_returned, is_issue, is_wait
+from autopar.passes.collective_nodes import is_issue, is_wait, only_returned
 from autopar.program.compression import PowerSGDReduce
 
 __all__ = ["compress_gradients", "gradient_all_reduces"]
@@ -52,7 +52,7 @@ def gradient_all_reduces(gm: GraphModule) -> list[tuple[Node, Node]]:
         if n.meta.get(PHASE) != Phase.BWD or len(n.users) != 1:
             continue
         (w,) = n.users
-        if is_wait(w) and _only_returned(w, out):
+        if is_wait(w) and only_returned(w, out):
             found.append((n, w))
     return found
 

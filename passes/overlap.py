@@ -22,6 +22,8 @@ per-rank compiler, ``passes.rank_compiler``, runs it after tracing the step):
 5. ``gather_into_buffers`` (``passes.gather_buffers``) — on gloo only, every all-gather writes
    into a buffer the program allocates (the functional op's ``out=`` form), the workaround for a
    heap fault of torch's gloo backend with several gathers in flight on one group.
+6. ``compress_gradients`` (``passes.compress``) — the plan's gradient compression written around
+   the gradient all-reduces (``Plan.compression``; nothing without one).
 
 Words: a collective is an *issue* node (``_c10d_functional.all_reduce`` …) and a *wait* node
 (``wait_tensor``); the issue starts the transfer and returns at once, the wait blocks until it is
@@ -37,12 +39,13 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.graph import OpFamily, op_family, op_info, outer_instance, output_node
+from autopar.graph import outer_instance, output_node
 from autopar.ir import GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
+from autopar.passes.collective_nodes import is_issue, is_wait, layout_only, only_returned
+from autopar.passes.compress import compress_gradients
 from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
-from autopar.program.records import FUNCTIONAL_COLLECTIVES
 
 __all__ = [
     "BUCKET_BYTES",
@@ -60,14 +63,6 @@ BUCKET_BYTES = 25 * 1024 * 1024
 
 aten = torch.ops.aten
 _fc = torch.ops._c10d_functional
-
-
-def is_issue(n: Node) -> bool:
-    return n.op == "call_function" and n.target in FUNCTIONAL_COLLECTIVES
-
-
-def is_wait(n: Node) -> bool:
-    return n.op == "call_function" and n.target is _fc.wait_tensor.default
 
 
 def _primal_sources(gm: GraphModule) -> dict[Node, frozenset[Node]]:
@@ -139,17 +134,6 @@ def regather_zero3_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
 # ------------------------------------------------------------------------------------------ 2
 
 
-def _only_returned(n: Node, out: Node) -> bool:
-    """True when ``n``'s value reaches nothing but the output (through views)."""
-    for u in n.users:
-        if u is out:
-            continue
-        if _layout_only(u) and _only_returned(u, out):
-            continue
-        return False
-    return True
-
-
 def _fake_of(n: Node) -> torch.Tensor:
     return n.meta["val"]
 
@@ -165,7 +149,7 @@ def bucket_gradients(gm: GraphModule, ctx: PassContext, bucket_bytes: int = BUCK
         if n.meta.get(PHASE) != Phase.BWD or len(n.users) != 1:
             continue
         (w,) = n.users
-        if not is_wait(w) or not _only_returned(w, out):
+        if not is_wait(w) or not only_returned(w, out):
             continue
         val = _fake_of(n.args[0])
         groups.setdefault((n.args[2], val.dtype, val.device), []).append((n, w))
@@ -322,12 +306,6 @@ def prefetch_params(gm: GraphModule, ctx: PassContext) -> GraphModule:
 # ------------------------------------------------------------------------------------------ 4
 
 
-def _layout_only(n: Node) -> bool:
-    """Ops that only view, copy or rearrange their input (the op table's view family and
-    identity-like ops)."""
-    return n.op == "call_function" and (op_family(n) is OpFamily.VIEW or op_info(n).identity_like)
-
-
 def _returned_tail(w: Node, out: Node) -> set[Node] | None:
     """The nodes between ``w`` and the output when ``w``'s value is only returned, through
     layout-only ops each reading nothing but the tail (else None)."""
@@ -338,7 +316,7 @@ def _returned_tail(w: Node, out: Node) -> set[Node] | None:
         for u in n.users:
             if u is out:
                 continue
-            if not _layout_only(u):
+            if not layout_only(u):
                 return None
             if any(i is not w and i not in tail and i is not n for i in u.all_input_nodes):
                 return None
@@ -393,5 +371,6 @@ RANK_PASSES = (
     prefetch_params,
     sink_waits,
     gather_into_buffers,
+    compress_gradients,
 )
 """The rank-program passes, in order (data: ``PlanConfig.disable`` turns any off by name)."""

@@ -22,8 +22,8 @@ and its time; at INFO its time — and timed in ``PassContext.timings``.
    Python), one warning says why and no step is built: the forward program runs under autograd.
 6. the rank-program passes over each joint program (``passes.overlap.RANK_PASSES``):
    ``recompute_layers`` (``passes.recompute``), ``regather_zero3_params``, ``bucket_gradients``,
-   ``prefetch_params``, ``sink_waits``, ``gather_into_buffers`` (``passes.gather_buffers``), then
-   ``compress_gradients``: the plan's gradient compression (``passes.compress``).
+   ``prefetch_params``, ``sink_waits``, ``gather_into_buffers`` (``passes.gather_buffers``),
+   ``compress_gradients`` (``passes.compress``).
 7. ``split_step`` (required) — each joint program split into the programs the runtime runs: the
    step's forward and backward (``StepProgram``), or a stage's forward, input-gradient and
    weight-gradient programs (``StageStep``).
@@ -62,7 +62,6 @@ from torch.fx import GraphModule
 from autopar.ir import RANK, PrimalInfo, RankInfo
 from autopar.passes import PassContext
 from autopar.passes.compile import compile_agreed
-from autopar.passes.compress import compress_gradients
 from autopar.passes.fusion import fuse_kernels, kernels_run
 from autopar.passes.joint import JointProgram, step_program, trace_joint
 from autopar.passes.lower import lower
@@ -444,7 +443,6 @@ RANK_COMPILER: tuple[RankPass, ...] = (
     RankPass("fuse_kernels", fuse_kernels, "program"),
     RankPass("trace_joint", trace_step, "record", required=True),
     *(RankPass(p.__name__, p, "program") for p in RANK_PASSES),
-    RankPass("compress_gradients", compress_gradients, "program"),
     RankPass("split_step", split_step, "record", required=True),
     RankPass("compile", compile_step, "record"),
 )

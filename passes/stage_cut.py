@@ -320,7 +320,7 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
       matching sum of the earlier micro-batches' unreduced values before it is all-reduced.
 
     ``(None, bwd_w, 0)`` when nothing is deferred."""
-    from autopar.passes.overlap import _only_returned, is_issue, is_wait
+    from autopar.passes.collective_nodes import is_issue, is_wait, only_returned
     from autopar.program.compression import PowerSGDReduce
 
     def deferrable(g: Graph) -> list[Node]:
@@ -334,12 +334,12 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
                 and n.args[1] == "sum"
                 and len(n.users) == 1
                 and is_wait(next(iter(n.users)))
-                and _only_returned(next(iter(n.users)), out)
+                and only_returned(next(iter(n.users)), out)
             )
             or (
                 n.op == "call_module"
                 and isinstance(g.owning_module.get_submodule(n.target), PowerSGDReduce)
-                and _only_returned(n, out)
+                and only_returned(n, out)
             )
         ]
 
