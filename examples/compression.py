@@ -43,28 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 # ----------------------------------------------------------------------------------- converge
 
 
-def _converge_worker(rank: int, world: int, plans: dict[str, Any], steps: int) -> dict[str, Any]:
-    from test_compression import _bigram_batches, _CollectiveBytes, _gpt
-
-    out = {}
-    data = _bigram_batches(steps, seed=1)
-    for name, plan in plans.items():
-        pm = autopar.parallelize(_gpt(), autopar.Cluster.local(world), data[0], plan=plan)
-        opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
-        counted = 0
-        for x, y in data:
-            with _CollectiveBytes() as c:
-                loss = pm(x, y)
-                opt.zero_grad()
-                loss.backward()
-            opt.step()
-            counted = c.bytes
-        out[name] = {"bytes": counted, "state": pm.full_state_dict() if rank == 0 else None}
-    return out
-
-
 def converge(steps: int, ranks: list[int]) -> None:
-    from test_compression import _bigram_batches, _gpt
+    from test_compression import _bigram_batches, _gpt, _train
 
     from autopar.runtime.launch import spawn
 
@@ -79,7 +59,7 @@ def converge(steps: int, ranks: list[int]) -> None:
             k: autopar.layouts.megatron(model, data[0], cluster, tp=1, **kw) for k, kw in variants.items()
         }
     t0 = time.perf_counter()
-    out = spawn(_converge_worker, 4, plans, steps, timeout=3600)[0]
+    out = spawn(_train, 4, plans, steps, timeout=3600)[0]
     held_out = _bigram_batches(8, seed=99)
 
     def evaluate(state: dict[str, torch.Tensor]) -> float:
@@ -96,9 +76,10 @@ def converge(steps: int, ranks: list[int]) -> None:
     for name, run in out.items():
         loss = evaluate(run["state"])
         predicted = plans[name].predicted.comm_bytes_per_axis[0]
+        sent = run["bytes"][-1]
         print(
-            f"{name:<18} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {run['bytes']:>15,} "
-            f"{predicted:>10,.0f} {run['bytes'] / predicted:>6.3f}"
+            f"{name:<18} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {sent:>15,} "
+            f"{predicted:>10,.0f} {sent / predicted:>6.3f}"
         )
 
 

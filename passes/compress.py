@@ -28,33 +28,17 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.grad_compression import powersgd_matrix
-from autopar.graph import output_node
 from autopar.ir import COMPRESS_CAST, GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
-from autopar.passes.collective_nodes import is_issue, is_wait, only_returned
+from autopar.passes.collective_nodes import gradient_all_reduces
 from autopar.program.compression import PowerSGDReduce
 
-__all__ = ["compress_gradients", "gradient_all_reduces"]
+__all__ = ["compress_gradients"]
 
 log = logging.getLogger("autopar.passes")
 
 _fc = torch.ops._c10d_functional
 aten = torch.ops.aten
-
-
-def gradient_all_reduces(gm: GraphModule) -> list[tuple[Node, Node]]:
-    """``(issue, wait)`` of each gradient all-reduce (module docstring) in ``gm``."""
-    out = output_node(gm)
-    found = []
-    for n in gm.graph.nodes:
-        if not (is_issue(n) and n.target is _fc.all_reduce.default and n.args[1] == "sum"):
-            continue
-        if n.meta.get(PHASE) != Phase.BWD or len(n.users) != 1:
-            continue
-        (w,) = n.users
-        if is_wait(w) and only_returned(w, out):
-            found.append((n, w))
-    return found
 
 
 def _members(issue: Node) -> list[tuple[int, ...]]:

@@ -42,7 +42,12 @@ from torch.fx import GraphModule, Node
 from autopar.graph import outer_instance, output_node
 from autopar.ir import GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
-from autopar.passes.collective_nodes import is_issue, is_wait, layout_only, only_returned
+from autopar.passes.collective_nodes import (
+    gradient_all_reduces,
+    is_issue,
+    is_wait,
+    layout_only,
+)
 from autopar.passes.compress import compress_gradients
 from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
@@ -140,17 +145,9 @@ def _fake_of(n: Node) -> torch.Tensor:
 
 def bucket_gradients(gm: GraphModule, ctx: PassContext, bucket_bytes: int = BUCKET_BYTES) -> GraphModule:
     """Merge gradient all-reduces into buckets (see module docstring, 2)."""
-    out = output_node(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict[tuple, list[tuple[Node, Node]]] = {}
-    for n in gm.graph.nodes:
-        if not (is_issue(n) and n.target is _fc.all_reduce.default and n.args[1] == "sum"):
-            continue
-        if n.meta.get(PHASE) != Phase.BWD or len(n.users) != 1:
-            continue
-        (w,) = n.users
-        if not is_wait(w) or not only_returned(w, out):
-            continue
+    for n, w in gradient_all_reduces(gm):
         val = _fake_of(n.args[0])
         groups.setdefault((n.args[2], val.dtype, val.device), []).append((n, w))
     made = merged = 0
@@ -221,7 +218,7 @@ def _make_bucket(gm: GraphModule, bucket: list[tuple[Node, Node]]) -> None:
 
 
 def _after(n: Node) -> None:
-    """Move the views that carry ``n`` to the output (``_only_returned``) after it: a gradient's
+    """Move the views that carry ``n`` to the output (``only_returned``) after it: a gradient's
     all-reduce read through a view (an expert weight's ``transpose``) may have had them before
     the bucket's wait."""
     out = output_node(n.graph.owning_module)
