@@ -290,6 +290,22 @@ def test_parser_options_reach_the_plan_config():
         and config.fixed == {"lm_head.weight": ("S(0)", "R")}
         and config.time_limit == 5
     )
+    assert not config.allow_compression and config.compression is None
+
+
+def test_network_racks_and_compression_options_reach_the_cluster_and_the_config():
+    from autopar.commands.loading import build_cluster, plan_config
+
+    args = build_parser().parse_args(
+        ["plan", "gpt2", "--nodes", "4", "--network", "ethernet-400g", "--nodes-per-rack", "2",
+         "--spine-oversubscription", "3", "--allow-compression", "--compression", "bf16"]
+    )  # fmt: skip
+    assert args.nodes == [4]
+    args.nodes = 4  # one of the counts, as ``autopar plan`` builds each cluster
+    cluster, config = build_cluster(args), plan_config(args)
+    assert cluster.nics == 1 and cluster.inter_node.name == "Ethernet-400G"
+    assert cluster.nodes_per_rack == 2 and cluster.spine_oversubscription == 3
+    assert config.allow_compression and config.compression == "bf16"
 
 
 @pytest.mark.distributed
