@@ -189,9 +189,9 @@ def compressed(search: PipelineSearch) -> None:
     layers = _layer_ordinals(plan, repeated_layers(cap.gm.graph))
     stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
     tried = {"none": best.step_time}
+    sub = stage_cluster(search.cluster, pp)
+    assert sub is not None
     for method in compression_methods(plan):
-        sub = stage_cluster(search.cluster, pp)
-        assert sub is not None
         score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
         c_stage = stage.replace(
             recompute=plan.recompute, recompute_layers=layers, compression=method, allow_compression=False

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def converge(steps: int, ranks: list[int]) -> None:
-    from test_compression import _bigram_batches, _gpt, _train
+    from test_compression import _bigram_batches, _gpt, _train, held_out_loss
 
     from autopar.runtime.launch import spawn
 
@@ -60,21 +60,13 @@ def converge(steps: int, ranks: list[int]) -> None:
         }
     t0 = time.perf_counter()
     out = spawn(_train, 4, plans, steps, timeout=3600)[0]
-    held_out = _bigram_batches(8, seed=99)
-
-    def evaluate(state: dict[str, torch.Tensor]) -> float:
-        m = _gpt()
-        m.load_state_dict(state)
-        with torch.no_grad():
-            return sum(m(x, y).item() for x, y in held_out) / len(held_out)
-
     print(f"4 gloo processes, {steps} AdamW steps ({time.perf_counter() - t0:.0f} s)")
     print(
         f"{'reduction':<18} {'held-out loss':>13} {'vs exact':>9} {'bytes measured':>15} {'predicted':>10} {'ratio':>6}"
     )
-    exact = evaluate(out["exact"]["state"])
+    exact = held_out_loss(out["exact"]["state"])
     for name, run in out.items():
-        loss = evaluate(run["state"])
+        loss = held_out_loss(run["state"])
         predicted = plans[name].predicted.comm_bytes_per_axis[0]
         sent = run["bytes"][-1]
         print(

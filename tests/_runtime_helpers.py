@@ -182,6 +182,22 @@ def train(module: nn.Module, inputs: Any, opt: torch.optim.Optimizer, steps: int
     return losses
 
 
+def train_worker(
+    rank: int, world: int, plan: Any, optimizer: str = "adamw", kind: str = "gpt"
+) -> dict[str, Any]:
+    """A spawned rank's run under ``plan``: ``kind``'s model trained ``STEPS`` steps with
+    ``optimizer`` on ``world`` local processes; its losses and the full final state."""
+    import warnings
+
+    import autopar
+
+    warnings.simplefilter("ignore")
+    model, inputs = build(kind)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    losses = train(pm, inputs, make_optimizer(optimizer, pm.parameters()))
+    return {"losses": losses, "state": pm.full_state_dict()}
+
+
 def reference(kind: str, optimizer: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final ``state_dict`` of one process training the full model."""
     model, inputs = build(kind)

@@ -205,6 +205,14 @@ def _gpt() -> torch.nn.Module:
     return GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB))
 
 
+def held_out_loss(state: dict[str, torch.Tensor]) -> float:
+    """Mean loss of ``_gpt()`` with weights ``state`` on 8 held-out batches of the bigram stream."""
+    m = _gpt()
+    m.load_state_dict(state)
+    with torch.no_grad():
+        return sum(m(x, y).item() for x, y in _bigram_batches(8, seed=99)) / 8
+
+
 def powersgd_modules(pm: Any) -> list[Any]:
     from autopar.program.compression import PowerSGDReduce
 
@@ -276,15 +284,7 @@ def test_compressed_training_on_four_processes_learns_and_sends_the_predicted_by
     steps = 60
     out = spawn(_train, 4, plans, steps, timeout=540)[0]
     exact, half, psgd = out["exact"], out["bf16"], out["powersgd"]
-    held_out = _bigram_batches(8, seed=99)
-
-    def evaluate(state: dict[str, torch.Tensor]) -> float:
-        m = _gpt()
-        m.load_state_dict(state)
-        with torch.no_grad():
-            return sum(m(x, y).item() for x, y in held_out) / len(held_out)
-
-    e_exact, e_half, e_psgd = evaluate(exact["state"]), evaluate(half["state"]), evaluate(psgd["state"])
+    e_exact, e_half, e_psgd = (held_out_loss(r["state"]) for r in (exact, half, psgd))
     assert e_exact < 1.5  # it learned: from ln 64 = 4.16 towards ln 2 = 0.69
     assert abs(e_half - e_exact) < 0.01 * e_exact, (e_half, e_exact)
     assert e_psgd < min(2.0, 1.5 * e_exact), (e_psgd, e_exact)

@@ -5,8 +5,6 @@ like one process."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 import autopar
@@ -31,28 +29,16 @@ def test_hsdp_shards_inside_groups_and_replicates_across_them():
         autopar.layouts.fsdp(model, inputs, autopar.Cluster.local(4), replicate=3)
 
 
-def _worker(rank: int, world: int, plan: Any) -> dict[str, Any]:
-    import warnings
-
-    from _runtime_helpers import build, make_optimizer, train
-
-    warnings.simplefilter("ignore")
-    model, inputs = build("gpt")
-    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
-    losses = train(pm, inputs, make_optimizer("sgd", pm.parameters()))
-    return {"losses": losses, "state": pm.full_state_dict()}
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_hsdp_on_two_groups_of_two_trains_like_one_process():
-    from _runtime_helpers import build, compare_training, reference
+    from _runtime_helpers import build, compare_training, reference, train_worker
 
     from autopar.runtime.launch import spawn
 
     model, inputs = build("gpt")
     plan = autopar.layouts.fsdp(model, inputs, autopar.Cluster.local(4), replicate=2)
-    out = spawn(_worker, 4, plan)
+    out = spawn(train_worker, 4, plan, "sgd")
     ref = reference("gpt", "sgd")
     for r, got in enumerate(out):
         problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"hsdp rank {r}")

@@ -4,8 +4,6 @@ share one gradient synchronization (``passes.zero_stages``), costed once a step
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 import autopar
@@ -49,25 +47,13 @@ def test_each_weight_strategy_carries_its_share_of_the_optimizer_step():
     assert len({round(s.compute_time, 12) for s in strategies}) == 2  # replicated and sharded differ
 
 
-def _worker(rank: int, world: int, plan: Any) -> dict[str, Any]:
-    import warnings
-
-    from _runtime_helpers import build, make_optimizer, train
-
-    warnings.simplefilter("ignore")
-    model, inputs = build("gpt")
-    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
-    losses = train(pm, inputs, make_optimizer("adamw", pm.parameters()))
-    return {"losses": losses, "state": pm.full_state_dict()}
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_zero1_parameters_under_accumulation_train_like_one_process():
     """2 micro-batches accumulated on 2 gloo processes, the weights stored sharded at ZeRO stage 1
     (whole gradients accumulated, reduce-scattered once a step): 3 AdamW steps give one process's
     losses and final state."""
-    from _runtime_helpers import build, compare_training, make_optimizer, sharded_specs, train
+    from _runtime_helpers import build, compare_training, make_optimizer, sharded_specs, train, train_worker
 
     from autopar.runtime.launch import spawn
 
@@ -80,7 +66,7 @@ def test_zero1_parameters_under_accumulation_train_like_one_process():
     assert plan.pipeline is not None and plan.pipeline.microbatches == 2
     stages = set(plan.zero_stages().values())
     assert 1 in stages, f"the solver keeps whole gradients once a step under accumulation: {stages}"
-    result = spawn(_worker, 2, plan, timeout=280)[0]
+    result = spawn(train_worker, 2, plan, timeout=280)[0]
     ref = train(model, inputs, make_optimizer("adamw", model.parameters()))
     ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     problems = compare_training((ref, ref_state), (result["losses"], result["state"]), "adamw", "zero1 m=2")
