@@ -249,7 +249,16 @@ def model_flops(plan: Plan, by_name: dict[str, NodePlan]) -> float:
 
 
 def peak_flops(plan: Plan) -> float:
-    peaks = ((plan.cluster or {}).get("device") or {}).get("peak_flops") or {}
+    """One device's dense peak in the plan's dtype; on a mixed cluster (``Cluster.node_groups``)
+    the mean over its devices, so that ``devices × peak`` is their sum."""
+    cluster = plan.cluster or {}
+    groups = cluster.get("node_groups") or [{"device": cluster.get("device") or {}, "nodes": 1}]
+    total = sum(g["nodes"] for g in groups)
+    return sum(_device_peak(g["device"], plan) * g["nodes"] for g in groups) / total
+
+
+def _device_peak(device: dict, plan: Plan) -> float:
+    peaks = device.get("peak_flops") or {}
     if int(plan.info.get("param_bytes", 4)) == 2:
         return float(peaks.get("bfloat16", peaks.get("float32", 0.0)))
     # float32: the fastest rate it may run at (TF32 tensor cores where the device has them)

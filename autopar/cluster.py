@@ -1,11 +1,18 @@
 """The cluster: devices, nodes and the links between them, as a validated dataclass.
 
-A ``Cluster`` is ``nodes`` machines of ``gpus_per_node`` identical devices. Devices inside a node
+A ``Cluster`` is ``nodes`` machines of ``gpus_per_node`` devices each. Devices inside a node
 talk over ``intra_node`` (NVLink), devices on different nodes over ``inter_node`` (InfiniBand,
 bandwidth per device), and, where the nodes sit in racks of ``nodes_per_rack`` under a spine
 oversubscribed ``spine_oversubscription``:1, groups that span racks at that fraction of it. A device mesh laid over the cluster is row-major with its last axis
 innermost, so an axis whose devices all sit in one node uses NVLink; ``Cluster.axis_link`` says
 which link an axis of a given mesh uses.
+
+A **mixed** cluster (``Cluster.mixed``) has ``node_groups``: consecutive nodes of different device
+kinds (four A100 nodes, then four H100 nodes), each group with its own NVLink. Ranks that work in
+lockstep (one SPMD program, every rank waiting at each collective) run at the pace of the slowest
+of them, so the cluster's own ``device`` and ``intra_node`` are the **floor**: the slowest group's
+device (by large-matmul throughput) with the smallest memory of any group, and the slowest NVLink.
+What runs apart — a pipeline rank, its own group of devices (``Cluster.part``) — runs on its own.
 
 Presets carry the vendors' published figures (dense tensor-core peaks, HBM bandwidth, NVLink
 per-direction bandwidth, one InfiniBand HCA per GPU as in DGX systems). ``Cluster.local`` describes
@@ -35,7 +42,59 @@ from autopar.devices import (
     link_to_dict,
 )
 
-__all__ = ["PROFILE_VERSION", "Cluster", "load_profile", "mesh_arithmetic"]
+__all__ = ["PROFILE_VERSION", "Cluster", "NodeGroup", "load_profile", "mesh_arithmetic"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeGroup:
+    """Consecutive nodes of one device kind in a mixed cluster (``Cluster.node_groups``)."""
+
+    device: DeviceSpec
+    nodes: int
+    intra_node: Link
+    """The group's link between devices of one node (its NVLink generation)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "nodes",
+            check_count("NodeGroup", "nodes", self.nodes, fix="give the group's number of machines"),
+        )
+        for what, v, cls in (("device", self.device, DeviceSpec), ("intra_node", self.intra_node, Link)):
+            if not isinstance(v, cls):
+                raise ValueError(f"NodeGroup: {what} must be a {cls.__name__}, got {type(v).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device.to_dict(),
+            "nodes": self.nodes,
+            "intra_node": link_to_dict(self.intra_node),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeGroup:
+        return cls(
+            device=DeviceSpec.from_dict(d["device"]),
+            nodes=d["nodes"],
+            intra_node=link_from_dict(d["intra_node"]),
+        )
+
+
+def _matmul_rate(d: DeviceSpec) -> float:
+    """A device's large bf16 matmul throughput (what orders device kinds by speed)."""
+    return d.flops_for("bfloat16") * d.compute_efficiency
+
+
+def floor_device(devices: list[DeviceSpec]) -> DeviceSpec:
+    """The device a rank of any of ``devices`` is held to in lockstep (module docstring: floor):
+    the slowest by large-matmul throughput, with the smallest memory of them."""
+    slow = min(devices, key=_matmul_rate)
+    memory = min(d.memory for d in devices)
+    if len({d.name for d in devices}) == 1:
+        return replace(slow, memory=memory)
+    return replace(
+        slow, memory=memory, name=f"{slow.name} (floor of {'+'.join(dict.fromkeys(d.name for d in devices))})"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +128,11 @@ class Cluster:
     compute sharing them — so the simulator charges a gradient reduction on the compute's time."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form provenance (e.g. how a local profile was measured)."""
+    node_groups: tuple[NodeGroup, ...] = ()
+    """Where nodes differ (module docstring: mixed): consecutive groups of nodes in rank order,
+    each of one device kind; their node counts add up to ``nodes``. Empty: every node is
+    ``device``. Where given, ``device`` and ``intra_node`` are the floor (``Cluster.mixed`` sets
+    them)."""
 
     def __post_init__(self) -> None:
         # A count given as a whole float (8.0, from a JSON file) is taken as the int it is.
@@ -131,10 +195,126 @@ class Cluster:
         ):
             if not isinstance(v, cls):
                 raise ValueError(f"Cluster: {what} must be a {cls.__name__}, got {type(v).__name__}")
+        groups = tuple(self.node_groups)
+        object.__setattr__(self, "node_groups", groups)
+        if groups:
+            if not all(isinstance(g, NodeGroup) for g in groups):
+                raise ValueError("Cluster: node_groups must be NodeGroup records (Cluster.mixed builds them)")
+            held = sum(g.nodes for g in groups)
+            if held != self.nodes:
+                raise ValueError(
+                    f"Cluster: node_groups hold {' + '.join(str(g.nodes) for g in groups)} = {held} nodes but the "
+                    f"cluster has nodes={self.nodes}; give every node to exactly one group"
+                )
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def mixed_kinds(self) -> bool:
+        """Whether the nodes are of more than one device kind (``node_groups``)."""
+        return len({g.device.name for g in self.node_groups}) > 1
+
+    def group_of_rank(self, rank: int) -> NodeGroup:
+        """The node group holding global rank ``rank`` (ranks are node-major)."""
+        node = rank // self.gpus_per_node
+        for g in self.node_groups or (
+            NodeGroup(device=self.device, nodes=self.nodes, intra_node=self.intra_node),
+        ):
+            if node < g.nodes:
+                return g
+            node -= g.nodes
+        raise ValueError(f"rank {rank} is outside the cluster's {self.world_size} devices")
+
+    def part(self, first: int, count: int) -> Cluster:
+        """The ``count`` devices from global rank ``first`` on as a uniform cluster of their own:
+        one node of ``count`` devices when they fit in one, else whole nodes; their device kind
+        (the floor where they span groups: module docstring). ``ValueError`` when they do not
+        cut the nodes evenly."""
+        gpn = self.gpus_per_node
+        if count <= gpn:
+            if gpn % count or first // gpn != (first + count - 1) // gpn:
+                raise ValueError(f"devices {first}…{first + count - 1} do not lie within one node of {gpn}")
+            shape = {"gpus_per_node": count, "nodes": 1}
+        else:
+            if count % gpn or first % gpn:
+                raise ValueError(f"devices {first}…{first + count - 1} are not whole nodes of {gpn}")
+            shape = {"nodes": count // gpn}
+        if not self.node_groups:
+            return replace(self, **shape)
+        groups: list[NodeGroup] = []
+        for r in range(first, first + count, min(count, gpn)):
+            g = self.group_of_rank(r)
+            if not any(g is h for h in groups):
+                groups.append(g)
+        device = floor_device([g.device for g in groups])
+        intra = min((g.intra_node for g in groups), key=lambda link: link.bandwidth)
+        return replace(self, **shape, device=device, intra_node=intra, node_groups=())
+
+    def uniform(self, device: str | DeviceSpec | None = None) -> Cluster:
+        """This cluster as if every node were ``device`` (a preset's name, a ``DeviceSpec``; default
+        the floor ``device``), with that preset's NVLink where a preset is named."""
+        if device is None:
+            return replace(self, node_groups=())
+        if isinstance(device, str):
+            if device not in PRESETS:
+                raise ValueError(
+                    f"unknown device preset {device!r}; known presets: {', '.join(sorted(PRESETS))}"
+                )
+            pre = PRESETS[device]
+            return replace(self, device=pre.device, intra_node=pre.intra_node, node_groups=())
+        return replace(self, device=device, node_groups=())
+
+    @classmethod
+    def mixed(
+        cls,
+        groups: list[tuple[str, int]] | tuple[tuple[str, int], ...],
+        gpus_per_node: int = 8,
+        *,
+        network: str | None = None,
+        nics_per_node: int | None = None,
+        nodes_per_rack: int | None = None,
+        spine_oversubscription: float = 1.0,
+    ) -> Cluster:
+        """Nodes of several device presets in one job: ``groups`` = ``[(preset, nodes), …]`` in rank
+        order (``[("A100-80GB", 4), ("H100-SXM", 4)]``), ``gpus_per_node`` devices a node. Between
+        nodes: ``network`` (``Cluster.preset``'s), else the slowest preset's InfiniBand, one NIC per
+        GPU. ``device`` and ``intra_node`` are the floor (module docstring)."""
+        if not groups:
+            raise ValueError("Cluster.mixed needs at least one (preset, nodes) group")
+        made = []
+        for item in groups:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"Cluster.mixed: each group is (preset name, nodes), got {item!r}")
+            name, n = item
+            if name not in PRESETS:
+                raise ValueError(
+                    f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+                )
+            pre = PRESETS[name]
+            made.append(NodeGroup(device=pre.device, nodes=n, intra_node=pre.intra_node))
+        inter = min((PRESETS[name].inter_node for name, _ in groups), key=lambda link: link.bandwidth)
+        if network is not None:
+            if network not in NETWORKS:
+                raise ValueError(
+                    f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}"
+                )
+            link, nics = NETWORKS[network]
+            if network != "infiniband":
+                inter = link
+                nics_per_node = nics_per_node if nics_per_node is not None else nics
+        return cls(
+            device=floor_device([g.device for g in made]),
+            gpus_per_node=gpus_per_node,
+            nodes=sum(g.nodes for g in made),
+            intra_node=min((g.intra_node for g in made), key=lambda link: link.bandwidth),
+            inter_node=inter,
+            nics_per_node=nics_per_node,
+            nodes_per_rack=nodes_per_rack,
+            spine_oversubscription=spine_oversubscription,
+            node_groups=tuple(made),
+        )
 
     @property
     def nics(self) -> int:
@@ -344,6 +524,12 @@ class Cluster:
 
     def describe(self) -> str:
         d = self.device
+        if self.node_groups:
+            kinds = " + ".join(f"{g.nodes} × {self.gpus_per_node} {g.device.name}" for g in self.node_groups)
+            return (
+                f"{kinds} nodes (in lockstep: {d.name}, {d.memory / GiB:.0f} GiB; "
+                f"{self.nics} × {self.inter_node.name} {self.inter_node.bandwidth / GB:.1f} GB/s per node)"
+            )
         if self.backend == "gloo":
             return (
                 f"{self.world_size} local processes ({d.flops_for('float32') / 1e9:.0f} GFLOP/s fp32 each, "
@@ -374,6 +560,7 @@ class Cluster:
             "spine_oversubscription": self.spine_oversubscription,
             "backend": self.backend,
             "overlap_comm": self.overlap_comm,
+            **({"node_groups": [g.to_dict() for g in self.node_groups]} if self.node_groups else {}),
         }
 
     @classmethod
@@ -389,6 +576,7 @@ class Cluster:
             spine_oversubscription=d.get("spine_oversubscription", 1.0),
             backend=d.get("backend", "nccl"),
             overlap_comm=d.get("overlap_comm", True),
+            node_groups=tuple(NodeGroup.from_dict(g) for g in d.get("node_groups", ())),
         )
 
 

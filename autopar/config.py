@@ -93,6 +93,10 @@ class PlanConfig:
     """Pipeline schedule (``autopar.schedule.SCHEDULES``); ``None``: searched."""
     virtual: int | None = None
     """Stages per pipeline rank (the interleaved schedule's ``v``); ``None``: searched (1 or 2)."""
+    stage_of: Mapping[str, int] = field(default_factory=dict)
+    """Hold this pipeline cut: captured node name → stage, a pipelined plan's
+    ``PipelinePlan.stage_of`` (the same model, inputs, ``pp``, ``virtual`` and micro-batch count),
+    e.g. to play a plan's layout on another cluster; empty: the planner cuts."""
     mixed_precision: bool | None = None
     """Count an fp32 master weight per parameter (ZeRO's 16 bytes per parameter); ``None``:
     detected from the parameters' dtype (bf16/fp16 parameters mean mixed precision)."""
@@ -316,6 +320,10 @@ class PlanConfig:
                 fail(f"state_split[{name!r}] must be mesh axis indices (integers >= 0), got {axes!r}")
             split[name] = tuple(axes)
         object.__setattr__(self, "state_split", split)
+        cut = dict(self.stage_of or {})
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in cut.values()):
+            fail("stage_of maps captured node names to stage numbers ≥ 0 (a plan's PipelinePlan.stage_of)")
+        object.__setattr__(self, "stage_of", cut)
         object.__setattr__(self, "disable", tuple(self.disable))
         if self.kernels is not None:
             from autopar.ir import FusionKind

@@ -392,6 +392,7 @@ def plan_summary(plan: PlanRecord) -> str:
             f"({', '.join(str(counts[s]) for s in range(pipe.num_stages))} ops), {pipe.microbatches} micro-batches, "
             f"schedule {pipe.schedule}{f' (v={pipe.virtual})' if pipe.virtual > 1 else ''}; peak memory per rank "
             + ", ".join(fmt_bytes(b) for b in pipe.peak_memory)
+            + pipeline_devices(plan)
         )
     if plan.recompute != "none":
         lines.append(f"  recomputation: {plan.recompute} ({recomputed_where(plan)})")
@@ -584,6 +585,19 @@ def graph_table(gm: torch.fx.GraphModule, max_rows: int | None = None, title: st
 def param_count(nodes: Iterable[NodeRecord]) -> int:
     """Elements of the plan's parameters (each counted once)."""
     return sum(math.prod(n.shape) for n in nodes if n.kind == "param")
+
+
+def pipeline_devices(plan: Any) -> str:
+    """``"; ranks on A100-80GB, H100-SXM"``: each pipeline rank's device kind where the plan's
+    cluster mixes kinds (``Cluster.node_groups``), else ``""``."""
+    groups = (plan.cluster or {}).get("node_groups")
+    if not groups or plan.pipeline is None or len({g["device"]["name"] for g in groups}) < 2:
+        return ""
+    from autopar.cluster import Cluster
+
+    cluster = Cluster.from_dict(plan.cluster)
+    n = cluster.world_size // plan.pipeline.pp
+    return "; ranks on " + ", ".join(cluster.part(r * n, n).device.name for r in range(plan.pipeline.pp))
 
 
 def compression_text(plan: Any) -> str:

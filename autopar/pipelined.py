@@ -2,6 +2,13 @@
 micro-batch graph into stages and the schedules played over them (``pipelined_candidates``),
 each scored by the simulated step (``Scored``). ``autopar.search`` drives which pipeline sizes
 and micro-batch counts are planned; the words are its module docstring's.
+
+On a mixed cluster (``autopar.cluster``: node groups of different device kinds) the stage plan
+is made once, on the floor device, and each pipeline rank then runs it on its own devices: a
+node's compute takes its kernels' time there (``device_time_ratios``: the same kernels timed on
+both devices, ``autopar.cost.compute``), its in-op collectives and activation reshards scale with
+the rank's NVLink, and the cut balances each stage's time on its own rank — a faster group gets
+more layers. Each rank's memory budget is its own device's.
 """
 
 from __future__ import annotations
@@ -15,22 +22,27 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
+from autopar.cost.compute import kernel_time
 from autopar.cost.timeline import play
+from autopar.devices import DeviceSpec
 from autopar.display import fmt_bytes
+from autopar.passes.annotate import node_kernels
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
-from autopar.simulate import graph_facts, optimizer_time, stage_costs
+from autopar.simulate import graph_facts, optimizer_time, pipeline_rank_cluster, stage_costs
 
-__all__ = ["Player", "Scored", "pipelined_candidates", "stage_cluster"]
+__all__ = ["Player", "Scored", "device_time_ratios", "pipelined_candidates", "stage_cluster"]
 
 log = logging.getLogger("autopar.planner")
 
 
-def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
+def stage_cluster(cluster: Cluster, pp: int, rank: int | None = None) -> Cluster | None:
     """The devices of one pipeline rank (module docstring: stage mesh); ``None`` when ``pp`` does
-    not divide the cluster into equal stages."""
+    not divide the cluster into equal stages. ``rank``: pipeline rank ``rank``'s own devices (the
+    ``world / pp`` ranks from ``rank · world / pp`` on, ``Cluster.part``); ``None``: any rank's,
+    the floor of a mixed cluster (``autopar.cluster``), on which the stage plan is made."""
     world = cluster.world_size
     if world % pp:
         return None
@@ -38,10 +50,31 @@ def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
     if n <= cluster.gpus_per_node:
         if cluster.gpus_per_node % n:
             return None
-        return replace(cluster, gpus_per_node=n, nodes=1)
-    if n % cluster.gpus_per_node or cluster.nodes % pp:
+    elif n % cluster.gpus_per_node or cluster.nodes % pp:
         return None
-    return replace(cluster, nodes=cluster.nodes // pp)
+    if rank is not None:
+        return cluster.part(rank * n, n)
+    if n <= cluster.gpus_per_node:
+        return replace(cluster, gpus_per_node=n, nodes=1, node_groups=())
+    return replace(cluster, nodes=cluster.nodes // pp, node_groups=())
+
+
+def device_time_ratios(gm: Any, ref: DeviceSpec, dev: DeviceSpec, tf32: bool = False) -> dict[str, float]:
+    """Per compute node of ``gm``: its kernels' time on ``dev`` ÷ their time on ``ref`` (module
+    docstring), forward and backward, at the graph's global shapes — a matmul goes as the two
+    devices' matmul throughputs, an elementwise op as their memory bandwidths. The ratio, not the
+    time, is taken from global shapes: a shard's kernels have the same kind and nearly the same
+    efficiency."""
+    out: dict[str, float] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        ks = node_kernels(n, tf32=tf32)
+        kernels = [*ks.fwd, *ks.bwd]
+        t_ref = sum(kernel_time(k, ref) for k in kernels)
+        if t_ref > 0:
+            out[n.name] = sum(kernel_time(k, dev) for k in kernels) / t_ref
+    return out
 
 
 @dataclass
@@ -61,17 +94,38 @@ def pipelined_candidates(
     budget: float,
     by_layers: bool = False,
     why: list[str] | None = None,
+    cuts: dict[str, int] | None = None,
 ) -> list[Scored]:
     """Every schedule for one ``(pp, m)`` around the stage plan ``spmd`` (module docstring).
     ``by_layers``: cut at equal layer counts as Megatron-LM does (``passes.stages.layer_cuts``)
-    instead of balancing the stages' cost. ``why``: where given, each schedule that gives no
-    candidate appends its reason (the cut's error, or the peak memory against the budget)."""
+    instead of balancing the stages' cost; ``cuts``: this cut, held (a plan's
+    ``PipelinePlan.stage_of``, played on another cluster). ``why``: where given, each schedule
+    that gives no candidate appends its reason (the cut's error, or the peak memory against the
+    budget). ``budget``: one floor device's (a mixed cluster's ranks each get theirs)."""
     why = why if why is not None else []
+    cuts = cuts if cuts is not None else (dict(config.stage_of) or None)
     facts = graph_facts(gm)
     by_name = {n.name: n for n in spmd.nodes}
     vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     mesh = tuple(spmd.mesh_shape)
     link = cluster.axis_link((pp, *mesh), 0)
+    # Each pipeline rank's devices (module docstring: mixed cluster) against the stage plan's.
+    floor = stage_cluster(cluster, pp) or cluster
+    own = [pipeline_rank_cluster(cluster, pp, r) for r in range(pp)]
+    budgets = [budget + c.device.memory - floor.device.memory for c in own]
+    ratios: list[dict[str, float] | None] = [
+        None
+        if c.device == floor.device
+        else device_time_ratios(gm, floor.device, c.device, config.matmul_tf32)
+        for c in own
+    ]
+    link_factor = [floor.intra_node.bandwidth / c.intra_node.bandwidth for c in own]
+    mixed = any(r is not None for r in ratios) or any(f != 1 for f in link_factor)
+
+    def scale(name: str, s: int) -> tuple[float, float]:
+        r = stage_rank(s, pp)
+        ratio = ratios[r]
+        return (ratio.get(name, 1.0) if ratio is not None else 1.0), link_factor[r]
 
     reshard_time: dict[str, float] = {}
     for r in spmd.distinct_reshards():  # charged where they are consumed, as ``stage_costs`` charges them
@@ -81,6 +135,18 @@ def pipelined_candidates(
     def node_time(n: Any) -> float:
         p = by_name.get(n.name)
         return p.compute_time + p.comm_time + reshard_time.get(n.name, 0.0) if p is not None else 0.0
+
+    def stage_time(n: Any, s: int) -> float:
+        """``node_time`` on stage ``s``'s pipeline rank."""
+        p = by_name.get(n.name)
+        if p is None:
+            return 0.0
+        c, m = scale(n.name, s)
+        return p.compute_time * c + (p.comm_time + reshard_time.get(n.name, 0.0)) * m
+
+    def over(tl: Any) -> bool:
+        """Some pipeline rank peaks over its budget."""
+        return any(peak > budgets[r] for r, peak in enumerate(tl.peak_memory))
 
     def local_bytes(name: str) -> float:
         p, v = by_name.get(name), vals.get(name)
@@ -121,6 +187,7 @@ def pipelined_candidates(
             trainable_matmul=facts.trainable_matmul,
             boundary_bytes=boundary,
             send_time=lambda b: link.latency + b / link.bandwidth,
+            scale=scale if mixed else None,
         )
         return costs, play(actions, costs, overlap=cluster.overlap_comm)
 
@@ -145,7 +212,7 @@ def pipelined_candidates(
             shares = [[1 / v] * v, [held[k] / on_rank[stage_rank(k, pp)] for k in range(S)]]
         best = (stage_of, costs, tl)
         for share in shares:
-            caps = [budget * share[k // pp if len(share) == v else k] for k in range(S)]
+            caps = [budgets[stage_rank(k, pp)] * share[k // pp if len(share) == v else k] for k in range(S)]
 
             def fits(k: int, static: float, act: float, caps: list[float] = caps) -> bool:
                 if k == 0:
@@ -153,16 +220,31 @@ def pipelined_candidates(
                 return static + flight[k] * act <= caps[k]
 
             try:
-                cut = stage_cuts(gm, S, node_time, node_memory=node_memory, fits=fits)
+                cut = stage_cuts(
+                    gm,
+                    S,
+                    node_time,
+                    node_memory=node_memory,
+                    fits=fits,
+                    stage_time=stage_time if mixed else None,
+                )
             except ValueError:
                 continue
             c, t = play_cut(cut, S, actions)
-            if max(t.peak_memory) <= budget and (
-                max(best[2].peak_memory) > budget or t.step_time < best[2].step_time
-            ):
+            if not over(t) and (over(best[2]) or t.step_time < best[2].step_time):
                 best = (cut, c, t)
         return best
 
+    if cuts is not None:  # a user's cut: wrong is an error, not a candidate that does not fit
+        missing = [n for n in compute if n not in cuts]
+        stages = pp * (config.virtual or 1)
+        if missing or set(cuts.values()) != set(range(stages)):
+            raise ValueError(
+                f"the held cut (PlanConfig.stage_of) does not cut this graph into {stages} stages: "
+                f"{len(missing)} of its {len(compute)} compute nodes have no stage (e.g. {missing[:3]}), "
+                f"stages {sorted(set(cuts.values()))}; give the stage_of of a plan of the same model, "
+                "inputs, pp, virtual and micro-batch count"
+            )
     n_seams = len(seams(gm))
     if config.schedule:
         schedules = [config.schedule]
@@ -185,22 +267,27 @@ def pipelined_candidates(
             S = pp * v
             try:
                 actions = make_schedule(schedule, pp, m, v)
-                stage_of = layer_cuts(gm, S) if by_layers else stage_cuts(gm, S, node_time)
+                if cuts is not None:
+                    stage_of = dict(cuts)
+                elif by_layers:
+                    stage_of = layer_cuts(gm, S)
+                else:
+                    stage_of = stage_cuts(gm, S, node_time, stage_time=stage_time if mixed else None)
             except ValueError as e:
                 why.append(f"{label}: {e}")
                 continue
             costs, tl = play_cut(stage_of, S, actions)
-            if max(tl.peak_memory) > budget and not by_layers:
+            if over(tl) and not by_layers and cuts is None:
                 stage_of, costs, tl = fit_cut(stage_of, costs, tl, S, actions)
             peak = max(tl.peak_memory)
-            if peak > budget:
+            if over(tl):
                 log.info(
                     "%s: peak memory %.2f GiB over the budget %.2f GiB", label, peak / 2**30, budget / 2**30
                 )
-                rank = max(range(len(tl.peak_memory)), key=lambda r: tl.peak_memory[r])
+                rank = max(range(len(tl.peak_memory)), key=lambda r: tl.peak_memory[r] - budgets[r])
                 why.append(
-                    f"{label}: pipeline rank {rank} peaks at {fmt_bytes(peak)}, over the memory budget of "
-                    f"{fmt_bytes(budget)} per device"
+                    f"{label}: pipeline rank {rank} peaks at {fmt_bytes(tl.peak_memory[rank])}, over the memory "
+                    f"budget of {fmt_bytes(budgets[rank])} per device"
                 )
                 continue
             pipe = PipelinePlan(
@@ -219,7 +306,7 @@ def pipelined_candidates(
             p = replace(spmd, pipeline=pipe, info=dict(spmd.info))
             p.info["memory_budget"] = budget  # one device's, not the stage plan's pp × budget
             p.info["memory_reserve"] = max(0.0, cluster.device.memory - budget)
-            opt = max(optimizer_time(p, cluster, range(r, S, pp)) for r in range(pp))
+            opt = max(optimizer_time(p, own[r], range(r, S, pp)) for r in range(pp))
             step = tl.step_time + opt
             p.predicted = replace(spmd.predicted, step_time=step, memory_per_device=peak)
             p.info["simulated"] = {

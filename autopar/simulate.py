@@ -39,7 +39,15 @@ from autopar.placement import local_shape, parse_spec
 from autopar.planfile import NodePlan, Plan
 from autopar.schedule import make_schedule
 
-__all__ = ["GraphFacts", "StepSimulation", "graph_facts", "simulate", "simulate_captured", "stage_costs"]
+__all__ = [
+    "GraphFacts",
+    "StepSimulation",
+    "graph_facts",
+    "pipeline_rank_cluster",
+    "simulate",
+    "simulate_captured",
+    "stage_costs",
+]
 
 
 @dataclass
@@ -91,9 +99,15 @@ class StepSimulation:
         return "\n".join(lines)
 
 
-def _node_split(n: NodePlan, fwd_share: Callable[[str], float] | None, trainable_matmul: set[str]) -> tuple:
-    """(F, B, W) seconds of one node's compute + in-op communication (module docstring)."""
-    total = n.compute_time + n.comm_time
+def _node_split(
+    n: NodePlan,
+    fwd_share: Callable[[str], float] | None,
+    trainable_matmul: set[str],
+    factors: tuple[float, float] = (1.0, 1.0),
+) -> tuple:
+    """(F, B, W) seconds of one node's compute + in-op communication (module docstring), each
+    scaled by ``factors`` (``stage_costs``' ``scale``)."""
+    total = n.compute_time * factors[0] + n.comm_time * factors[1]
     f = fwd_share(n.name) if fwd_share is not None else None
     f = 1 / 3 if f is None else f
     bwd = total * (1 - f)
@@ -111,13 +125,19 @@ def stage_costs(
     trainable_matmul: Sequence[str] = (),
     boundary_bytes: Sequence[float] = (),
     send_time: Callable[[float], float] | None = None,
+    scale: Callable[[str, int], tuple[float, float]] | None = None,
 ) -> list[StageCost]:
     """Per stage, the costs of one micro-batch under ``plan`` (its nodes and reshards, made for one
     micro-batch on one stage's mesh). ``stage_of``: captured node -> stage (all in stage 0 when
     ``None``); ``first_reader``: a parameter or input node -> the node reading it first (its
     stage holds it); ``fwd_share``: a node's forward share of its time; ``trainable_matmul``: the
     matmuls computing a trainable weight's gradient; ``boundary_bytes[s]``: the bytes stage ``s``
-    sends on; ``send_time``: seconds to send that many bytes to the next pipeline rank."""
+    sends on; ``send_time``: seconds to send that many bytes to the next pipeline rank;
+    ``scale(node, s)``: the factors ``(compute, communication)`` by which a node's times on stage
+    ``s``'s devices differ from the plan's (a mixed cluster's pipeline ranks, ``autopar.pipelined``):
+    its compute and in-op collectives, and the activation reshards it consumes; a weight's
+    gradient reduction and ZeRO gathers keep the plan's (the network they cross is shared)."""
+    one = (1.0, 1.0)
     stage_of = stage_of or {}
     first_reader = first_reader or {}
     tm = set(trainable_matmul)
@@ -146,7 +166,7 @@ def stage_costs(
             static[s] += n.memory
             continue
         act[s] += n.memory
-        nf, nb, nw = _node_split(n, fwd_share, tm)
+        nf, nb, nw = _node_split(n, fwd_share, tm, scale(n.name, s) if scale is not None else one)
         f[s] += nf
         b[s] += nb
         w[s] += nw
@@ -173,10 +193,11 @@ def stage_costs(
                     mb_sync[s] += r.time / 2
             chunks[s] += 1
         elif r.grad_sync_axes:  # an activation's gradient (Megatron-LM's f): inside the backward
-            b[s] += r.time
+            b[s] += r.time * (scale(r.consumer, s)[1] if scale is not None else 1.0)
         else:
-            f[s] += r.time / 3
-            b[s] += 2 * r.time / 3
+            t = r.time * (scale(r.consumer, s)[1] if scale is not None else 1.0)
+            f[s] += t / 3
+            b[s] += 2 * t / 3
     out = []
     for s in range(num_stages):
         nbytes = boundary_bytes[s] if s < len(boundary_bytes) else 0.0
@@ -223,6 +244,15 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
     return optimizer_step_time(numel, tensors, pbytes, cluster.device, plan_settings(opt, pbytes))
 
 
+def pipeline_rank_cluster(cluster: Cluster, pp: int, rank: int) -> Cluster:
+    """Pipeline rank ``rank``'s own devices (the ``world / pp`` ranks from ``rank · world / pp``
+    on, ``Cluster.part``), or ``cluster`` where its nodes are all of one kind."""
+    if not cluster.mixed_kinds:
+        return cluster
+    n = cluster.world_size // pp
+    return cluster.part(rank * n, n)
+
+
 def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
     """Play ``plan``'s training step (module docstring); ``cluster``: the plan's own by default."""
     cluster = cluster or Cluster.from_dict(plan.cluster)
@@ -234,7 +264,10 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
         return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
     stages = [StageCost(**d) for d in p.stage_costs]
     tl = play(p.actions(), stages, overlap=cluster.overlap_comm)
-    opt = max(optimizer_time(plan, cluster, range(r, p.num_stages, p.pp)) for r in range(p.pp))
+    opt = max(
+        optimizer_time(plan, pipeline_rank_cluster(cluster, p.pp, r), range(r, p.num_stages, p.pp))
+        for r in range(p.pp)
+    )
     return StepSimulation(
         tl, opt, p.schedule + (f" (v={p.virtual})" if p.virtual > 1 else ""), p.microbatches
     )

@@ -1,12 +1,13 @@
 """Gradient compression as a plan choice: what it costs in learning, what it sends, what it gains.
 
-    python examples/compression.py converge [--steps 200] [--ranks 2 4 8]
+    python examples/compression.py converge [--steps 200] [--ranks 2 4 8] [--warmup 0 20]
     python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b:128] [--no-baseline]
 
 * ``converge`` — a small GPT (2 layers, width 64) trained data parallel on 4 gloo processes for
   ``--steps`` AdamW steps on a stream of sequences from a fixed random bigram table (two
   successors per token: at best ``ln 2`` nats a token), once reducing its gradients exactly, once
-  in bf16 and once with PowerSGD at each ``--ranks``; then each final model's loss on held-out
+  in bf16 and once with PowerSGD at each ``--ranks`` and each ``--warmup`` (steps reduced exactly
+  before PowerSGD starts, PyTorch's ``start_powerSGD_iter``); then each final model's loss on held-out
   sequences, against the exact run's, and the bytes one rank's collectives carried in the last
   step (counted as they are issued) against the plan's prediction.
 * ``ethernet`` — each model's shape planned for 8 nodes × 8 H100 joined by one 400 Gb/s Ethernet
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 # ----------------------------------------------------------------------------------- converge
 
 
-def converge(steps: int, ranks: list[int]) -> None:
+def converge(steps: int, ranks: list[int], warmups: list[int]) -> None:
     from test_compression import _bigram_batches, _gpt, _train, held_out_loss
 
     from autopar.runtime.launch import spawn
@@ -52,7 +53,9 @@ def converge(steps: int, ranks: list[int]) -> None:
     cluster = autopar.Cluster.local(4)
     variants: dict[str, dict[str, Any]] = {"exact": {}, "bf16": {"compression": "bf16"}}
     for r in ranks:
-        variants[f"powersgd rank {r}"] = {"compression": "powersgd", "compression_rank": r}
+        for w in warmups:
+            name = f"powersgd rank {r}" + (f", warmup {w}" if w else "")
+            variants[name] = {"compression": "powersgd", "compression_rank": r, "compression_warmup": w}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plans = {
@@ -62,7 +65,7 @@ def converge(steps: int, ranks: list[int]) -> None:
     out = spawn(_train, 4, plans, steps, timeout=3600)[0]
     print(f"4 gloo processes, {steps} AdamW steps ({time.perf_counter() - t0:.0f} s)")
     print(
-        f"{'reduction':<18} {'held-out loss':>13} {'vs exact':>9} {'bytes measured':>15} {'predicted':>10} {'ratio':>6}"
+        f"{'reduction':<28} {'held-out loss':>13} {'vs exact':>9} {'bytes measured':>15} {'predicted':>10} {'ratio':>6}"
     )
     exact = held_out_loss(out["exact"]["state"])
     for name, run in out.items():
@@ -70,7 +73,7 @@ def converge(steps: int, ranks: list[int]) -> None:
         predicted = plans[name].predicted.comm_bytes_per_axis[0]
         sent = run["bytes"][-1]
         print(
-            f"{name:<18} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {sent:>15,} "
+            f"{name:<28} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {sent:>15,} "
             f"{predicted:>10,.0f} {sent / predicted:>6.3f}"
         )
 
@@ -175,12 +178,13 @@ def main() -> None:
     c = sub.add_parser("converge")
     c.add_argument("--steps", type=int, default=200)
     c.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    c.add_argument("--warmup", type=int, nargs="+", default=[0])
     e = sub.add_parser("ethernet")
     e.add_argument("--models", nargs="+", default=["llama3-8b", "gpt3-1.3b"])
     e.add_argument("--no-baseline", action="store_true", help="skip best_megatron (slow)")
     args = p.parse_args()
     if args.what == "converge":
-        converge(args.steps, args.ranks)
+        converge(args.steps, args.ranks, args.warmup)
     else:
         ethernet(args.models, not args.no_baseline)
 

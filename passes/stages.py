@@ -166,6 +166,7 @@ def stage_cuts(
     *,
     node_memory: Callable[[Node], tuple[float, float]] | None = None,
     fits: Callable[[int, float, float], bool] | None = None,
+    stage_time: Callable[[Node, int], float] | None = None,
 ) -> dict[str, int]:
     """Captured node name -> stage ``0 … num_stages − 1`` for every compute node, cut at seams and
     balanced (module docstring). Raises ``ValueError`` when the graph has fewer seams than cuts.
@@ -174,7 +175,11 @@ def stage_cuts(
     ``fits(k, static, activation)`` given the sums of ``node_memory(n) = (static bytes, activation
     bytes)`` over the stage's nodes (the memory-constrained linear partition); ``ValueError`` when
     no cut at the seams fits. ``fits`` is asked about many stages at once: ``static`` and
-    ``activation`` are numpy arrays, and it answers elementwise (arithmetic and comparisons)."""
+    ``activation`` are numpy arrays, and it answers elementwise (arithmetic and comparisons).
+
+    ``stage_time(n, k)``: a node's time where stage ``k`` runs, where stages run on devices of
+    different speeds (a mixed cluster's pipeline ranks, ``autopar.pipelined``); the partition then
+    balances each stage's time on its own devices. Default ``node_time`` on every stage."""
     nodes = _compute_nodes(gm)
     if num_stages == 1:
         return {n.name: 0 for n in nodes}
@@ -187,7 +192,10 @@ def stage_cuts(
     cand = seams(gm, slack)
     if len(cand) < num_stages - 1 and slack < 0.05:  # too few exact seams: allow 5 % more bytes
         cand = seams(gm, 0.05)
-    times = np.array([t(n) for n in nodes], dtype=float)
+    if stage_time is not None:
+        times = np.array([[stage_time(n, k) for n in nodes] for k in range(num_stages)], dtype=float)
+    else:
+        times = np.tile(np.array([t(n) for n in nodes], dtype=float), (num_stages, 1))
     mem = np.array([node_memory(n) for n in nodes], dtype=float).reshape(-1, 2) if node_memory else None
     held = np.array([_reads_param(n) for n in nodes], dtype=float)
     part = _Partition(times, mem, held, fits, num_stages)
@@ -223,7 +231,7 @@ def stage_cuts(
 class _Partition:
     """The linear partition of the compute nodes into ``S`` contiguous stages ending at candidate
     positions, minimising the largest stage's time, every stage reading a parameter and, with
-    ``fits``, fitting its memory (``stage_cuts``)."""
+    ``fits``, fitting its memory (``stage_cuts``). ``times[k]``: each node's time on stage ``k``."""
 
     def __init__(
         self,
@@ -235,20 +243,23 @@ class _Partition:
     ) -> None:
         self.times, self.mem, self.fits, self.S = times, mem, fits, S
         self.held_prefix = np.concatenate(([0.0], np.cumsum(held)))
-        self.time_prefix = np.concatenate(([0.0], np.cumsum(times)))
+        self.time_prefix = np.concatenate((np.zeros((S, 1)), np.cumsum(times, axis=1)), axis=1)
         self.why = ""
         """Why the last ``cut`` found none: ``"seams"``, ``"params"`` or ``"memory"``."""
 
     def stage_times(self, cuts: list[int]) -> list[float]:
-        edges = [0, *cuts, len(self.times)]
-        return [float(self.time_prefix[b] - self.time_prefix[a]) for a, b in itertools.pairwise(edges)]
+        edges = [0, *cuts, self.times.shape[1]]
+        return [
+            float(self.time_prefix[k][b] - self.time_prefix[k][a])
+            for k, (a, b) in enumerate(itertools.pairwise(edges))
+        ]
 
     def largest(self, cuts: list[int]) -> float:
         return max(self.stage_times(cuts))
 
     def idle(self, cuts: list[int]) -> bool:
         """A stage reads no parameter, or has under ``IDLE_SHARE`` of the mean stage's time."""
-        edges = [0, *cuts, len(self.times)]
+        edges = [0, *cuts, self.times.shape[1]]
         if any(self.held_prefix[b] == self.held_prefix[a] for a, b in itertools.pairwise(edges)):
             return True
         per = self.stage_times(cuts)
@@ -258,7 +269,7 @@ class _Partition:
     def most_stages(self, cand: list[int]) -> int:
         """The most stages that each read a parameter, cut at ``cand`` (greedy: cut as early as
         the stage so far reads one and the rest still does)."""
-        n, hp = len(self.times), self.held_prefix
+        n, hp = self.times.shape[1], self.held_prefix
         start, stages = 0, 1
         for c in cand:
             if hp[c + 1] > hp[start] and hp[n] > hp[c + 1]:
@@ -267,12 +278,12 @@ class _Partition:
 
     def cut(self, cand: list[int]) -> list[int] | None:
         """The cut positions (stage ``k + 1`` starts at ``cuts[k]``), or ``None`` (``why`` set)."""
-        S, n = self.S, len(self.times)
+        S, n = self.S, self.times.shape[1]
         if len(cand) < S - 1:
             self.why = "seams"
             return None
         ends = np.array([c + 1 for c in cand] + [n])  # a stage ending after node c: nodes[:c + 1]
-        prefix = self.time_prefix[ends]
+        prefix = self.time_prefix[:, ends]  # prefix[k][j]: nodes[:ends[j]]'s time on stage k
         hp = self.held_prefix[ends]
         mem = self.mem
         if mem is not None:
@@ -298,19 +309,19 @@ class _Partition:
         inf = float("inf")
         best = np.full((S - 1, J), inf)
         back = np.full((S - 1, J), -1)
-        best[0] = np.where(ok(0, None, slice(0, J)), prefix[:J], inf)
+        best[0] = np.where(ok(0, None, slice(0, J)), prefix[0][:J], inf)
         params_only = np.full((S - 1, J), False)  # the same recursion with the parameter rule alone
         params_only[0] = ok_params(None, slice(0, J))
         for k in range(1, S - 1):
             for j in range(1, J):
-                v = np.maximum(best[k - 1][:j], prefix[j] - prefix[:j])
+                v = np.maximum(best[k - 1][:j], prefix[k][j] - prefix[k][:j])
                 v = np.where(ok(k, slice(0, j), j), v, inf)
                 i = int(np.argmin(v))  # the first minimum, as a loop over i would keep it
                 if v[i] < inf:
                     best[k][j], back[k][j] = v[i], i
                 params_only[k][j] = bool(np.any(params_only[k - 1][:j] & ok_params(slice(0, j), j)))
         last = S - 2
-        tail = np.maximum(best[last], prefix[J] - prefix[:J])
+        tail = np.maximum(best[last], prefix[S - 1][J] - prefix[S - 1][:J])
         tail[ends[:J] >= ends[J]] = inf
         tail = np.where(ok(S - 1, slice(0, J), J), tail, inf)
         j = int(np.argmin(tail))

@@ -26,13 +26,31 @@ def build_workload(args: argparse.Namespace, model: str, *, devices: int, device
 
 
 def build_cluster(args: argparse.Namespace, name: str | None = None) -> Any:
-    """The cluster ``--cluster`` (or ``name``), ``--nodes`` and ``--gpus-per-node`` name."""
+    """The cluster ``--cluster`` (or ``name``), ``--nodes`` and ``--gpus-per-node`` name; a mixed
+    cluster's ``--cluster`` names its groups and their nodes (``A100-80GB:4,H100-SXM:4``)."""
     from autopar.cluster import Cluster
 
     name = name if name is not None else args.cluster
     n = args.nodes * args.gpus_per_node
     if name == "local":
         return Cluster.local(n)
+    if ":" in name and not name.endswith(".json") and os.sep not in name:  # a mixed cluster
+        groups = []
+        for part in name.split(","):
+            preset, _, count = part.partition(":")
+            if not count.strip().isdigit() or int(count) < 1:
+                raise ValueError(
+                    f"--cluster {name!r}: a mixed cluster is PRESET:NODES,PRESET:NODES (e.g. "
+                    f"A100-80GB:4,H100-SXM:4), got {part!r}"
+                )
+            groups.append((preset.strip(), int(count)))
+        return Cluster.mixed(
+            groups,
+            gpus_per_node=args.gpus_per_node,
+            network=getattr(args, "network", None),
+            nodes_per_rack=getattr(args, "nodes_per_rack", None),
+            spine_oversubscription=getattr(args, "spine_oversubscription", 1.0),
+        )
     if name.endswith(".json") or os.sep in name:
         path = Path(name)
         if not path.exists():

@@ -144,8 +144,9 @@ def cluster_args(
     takes a comma-separated list of node counts (``node_counts``)."""
     g = p.add_argument_group("cluster")
     g.add_argument("--cluster", default=default,
-                   help=f"device preset (autopar models --clusters), 'local' (processes here) or a profile JSON "
-                        f"from autopar calibrate (default {default})")  # fmt: skip
+                   help=f"device preset (autopar models --clusters), 'local' (processes here), a profile JSON "
+                        f"from autopar calibrate, or a mixed cluster's node groups, PRESET:NODES,... "
+                        f"(A100-80GB:4,H100-SXM:4; --nodes is then theirs) (default {default})")  # fmt: skip
     if several_nodes:
         g.add_argument("--nodes", type=node_counts, default=[1],
                        help="nodes, or several counts to plan the workload on each, e.g. 4,8,16 (default 1)")  # fmt: skip
