@@ -258,11 +258,7 @@ class Cluster:
         if device is None:
             return replace(self, node_groups=())
         if isinstance(device, str):
-            if device not in PRESETS:
-                raise ValueError(
-                    f"unknown device preset {device!r}; known presets: {', '.join(sorted(PRESETS))}"
-                )
-            pre = PRESETS[device]
+            pre = _preset(device)
             return replace(self, device=pre.device, intra_node=pre.intra_node, node_groups=())
         return replace(self, device=device, node_groups=())
 
@@ -288,22 +284,10 @@ class Cluster:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise ValueError(f"Cluster.mixed: each group is (preset name, nodes), got {item!r}")
             name, n = item
-            if name not in PRESETS:
-                raise ValueError(
-                    f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
-                )
-            pre = PRESETS[name]
+            pre = _preset(name)
             made.append(NodeGroup(device=pre.device, nodes=n, intra_node=pre.intra_node))
-        inter = min((PRESETS[name].inter_node for name, _ in groups), key=lambda link: link.bandwidth)
-        if network is not None:
-            if network not in NETWORKS:
-                raise ValueError(
-                    f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}"
-                )
-            link, nics = NETWORKS[network]
-            if network != "infiniband":
-                inter = link
-                nics_per_node = nics_per_node if nics_per_node is not None else nics
+        slowest = min((PRESETS[name].inter_node for name, _ in groups), key=lambda link: link.bandwidth)
+        inter, nics_per_node = _network(network, slowest, nics_per_node)
         return cls(
             device=floor_device([g.device for g in made]),
             gpus_per_node=gpus_per_node,
@@ -345,18 +329,8 @@ class Cluster:
         measured device figures replace the preset's (the datasheet peaks stay unless measured),
         its measured links replace the preset's links.
         """
-        if name not in PRESETS:
-            raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-        fields_ = PRESETS[name]._asdict()
-        if network is not None:
-            if network not in NETWORKS:
-                raise ValueError(
-                    f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}"
-                )
-            link, nics = NETWORKS[network]
-            if network != "infiniband":
-                fields_["inter_node"] = link
-                nics_per_node = nics_per_node if nics_per_node is not None else nics
+        fields_ = _preset(name)._asdict()
+        fields_["inter_node"], nics_per_node = _network(network, fields_["inter_node"], nics_per_node)
         cl = cls(
             **fields_,
             gpus_per_node=gpus_per_node,
@@ -624,3 +598,23 @@ def mesh_arithmetic(mesh_shape: tuple[int, ...]) -> str:
     if len(mesh_shape) == 1:
         return f"({mesh_shape[0]},) = {total} devices"
     return " × ".join(str(n) for n in mesh_shape) + f" = {total}"
+
+
+def _preset(name: str) -> Any:
+    """``PRESETS[name]``, or the error naming the known presets."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def _network(network: str | None, inter: Link, nics_per_node: int | None) -> tuple[Link, int | None]:
+    """The NIC and NICs per node between nodes: ``network``'s (``NETWORKS``) in place of the
+    preset's ``inter`` (one per GPU) where one is named; ``nics_per_node`` given wins."""
+    if network is None:
+        return inter, nics_per_node
+    if network not in NETWORKS:
+        raise ValueError(f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}")
+    link, nics = NETWORKS[network]
+    if network == "infiniband":
+        return inter, nics_per_node
+    return link, nics_per_node if nics_per_node is not None else nics

@@ -16,7 +16,7 @@
   gradient compression), autopar's plan with exact gradients, autopar's plan with compression
   allowed (``allow_compression=True``), and autopar's plan made for the same nodes on InfiniBand
   (one NIC per GPU) as if the network were uniform, run on Ethernet: its layout (mesh, every
-  weight's placement, pipeline, micro-batches, recomputation) held and re-planned there. Each with
+  weight's placement, pipeline cut, micro-batches, recomputation) held and played there. Each with
   its simulated step: compute and collectives, exposed gradient reduction, optimizer.
 
 Models (meta device, bf16): ``llama3-8b`` (``autopar.zoo``, 64 × 8192 tokens a step) and
@@ -120,8 +120,9 @@ def _row(label: str, plan: Any, t: float) -> str:
     )
 
 
-def _held(plan: Any, model: Any, inputs: Any, cluster: Any) -> Any:
-    """``plan``'s layout re-planned on ``cluster`` (module docstring: as if uniform)."""
+def held(plan: Any, model: Any, inputs: Any, cluster: Any) -> Any:
+    """``plan``'s whole layout (mesh, every weight's placement, pipeline cut, micro-batches,
+    schedule, recomputation) played on ``cluster``."""
     pipe = plan.pipeline
     fixed = {k: tuple(v) for k, v in plan.params.items()}
     kw: dict[str, Any] = {
@@ -132,8 +133,21 @@ def _held(plan: Any, model: Any, inputs: Any, cluster: Any) -> Any:
         "microbatches": pipe.microbatches if pipe is not None else 1,
     }
     if pipe is not None:
-        kw.update(schedule=pipe.schedule, virtual=pipe.virtual)
+        kw.update(schedule=pipe.schedule, virtual=pipe.virtual, stage_of=dict(pipe.stage_of))
     return autopar.plan(model, inputs, cluster, **kw)
+
+
+def planned(candidates: list[tuple[str, Any]], row: Any) -> dict[str, Any]:
+    """Each ``(label, make plan)`` planned, warnings silenced, its ``row(label, plan, seconds)``
+    printed as it comes."""
+    rows: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, fn in candidates:
+            t0 = time.perf_counter()
+            rows[label] = fn()
+            print(row(label, rows[label], time.perf_counter() - t0), flush=True)
+    return rows
 
 
 def _compare(name: str, eth: Any, ib: Any, baseline: bool) -> None:
@@ -145,20 +159,14 @@ def _compare(name: str, eth: Any, ib: Any, baseline: bool) -> None:
         ("autopar, compression allowed", lambda: autopar.plan(model, inputs, eth, allow_compression=True)),
         (
             "autopar planned for InfiniBand",
-            lambda: _held(autopar.plan(model, inputs, ib), model, inputs, eth),
+            lambda: held(autopar.plan(model, inputs, ib), model, inputs, eth),
         ),
     ]
     if baseline:
         candidates.append(
             ("best Megatron-LM layout", lambda: autopar.layouts.best_megatron(model, inputs, eth))
         )
-    rows: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for label, fn in candidates:
-            t0 = time.perf_counter()
-            rows[label] = fn()
-            print(_row(label, rows[label], time.perf_counter() - t0), flush=True)
+    rows = planned(candidates, _row)
     best = rows["autopar, compression allowed"].predicted.step_time
     for label, plan in rows.items():
         print(f"  compression allowed vs {label}: {plan.predicted.step_time / best:.3f}×")

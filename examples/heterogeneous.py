@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ import autopar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compression import _workload
+from compression import _workload, held, planned  # the same model shapes and helpers
 
 
 def _layers(plan: Any) -> str:
@@ -75,21 +73,6 @@ def _row(label: str, plan: Any, t: float) -> str:
     )
 
 
-def _held(plan: Any, model: Any, inputs: Any, cluster: Any) -> Any:
-    """``plan``'s whole layout, its pipeline cut included, played on ``cluster``."""
-    pipe = plan.pipeline
-    kw: dict[str, Any] = {
-        "mesh_shape": tuple(plan.mesh_shape),
-        "fixed": {k: tuple(v) for k, v in plan.params.items()},
-        "recompute": plan.recompute,
-        "pp": pipe.pp if pipe is not None else 1,
-        "microbatches": pipe.microbatches if pipe is not None else 1,
-    }
-    if pipe is not None:
-        kw.update(schedule=pipe.schedule, virtual=pipe.virtual, stage_of=dict(pipe.stage_of))
-    return autopar.plan(model, inputs, cluster, **kw)
-
-
 def compare(name: str, cluster: Any, as_if: list[str], baseline: bool) -> None:
     model, inputs = _workload(name)
     print(f"\n{name}")
@@ -98,7 +81,7 @@ def compare(name: str, cluster: Any, as_if: list[str], baseline: bool) -> None:
         candidates.append(
             (
                 f"autopar as if all {kind}",
-                lambda kind=kind: _held(
+                lambda kind=kind: held(
                     autopar.plan(model, inputs, cluster.uniform(kind)), model, inputs, cluster
                 ),
             )
@@ -107,13 +90,7 @@ def compare(name: str, cluster: Any, as_if: list[str], baseline: bool) -> None:
         candidates.append(
             ("best Megatron-LM layout", lambda: autopar.layouts.best_megatron(model, inputs, cluster))
         )
-    rows: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for label, fn in candidates:
-            t0 = time.perf_counter()
-            rows[label] = fn()
-            print(_row(label, rows[label], time.perf_counter() - t0), flush=True)
+    rows = planned(candidates, _row)
     best = rows["autopar"].predicted.step_time
     for label, plan in rows.items():
         if label != "autopar":
