@@ -216,6 +216,14 @@ class Cluster:
         """Whether the nodes are of more than one device kind (``node_groups``)."""
         return len({g.device.name for g in self.node_groups}) > 1
 
+    @property
+    def speed_spread(self) -> float:
+        """How many times faster the fastest device kind runs a large matmul than the floor
+        ``device`` (1 for one kind): what bounds on a floor-priced plan are loosened by."""
+        if not self.node_groups:
+            return 1.0
+        return max(_matmul_rate(g.device) for g in self.node_groups) / _matmul_rate(self.device)
+
     def group_of_rank(self, rank: int) -> NodeGroup:
         """The node group holding global rank ``rank`` (ranks are node-major)."""
         node = rank // self.gpus_per_node

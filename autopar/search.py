@@ -343,8 +343,11 @@ class PipelineSearch:
             # A rank is busy at least m/pp of a micro-batch's compute path (``StrategyGraph.path_terms``):
             # a candidate whose path exceeds FAR_SLOWER·best·pp/m is far slower than the best plan,
             # and CP-SAT proves there is no shorter one at its root LP (module docstring).
+            # On a mixed cluster the path is the floor device's; a faster rank runs it sooner.
             far = (
-                FAR_SLOWER * best_before * pp / m if not self.exhaustive and best_before < math.inf else None
+                FAR_SLOWER * best_before * pp / m * cluster.speed_spread
+                if not self.exhaustive and best_before < math.inf
+                else None
             )
             # Screened at SCREEN_GAP where a plan exists to beat (module docstring: screening).
             screen = not self.exhaustive and best_before < math.inf and config.relative_gap < SCREEN_GAP

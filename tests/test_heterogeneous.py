@@ -28,6 +28,7 @@ def test_a_mixed_cluster_is_validated_described_and_saved():
     # In lockstep every rank is held to the floor: the slowest device, the slowest NVLink and NIC.
     assert c.device.name.startswith("A100-80GB (floor") and c.device.flops_for("bfloat16") == 312e12
     assert (c.intra_node.name, c.inter_node.name) == ("NVLink3", "IB-HDR")
+    assert c.speed_spread == pytest.approx(989 / 312)  # H100 over A100, large bf16 matmuls
     assert c.group_of_rank(15).device.name == "A100-80GB" and c.group_of_rank(16).device.name == "H100-SXM"
     h = c.part(16, 8)
     assert (h.device.name, h.intra_node.name, h.node_groups, h.world_size) == ("H100-SXM", "NVLink4", (), 8)
