@@ -273,7 +273,7 @@ class Cluster:
     @classmethod
     def mixed(
         cls,
-        groups: list[tuple[str, int]] | tuple[tuple[str, int], ...],
+        groups: list[tuple[str | Cluster, int]] | tuple[tuple[str | Cluster, int], ...],
         gpus_per_node: int = 8,
         *,
         network: str | None = None,
@@ -281,20 +281,26 @@ class Cluster:
         nodes_per_rack: int | None = None,
         spine_oversubscription: float = 1.0,
     ) -> Cluster:
-        """Nodes of several device presets in one job: ``groups`` = ``[(preset, nodes), …]`` in rank
-        order (``[("A100-80GB", 4), ("H100-SXM", 4)]``), ``gpus_per_node`` devices a node. Between
-        nodes: ``network`` (``Cluster.preset``'s), else the slowest preset's InfiniBand, one NIC per
-        GPU. ``device`` and ``intra_node`` are the floor (module docstring)."""
+        """Nodes of several device kinds in one job: ``groups`` = ``[(kind, nodes), …]`` in rank
+        order (``[("A100-80GB", 4), ("H100-SXM", 4)]``), ``gpus_per_node`` devices a node. A kind is
+        a preset's name or a ``Cluster`` of that kind (its device, NVLink and NIC): one measured
+        with ``autopar calibrate`` (``Cluster.from_profile``, ``Cluster.preset(profile=…)``). Between
+        nodes: ``network`` (``Cluster.preset``'s), else the slowest kind's NIC, one per GPU.
+        ``device`` and ``intra_node`` are the floor (module docstring)."""
         if not groups:
-            raise ValueError("Cluster.mixed needs at least one (preset, nodes) group")
-        made = []
+            raise ValueError("Cluster.mixed needs at least one (kind, nodes) group")
+        made, nics = [], []
         for item in groups:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise ValueError(f"Cluster.mixed: each group is (preset name, nodes), got {item!r}")
-            name, n = item
-            pre = _preset(name)
-            made.append(NodeGroup(device=pre.device, nodes=n, intra_node=pre.intra_node))
-        slowest = min((PRESETS[name].inter_node for name, _ in groups), key=lambda link: link.bandwidth)
+                raise ValueError(
+                    f"Cluster.mixed: each group is (preset name or Cluster, nodes), got {item!r}"
+                )
+            kind, n = item
+            if not isinstance(kind, Cluster):
+                kind = cls.preset(kind)
+            made.append(NodeGroup(device=kind.device, nodes=n, intra_node=kind.intra_node))
+            nics.append(kind.inter_node)
+        slowest = min(nics, key=lambda link: link.bandwidth)
         inter, nics_per_node = _network(network, slowest, nics_per_node)
         return cls(
             device=floor_device([g.device for g in made]),

@@ -39,6 +39,19 @@ def test_a_mixed_cluster_is_validated_described_and_saved():
     # The floor's memory is the smallest of any kind's, whichever is slower.
     small = Cluster.mixed([("H100-SXM", 1), ("A100-40GB", 1)], network="ethernet-400g")
     assert small.device.memory == 40 * 2**30 and small.nics == 1
+    # A kind measured (a Cluster, e.g. from a calibration profile) joins as it was measured.
+    measured = Cluster.preset("A100-80GB").with_device(name="A100-measured", compute_efficiency=0.6)
+    m = Cluster.mixed([(measured, 1), ("H100-SXM", 1)])
+    assert m.group_of_rank(0).device.compute_efficiency == 0.6 and m.device.name.startswith("A100-measured")
+    # On the command line: KIND:NODES,… (a kind a preset or a profile JSON).
+    import argparse
+
+    from autopar.commands.loading import build_cluster
+
+    args = argparse.Namespace(cluster="A100-80GB:2,H100-SXM:1", nodes=1, gpus_per_node=8)
+    assert build_cluster(args) == c
+    with pytest.raises(ValueError, match="a mixed cluster is KIND:NODES"):
+        build_cluster(argparse.Namespace(cluster="A100-80GB:two", nodes=1, gpus_per_node=8))
     with pytest.raises(ValueError, match=r"node_groups hold 2 \+ 1 = 3 nodes but the cluster has nodes=4"):
         replace(c, nodes=4)
     with pytest.raises(ValueError, match="unknown cluster preset 'B300'"):

@@ -34,16 +34,17 @@ def build_cluster(args: argparse.Namespace, name: str | None = None) -> Any:
     n = args.nodes * args.gpus_per_node
     if name == "local":
         return Cluster.local(n)
-    if ":" in name and not name.endswith(".json") and os.sep not in name:  # a mixed cluster
+    if ":" in name:  # a mixed cluster: KIND:NODES,... (a kind: a preset or a profile JSON)
         groups = []
         for part in name.split(","):
-            preset, _, count = part.partition(":")
-            if not count.strip().isdigit() or int(count) < 1:
+            kind, _, count = part.rpartition(":")
+            if not kind or not count.strip().isdigit() or int(count) < 1:
                 raise ValueError(
-                    f"--cluster {name!r}: a mixed cluster is PRESET:NODES,PRESET:NODES (e.g. "
-                    f"A100-80GB:4,H100-SXM:4), got {part!r}"
+                    f"--cluster {name!r}: a mixed cluster is KIND:NODES,KIND:NODES, a kind a preset or a "
+                    f"profile JSON (e.g. A100-80GB:4,H100-SXM:4), got {part!r}"
                 )
-            groups.append((preset.strip(), int(count)))
+            one = build_cluster(args, kind.strip()) if kind.strip().endswith(".json") else kind.strip()
+            groups.append((one, int(count)))
         return Cluster.mixed(
             groups,
             gpus_per_node=args.gpus_per_node,
