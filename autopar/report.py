@@ -179,7 +179,12 @@ class Comparison:
                     + (f"×{y / x:.2f}" if x > 0 and y == y else "")
                 )
         elif not self.same_program:
-            lines += ["", "note: the plans are for different programs (model or batch shapes differ)"]
+            wa, wb = self.a.info.get("workload"), self.b.info.get("workload")
+            if wa is not None and wa == wb:
+                lines += ["", "note: the plans cut the same workload into different micro-batches: layer by layer "
+                          "they are not compared"]  # fmt: skip
+            else:
+                lines += ["", "note: the plans are for different programs (model or batch shapes differ)"]
         lines += ["", self.verdict()]
         return "\n".join(lines)
 

@@ -151,6 +151,14 @@ def test_compare_with_megatron_and_with_a_plan_file(tiny_plan, tmp_path, capsys)
     assert "recompute=full" in out
 
 
+def test_compare_names_a_workload_cut_into_other_micro_batches(tiny_plan, capsys):
+    """Beside a pipelined layout (its own micro-batch graph), the plan is of the same workload:
+    the note says so rather than calling them different programs."""
+    code, out, err = run(capsys, "compare", str(tiny_plan), "megatron:tp=1,pp=2,microbatches=2")
+    assert code == 0, err
+    assert "the same workload into different micro-batches" in out and "different programs" not in out
+
+
 def test_compare_with_best_megatron(tiny_plan, capsys):
     code, out, err = run(capsys, "compare", str(tiny_plan), "best-megatron")
     if hasattr(autopar.layouts, "best_megatron"):
