@@ -13,6 +13,7 @@ more layers. Each rank's memory budget is its own device's.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field, replace
@@ -77,6 +78,11 @@ def device_time_ratios(gm: Any, ref: DeviceSpec, dev: DeviceSpec, tf32: bool = F
     return out
 
 
+DEVICE_RATIOS = "autopar.device_ratios"
+"""``gm.meta`` key: a micro-batch graph's ``device_time_ratios`` per pair of devices, computed
+once for every (pp, m) candidate planned on it."""
+
+
 @dataclass
 class Scored:
     plan: Plan
@@ -113,12 +119,13 @@ def pipelined_candidates(
     floor = stage_cluster(cluster, pp) or cluster
     own = [pipeline_rank_cluster(cluster, pp, r) for r in range(pp)]
     budgets = [budget + c.device.memory - floor.device.memory for c in own]
-    ratios: list[dict[str, float] | None] = [
-        None
-        if c.device == floor.device
-        else device_time_ratios(gm, floor.device, c.device, config.matmul_tf32)
-        for c in own
-    ]
+    known: dict[str, dict[str, float]] = gm.meta.setdefault(DEVICE_RATIOS, {})  # one graph's, kept with it
+    ratios: list[dict[str, float] | None] = []
+    for c in own:
+        key = json.dumps([c.device.to_dict(), floor.device.to_dict(), config.matmul_tf32], sort_keys=True)
+        if c.device != floor.device and key not in known:
+            known[key] = device_time_ratios(gm, floor.device, c.device, config.matmul_tf32)
+        ratios.append(None if c.device == floor.device else known[key])
     link_factor = [floor.intra_node.bandwidth / c.intra_node.bandwidth for c in own]
     mixed = any(r is not None for r in ratios) or any(f != 1 for f in link_factor)
 
