@@ -41,60 +41,9 @@ from autopar.devices import (
     link_from_dict,
     link_to_dict,
 )
+from autopar.node_groups import NodeGroup, floor_device, matmul_rate
 
 __all__ = ["PROFILE_VERSION", "Cluster", "NodeGroup", "load_profile", "mesh_arithmetic"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class NodeGroup:
-    """Consecutive nodes of one device kind in a mixed cluster (``Cluster.node_groups``)."""
-
-    device: DeviceSpec
-    nodes: int
-    intra_node: Link
-    """The group's link between devices of one node (its NVLink generation)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "nodes",
-            check_count("NodeGroup", "nodes", self.nodes, fix="give the group's number of machines"),
-        )
-        for what, v, cls in (("device", self.device, DeviceSpec), ("intra_node", self.intra_node, Link)):
-            if not isinstance(v, cls):
-                raise ValueError(f"NodeGroup: {what} must be a {cls.__name__}, got {type(v).__name__}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device.to_dict(),
-            "nodes": self.nodes,
-            "intra_node": link_to_dict(self.intra_node),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> NodeGroup:
-        return cls(
-            device=DeviceSpec.from_dict(d["device"]),
-            nodes=d["nodes"],
-            intra_node=link_from_dict(d["intra_node"]),
-        )
-
-
-def _matmul_rate(d: DeviceSpec) -> float:
-    """A device's large bf16 matmul throughput (what orders device kinds by speed)."""
-    return d.flops_for("bfloat16") * d.compute_efficiency
-
-
-def floor_device(devices: list[DeviceSpec]) -> DeviceSpec:
-    """The device a rank of any of ``devices`` is held to in lockstep (module docstring: floor):
-    the slowest by large-matmul throughput, with the smallest memory of them."""
-    slow = min(devices, key=_matmul_rate)
-    memory = min(d.memory for d in devices)
-    if len({d.name for d in devices}) == 1:
-        return replace(slow, memory=memory)
-    return replace(
-        slow, memory=memory, name=f"{slow.name} (floor of {'+'.join(dict.fromkeys(d.name for d in devices))})"
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,7 +171,7 @@ class Cluster:
         ``device`` (1 for one kind): what bounds on a floor-priced plan are loosened by."""
         if not self.node_groups:
             return 1.0
-        return max(_matmul_rate(g.device) for g in self.node_groups) / _matmul_rate(self.device)
+        return max(matmul_rate(g.device) for g in self.node_groups) / matmul_rate(self.device)
 
     def group_of_rank(self, rank: int) -> NodeGroup:
         """The node group holding global rank ``rank`` (ranks are node-major)."""

@@ -6,7 +6,7 @@ Layers, bottom to top — a module may import its own group or any lower layer, 
 and two groups of one layer never import each other:
 
 0. data — placements, the typed node records (``autopar.ir``), graph helpers and the op table, the
-   cluster and its devices, the captured program, reshard steps, the Plan record, the strategy graph, schedules,
+   cluster, its devices and node groups, the captured program, reshard steps, the Plan record, the strategy graph, schedules,
    example models, the reference data;
 1. cost — every formula (``autopar.cost``), the mesh with its collective costs, the config |
    program (``autopar.program``: what a per-rank program calls — collectives on a mesh axis, the
@@ -50,7 +50,7 @@ APART = {
 }
 """Group pairs whose arrow the levels allow but the design forbids, and why."""
 DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "causal_mask", "microbatch", "input_bounds", "reshard",
-        "planfile", "strategy_graph", "display", "schedule", "models", "reference_data", "grad_compression"}  # fmt: skip
+        "planfile", "strategy_graph", "display", "schedule", "models", "reference_data", "grad_compression", "node_groups"}  # fmt: skip
 COST = {"mesh", "config"}
 PLANNER = {
     "planner",
