@@ -324,6 +324,11 @@ class PlanConfig:
         if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in cut.values()):
             fail("stage_of maps captured node names to stage numbers ≥ 0 (a plan's PipelinePlan.stage_of)")
         object.__setattr__(self, "stage_of", cut)
+        if cut and (not isinstance(self.pp, int) or self.microbatches is None):
+            fail(
+                f"stage_of holds one pipeline's cut: give the pp and microbatches it was made for too "
+                f"(got pp={self.pp!r}, microbatches={self.microbatches!r})"
+            )
         object.__setattr__(self, "disable", tuple(self.disable))
         if self.kernels is not None:
             from autopar.ir import FusionKind

@@ -302,6 +302,7 @@ class PipelineSearch:
             microbatches=None,
             schedule=None,
             virtual=None,
+            stage_of={},  # the cut is the pipeline's (``pipelined_candidates`` reads the search's)
             memory_budget=stage_plan_budget(self.budget, pp),
             activations_in_flight=m if config.schedule == "gpipe" else min(pp, m),
             microbatches_per_sync=m,

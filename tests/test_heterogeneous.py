@@ -108,6 +108,8 @@ def test_pipeline_ranks_run_on_their_own_devices_and_the_faster_gets_more_layers
     assert one.predicted.step_time == pytest.approx(
         autopar.plan(model, inputs, mixed.uniform(), pp=1).predicted.step_time, rel=1e-6
     )
+    with pytest.raises(ValueError, match="stage_of holds one pipeline's cut: give the pp and microbatches"):
+        autopar.PlanConfig(stage_of=plan.pipeline.stage_of)
     # A held cut that is not this graph's says so.
     with pytest.raises(Exception, match="held cut"):
         autopar.plan(model, inputs, mixed, pp=2, microbatches=4, schedule="1f1b", stage_of={"x": 0})
