@@ -60,6 +60,41 @@ def test_a_mixed_cluster_is_validated_described_and_saved():
         c.part(4, 8)
 
 
+def test_the_cut_balances_each_stage_on_its_own_devices():
+    """``stage_cuts(stage_time=…)``: a node's time depends on the stage it lands in; a second stage
+    three times as fast takes more of the model than the even cut gives it, and the two stages'
+    times, each on its own devices, end closer than the even cut's."""
+    from autopar.ir import COST
+    from autopar.models import GPT, GPTConfig
+    from autopar.passes import PassContext, run_passes
+    from autopar.passes.annotate import annotate_cost, annotate_tensors
+    from autopar.passes.stages import stage_cuts
+
+    model = GPT(GPTConfig.tiny(n_layer=6, n_head=4, n_embd=32, vocab_size=64))
+    ids = torch.randint(0, 64, (4, 16))
+    cap = autopar.capture(model, (ids, ids.clone()))
+    ctx = PassContext(captured=cap, cluster=Cluster.local(2), config=autopar.PlanConfig())
+    gm = run_passes(cap.gm, ctx, [annotate_tensors, annotate_cost])
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+
+    def t(n: Any) -> float:
+        c = n.meta.get(COST)
+        return float(c.fwd_time + c.bwd_time) if c is not None else 0.0
+
+    def on(n: Any, k: int) -> float:
+        return t(n) / (3.0 if k == 1 else 1.0)
+
+    even, fast = stage_cuts(gm, 2, t), stage_cuts(gm, 2, t, stage_time=on)
+    first = [sum(1 for n in nodes if cut[n.name] == 0) for cut in (even, fast)]
+    assert first[1] < first[0], first
+
+    def spread(cut: dict[str, int]) -> float:
+        per = [sum(on(n, k) for n in nodes if cut[n.name] == k) for k in (0, 1)]
+        return max(per) / min(per)
+
+    assert spread(fast) < spread(even)
+
+
 def _meta_gpt(layers: int = 8) -> tuple[torch.nn.Module, Any]:
     from autopar.models import GPT, GPTConfig
 

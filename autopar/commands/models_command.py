@@ -38,7 +38,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for s in ZOO.values():
             print(f"  {s.name:<14} {s.summary}" + ("" if s.source == "autopar" else "  [transformers]"))
         print()
-    print("cluster presets (--cluster NAME; also 'local', or a profile from autopar calibrate):")
+    print(
+        "cluster presets (--cluster NAME; also 'local', a profile from autopar calibrate, or node groups of several, e.g. A100-80GB:4,H100-SXM:4):"
+    )
     for name in Cluster.presets():
         print(f"  {name:<14} {Cluster.preset(name, gpus_per_node=8).describe()}")
     return 0
