@@ -3,8 +3,16 @@ PowerSGD compresses.
 
 A data-level record (``Plan.compression``), read by the cost model (``autopar.cost.compression``,
 which defines the words and prices it), the rank-program pass that writes it into the program
-(``autopar.passes.compress``) and the plan file. ``powersgd_matrix`` is the one rule both the
-cost model and that pass apply, so the plan prices exactly the matrices the program compresses.
+(``autopar.passes.compress``) and the plan file. ``powersgd_matrix`` and ``for_weight`` are the
+rules both the cost model and that pass apply, so the plan prices exactly the matrices the
+program compresses.
+
+**Lookup tables stay exact under PowerSGD.** An embedding table's gradient has a row for each
+index looked up and zeros elsewhere: its rank is the number of distinct indices in the batch, so a
+rank-``r`` approximation loses most of it (a tied embedding and LM head alike, its gradient the
+sum of both). On ``examples/compression.py converge`` (a 2-layer GPT, 4 gloo processes, 200 AdamW
+steps, rank 4) compressing the tied table left the held-out loss 6.7 % above exact, keeping it
+exact 3.3 % for 18 % more bytes. bf16 compresses it as any other gradient.
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ class GradCompression:
                 f"GradCompression: min_compression_rate must be ≥ 1 (a matrix is compressed where "
                 f"(m + n) · rank · rate < m · n), got {self.min_compression_rate!r}"
             )
+
+    def for_weight(self, lookup: bool) -> GradCompression | None:
+        """This compression for one weight's gradient; ``lookup``: the weight is a lookup table
+        (read by an embedding op), which PowerSGD leaves exact (module docstring)."""
+        return None if lookup and self.method == "powersgd" else self
 
     def describe(self) -> str:
         return f"PowerSGD rank {self.rank}" if self.method == "powersgd" else "bf16 all-reduce"

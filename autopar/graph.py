@@ -38,6 +38,7 @@ __all__ = [
     "op_name",
     "outer_instance",
     "output_node",
+    "read_by_lookup",
     "tensor_inputs",
     "tensor_outputs",
     "tensor_val",
@@ -203,6 +204,24 @@ def op_info(node_or_name: Node | str) -> OpInfo:
 
 def op_family(node: Node) -> OpFamily:
     return op_info(node).family
+
+
+def read_by_lookup(node: Node) -> bool:
+    """Whether ``node`` (a weight) is the table of an embedding lookup, directly or through views:
+    its gradient then has a row per index looked up (``autopar.grad_compression``)."""
+    todo, seen = [node], {node}
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            family = op_family(u)
+            if family is OpFamily.EMBEDDING and u.args and u.args[0] is n:
+                return True
+            if family is OpFamily.VIEW:
+                todo.append(u)
+    return False
 
 
 def outer_instance(path: str) -> str:

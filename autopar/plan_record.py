@@ -20,7 +20,7 @@ from autopar.cost.reshard_cost import (
     step_cost,
 )
 from autopar.grad_compression import GradCompression
-from autopar.graph import OpFamily, op_family, op_name, tensor_inputs
+from autopar.graph import OpFamily, op_family, op_name, read_by_lookup, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.mesh import Mesh
 from autopar.placement import Replicate, Shard, format_spec
@@ -141,6 +141,11 @@ def build_plan(
             steps = reshard_steps(shape, src, dst, mesh.shape)
             stage = chosen[i].zero_stage if info.kind == "param" and info.requires_grad else 0
             sync_axes = grad_reduce_axes(s.split, dst, mesh, steps, stage) if info.requires_grad else ()
+            weight_compression = (  # a lookup table's gradient stays exact under PowerSGD
+                compression.for_weight(read_by_lookup(i))
+                if compression is not None and info.kind == "param"
+                else compression
+            )
             first_sync = (i.name, dst, sync_axes) not in synced
             synced.add((i.name, dst, sync_axes))
             t = edge_cost(
@@ -154,11 +159,19 @@ def build_plan(
                 bucketed_sync=bucketed_grad_sync(i),
                 zero_stage=stage,
                 sync_share=1.0 if first_sync else 0.0,
-                compression=compression,
+                compression=weight_compression,
             )
             squeezed = (
                 compressed_grad_sync(
-                    shape, itemsize, dst, mesh, sync_axes, compression, steps, stage, bucketed_grad_sync(i)
+                    shape,
+                    itemsize,
+                    dst,
+                    mesh,
+                    sync_axes,
+                    weight_compression,
+                    steps,
+                    stage,
+                    bucketed_grad_sync(i),
                 )
                 if first_sync
                 else None

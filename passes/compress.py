@@ -14,7 +14,8 @@ ones a pipeline stage defers to its last micro-batch (``passes.stage_cut.defer_r
 * ``powersgd``: the issue and its wait replaced by one call of a ``PowerSGDReduce`` module
   (``autopar.program.compression``), registered on the program, at the issue's place (the
   bucket's last gradient is ready there). Buffers without a member worth compressing
-  (``cost.compression.powersgd_matrix``) are left alone.
+  (``cost.compression.powersgd_matrix``) are left alone, and a lookup table's gradient (computed
+  by ``embedding_dense_backward``, ``GradCompression.for_weight``) goes in the exact part.
 
 Each buffer's members are read off ``GRAD_MEMBERS`` (the bucket's shapes, set by
 ``bucket_gradients``), or, for an unbucketed gradient, off the value all-reduced.
@@ -48,6 +49,50 @@ def _members(issue: Node) -> list[tuple[int, ...]]:
     return [tuple(issue.args[0].meta["val"].shape)]
 
 
+_CARRIES = {
+    "add",
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "_to_copy",
+    "clone",
+    "t",
+    "transpose",
+    "permute",
+    "contiguous",
+}
+"""Ops a gradient passes through on its way from the op computing it to its all-reduce (a tied
+weight's two gradients added, views, casts)."""
+
+
+def _from_lookup(grad: Node) -> bool:
+    """Whether the gradient ``grad`` is (or sums) an embedding table's: computed by
+    ``embedding_dense_backward``, reached back through ``_CARRIES`` (``GradCompression.for_weight``)."""
+    todo, seen = [grad], {grad}
+    while todo:
+        n = todo.pop()
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if name == "embedding_dense_backward":
+            return True
+        if name in _CARRIES:
+            for i in n.all_input_nodes:
+                if i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+    return False
+
+
+def _member_grads(issue: Node) -> list[Node]:
+    """The gradients a (bucketed) all-reduce carries, in order: a bucket's ``cat`` of flattened
+    members (``passes.overlap.bucket_gradients``), else the one value reduced."""
+    x = issue.args[0]
+    if issue.meta.get(GRAD_MEMBERS) is not None and getattr(x.target, "__name__", "").startswith("cat"):
+        return [f.args[0] for f in x.args[0]]
+    return [x]
+
+
 def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write the plan's gradient compression into ``gm`` (module docstring)."""
     info = gm.meta.get(RANK)
@@ -76,7 +121,13 @@ def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
             wait.meta["val"] = cast.meta["val"]
         else:
             shapes = _members(issue)
-            matrices = [powersgd_matrix(s, c) for s in shapes]
+            lookups = [_from_lookup(gr) for gr in _member_grads(issue)]
+            if len(lookups) != len(shapes):
+                lookups = [False] * len(shapes)
+            matrices = [
+                powersgd_matrix(s, c) if c.for_weight(lookup) is not None else None
+                for s, lookup in zip(shapes, lookups)
+            ]
             if all(m is None for m in matrices):
                 continue
             name = f"powersgd_{done}"

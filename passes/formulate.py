@@ -39,7 +39,7 @@ from autopar.capture import Captured
 from autopar.config import PlanConfig
 from autopar.cost.reshard_cost import compressed_grad_sync, edge_cost, grad_reduce_axes, kept_gather_bytes
 from autopar.grad_compression import GradCompression
-from autopar.graph import OpFamily, op_family, tensor_inputs, written_inputs
+from autopar.graph import OpFamily, op_family, read_by_lookup, tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
@@ -257,9 +257,13 @@ class _Builder:
         bucketed = bucketed_grad_sync(i)
         share = grad_sync_share(i)
         mesh, cache, keys, steps_cache = self.mesh, self.edge_cache, self.keys, self.steps_cache
-        compression = self.compression
+        compression = (
+            self.compression.for_weight(read_by_lookup(i))
+            if self.compression is not None and info.kind == "param"
+            else self.compression
+        )
         once_per_step = info.kind == "param" and self.per_sync > 1
-        signature = self._intern(("value", shape, itemsize, rg, bucketed, share, once_per_step))
+        signature = self._intern(("value", shape, itemsize, rg, bucketed, share, once_per_step, compression))
 
         def cost(g: int, h: int) -> tuple[float, float]:
             """(seconds, bytes kept) of carrying group key ``g`` into ``h`` (interned)."""
