@@ -209,6 +209,14 @@ class Cluster:
         intra = min((g.intra_node for g in groups), key=lambda link: link.bandwidth)
         return replace(self, **shape, device=device, intra_node=intra, node_groups=())
 
+    def pipeline_part(self, pp: int, rank: int) -> Cluster:
+        """Pipeline rank ``rank`` of ``pp``'s own devices (the ``world / pp`` ranks from
+        ``rank · world / pp`` on, ``part``), or this cluster where its nodes are of one kind."""
+        if not self.mixed_kinds:
+            return self
+        n = self.world_size // pp
+        return self.part(rank * n, n)
+
     def uniform(self, device: str | DeviceSpec | None = None) -> Cluster:
         """This cluster as if every node were ``device`` (a preset's name, a ``DeviceSpec``; default
         the floor ``device``), with that preset's NVLink where a preset is named."""

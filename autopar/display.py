@@ -590,14 +590,14 @@ def param_count(nodes: Iterable[NodeRecord]) -> int:
 def pipeline_devices(plan: Any) -> str:
     """``"; ranks on A100-80GB, H100-SXM"``: each pipeline rank's device kind where the plan's
     cluster mixes kinds (``Cluster.node_groups``), else ``""``."""
-    groups = (plan.cluster or {}).get("node_groups")
-    if not groups or plan.pipeline is None or len({g["device"]["name"] for g in groups}) < 2:
+    if not (plan.cluster or {}).get("node_groups") or plan.pipeline is None:
         return ""
     from autopar.cluster import Cluster
 
-    cluster = Cluster.from_dict(plan.cluster)
-    n = cluster.world_size // plan.pipeline.pp
-    return "; ranks on " + ", ".join(cluster.part(r * n, n).device.name for r in range(plan.pipeline.pp))
+    cluster, pp = Cluster.from_dict(plan.cluster), plan.pipeline.pp
+    if not cluster.mixed_kinds:
+        return ""
+    return "; ranks on " + ", ".join(cluster.pipeline_part(pp, r).device.name for r in range(pp))
 
 
 def compression_text(plan: Any) -> str:

@@ -32,7 +32,7 @@ from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
-from autopar.simulate import graph_facts, optimizer_time, pipeline_rank_cluster, stage_costs
+from autopar.simulate import graph_facts, optimizer_time, stage_costs
 
 __all__ = ["Player", "Scored", "device_time_ratios", "pipelined_candidates", "stage_cluster"]
 
@@ -117,7 +117,7 @@ def pipelined_candidates(
     link = cluster.axis_link((pp, *mesh), 0)
     # Each pipeline rank's devices (module docstring: mixed cluster) against the stage plan's.
     floor = stage_cluster(cluster, pp) or cluster
-    own = [pipeline_rank_cluster(cluster, pp, r) for r in range(pp)]
+    own = [cluster.pipeline_part(pp, r) for r in range(pp)]
     budgets = [budget + c.device.memory - floor.device.memory for c in own]
     known: dict[str, dict[str, float]] = gm.meta.setdefault(DEVICE_RATIOS, {})  # one graph's, kept with it
     ratios: list[dict[str, float] | None] = []

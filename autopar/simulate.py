@@ -43,7 +43,6 @@ __all__ = [
     "GraphFacts",
     "StepSimulation",
     "graph_facts",
-    "pipeline_rank_cluster",
     "simulate",
     "simulate_captured",
     "stage_costs",
@@ -244,15 +243,6 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
     return optimizer_step_time(numel, tensors, pbytes, cluster.device, plan_settings(opt, pbytes))
 
 
-def pipeline_rank_cluster(cluster: Cluster, pp: int, rank: int) -> Cluster:
-    """Pipeline rank ``rank``'s own devices (the ``world / pp`` ranks from ``rank · world / pp``
-    on, ``Cluster.part``), or ``cluster`` where its nodes are all of one kind."""
-    if not cluster.mixed_kinds:
-        return cluster
-    n = cluster.world_size // pp
-    return cluster.part(rank * n, n)
-
-
 def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
     """Play ``plan``'s training step (module docstring); ``cluster``: the plan's own by default."""
     cluster = cluster or Cluster.from_dict(plan.cluster)
@@ -265,7 +255,7 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
     stages = [StageCost(**d) for d in p.stage_costs]
     tl = play(p.actions(), stages, overlap=cluster.overlap_comm)
     opt = max(
-        optimizer_time(plan, pipeline_rank_cluster(cluster, p.pp, r), range(r, p.num_stages, p.pp))
+        optimizer_time(plan, cluster.pipeline_part(p.pp, r), range(r, p.num_stages, p.pp))
         for r in range(p.pp)
     )
     return StepSimulation(
