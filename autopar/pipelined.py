@@ -39,25 +39,17 @@ __all__ = ["Player", "Scored", "device_time_ratios", "pipelined_candidates", "st
 log = logging.getLogger("autopar.planner")
 
 
-def stage_cluster(cluster: Cluster, pp: int, rank: int | None = None) -> Cluster | None:
-    """The devices of one pipeline rank (module docstring: stage mesh); ``None`` when ``pp`` does
-    not divide the cluster into equal stages. ``rank``: pipeline rank ``rank``'s own devices (the
-    ``world / pp`` ranks from ``rank · world / pp`` on, ``Cluster.part``); ``None``: any rank's,
-    the floor of a mixed cluster (``autopar.cluster``), on which the stage plan is made."""
-    world = cluster.world_size
-    if world % pp:
+def stage_cluster(cluster: Cluster, pp: int) -> Cluster | None:
+    """The devices of one pipeline rank (module docstring: stage mesh), on which the stage plan is
+    made: ``world / pp`` of them, within one node or whole nodes, of the floor device of a mixed
+    cluster (``autopar.cluster``; a rank's own devices are ``Cluster.pipeline_part``); ``None``
+    when ``pp`` does not divide the cluster into equal stages."""
+    if cluster.world_size % pp:
         return None
-    n = world // pp
-    if n <= cluster.gpus_per_node:
-        if cluster.gpus_per_node % n:
-            return None
-    elif n % cluster.gpus_per_node or cluster.nodes % pp:
+    try:
+        return cluster.uniform().part(0, cluster.world_size // pp)
+    except ValueError:
         return None
-    if rank is not None:
-        return cluster.part(rank * n, n)
-    if n <= cluster.gpus_per_node:
-        return replace(cluster, gpus_per_node=n, nodes=1, node_groups=())
-    return replace(cluster, nodes=cluster.nodes // pp, node_groups=())
 
 
 def device_time_ratios(gm: Any, ref: DeviceSpec, dev: DeviceSpec, tf32: bool = False) -> dict[str, float]:
@@ -122,10 +114,14 @@ def pipelined_candidates(
     known: dict[str, dict[str, float]] = gm.meta.setdefault(DEVICE_RATIOS, {})  # one graph's, kept with it
     ratios: list[dict[str, float] | None] = []
     for c in own:
+        # Name and memory do not time a kernel: a rank of the floor's own kind runs as planned.
+        if replace(c.device, name=floor.device.name, memory=floor.device.memory) == floor.device:
+            ratios.append(None)
+            continue
         key = json.dumps([c.device.to_dict(), floor.device.to_dict(), config.matmul_tf32], sort_keys=True)
-        if c.device != floor.device and key not in known:
+        if key not in known:
             known[key] = device_time_ratios(gm, floor.device, c.device, config.matmul_tf32)
-        ratios.append(None if c.device == floor.device else known[key])
+        ratios.append(known[key])
     link_factor = [floor.intra_node.bandwidth / c.intra_node.bandwidth for c in own]
     mixed = any(r is not None for r in ratios) or any(f != 1 for f in link_factor)
 

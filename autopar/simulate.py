@@ -39,14 +39,7 @@ from autopar.placement import local_shape, parse_spec
 from autopar.planfile import NodePlan, Plan
 from autopar.schedule import make_schedule
 
-__all__ = [
-    "GraphFacts",
-    "StepSimulation",
-    "graph_facts",
-    "simulate",
-    "simulate_captured",
-    "stage_costs",
-]
+__all__ = ["GraphFacts", "StepSimulation", "graph_facts", "simulate", "simulate_captured", "stage_costs"]
 
 
 @dataclass

@@ -122,8 +122,11 @@ def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
         else:
             shapes = _members(issue)
             lookups = [_from_lookup(gr) for gr in _member_grads(issue)]
-            if len(lookups) != len(shapes):
-                lookups = [False] * len(shapes)
+            if len(lookups) != len(shapes):  # bucket_gradients builds both from one member list
+                raise RuntimeError(
+                    f"compress_gradients: {issue.name} carries {len(shapes)} gradients but "
+                    f"{len(lookups)} were found feeding it; the bucket's layout changed"
+                )
             matrices = [
                 powersgd_matrix(s, c) if c.for_weight(lookup) is not None else None
                 for s, lookup in zip(shapes, lookups)

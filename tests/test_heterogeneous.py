@@ -50,6 +50,8 @@ def test_a_mixed_cluster_is_validated_described_and_saved():
 
     args = argparse.Namespace(cluster="A100-80GB:2,H100-SXM:1", nodes=1, gpus_per_node=8)
     assert build_cluster(args) == c
+    with pytest.raises(ValueError, match="--nodes 2, but the node groups of --cluster"):
+        build_cluster(argparse.Namespace(cluster="A100-80GB:2,H100-SXM:1", nodes=2, gpus_per_node=8))
     with pytest.raises(ValueError, match="a mixed cluster is KIND:NODES"):
         build_cluster(argparse.Namespace(cluster="A100-80GB:two", nodes=1, gpus_per_node=8))
     with pytest.raises(ValueError, match=r"node_groups hold 2 \+ 1 = 3 nodes but the cluster has nodes=4"):

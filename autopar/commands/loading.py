@@ -45,6 +45,12 @@ def build_cluster(args: argparse.Namespace, name: str | None = None) -> Any:
                 )
             one = build_cluster(args, kind.strip()) if kind.strip().endswith(".json") else kind.strip()
             groups.append((one, int(count)))
+        held = sum(count for _, count in groups)
+        if args.nodes not in (1, held):
+            raise ValueError(
+                f"--nodes {args.nodes}, but the node groups of --cluster {name!r} hold {held} nodes: "
+                "drop --nodes (a mixed cluster's groups give its nodes)"
+            )
         return Cluster.mixed(
             groups,
             gpus_per_node=args.gpus_per_node,

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             print(f"  {s.name:<14} {s.summary}" + ("" if s.source == "autopar" else "  [transformers]"))
         print()
     print(
-        "cluster presets (--cluster NAME; also 'local', a profile from autopar calibrate, or node groups of several, e.g. A100-80GB:4,H100-SXM:4):"
+        "cluster presets (--cluster NAME; also 'local', a profile from autopar calibrate, "
+        "or node groups such as A100-80GB:4,H100-SXM:4):"
     )
     for name in Cluster.presets():
         print(f"  {name:<14} {Cluster.preset(name, gpus_per_node=8).describe()}")

@@ -145,7 +145,7 @@ def cluster_args(
     g = p.add_argument_group("cluster")
     g.add_argument("--cluster", default=default,
                    help=f"device preset (autopar models --clusters), 'local' (processes here), a profile JSON "
-                        f"from autopar calibrate, or a mixed cluster's node groups, PRESET:NODES,... "
+                        f"from autopar calibrate, or a mixed cluster's node groups, KIND:NODES,... (a kind: a preset or profile) "
                         f"(A100-80GB:4,H100-SXM:4; --nodes is then theirs) (default {default})")  # fmt: skip
     if several_nodes:
         g.add_argument("--nodes", type=node_counts, default=[1],
