@@ -14,6 +14,8 @@ NCCL on CUDA).
 * ``checkpoint`` — sharded DCP save and load under any plan;
 * ``monitor`` — every wait of a step through one monitor: timing, timeouts, a peer's failure;
 * ``launch`` — ``spawn`` N local processes with a gloo group (tests, demo, benchmarks);
+* ``link_emulation`` — local processes as nodes joined by a slower link (``emulate_nodes``): a
+  bench for predictions of clusters of several nodes;
 * ``calibrate`` — measure this machine (``autopar.cost.calibration`` fits the model to it);
 * ``compat`` — the torch-version differences in collective names.
 

@@ -38,7 +38,26 @@ from autopar.program.collectives import AxisGroup
 from autopar.program.records import RankStages, StageStep
 from autopar.runtime.monitor import StepMonitor
 
-__all__ = ["PipelineRunner", "build_runner"]
+__all__ = ["PipelineRunner", "Transport", "build_runner"]
+
+
+class Transport:
+    """How the runner moves values between ranks outside its stage programs: the transfers
+    (point-to-point, each returning a work to ``wait`` on), the loss's broadcast and the shared
+    weights' gradient sums. This one calls ``torch.distributed``; an emulated link
+    (``autopar.runtime.link_emulation``) replaces it to hold crossing transfers back."""
+
+    def isend(self, t: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
+        return dist.isend(t, dst=dst, group=group, tag=tag)
+
+    def irecv(self, buf: torch.Tensor, src: int, group: Any, tag: int) -> Any:
+        return dist.irecv(buf, src=src, group=group, tag=tag)
+
+    def broadcast(self, t: torch.Tensor, src: int, group: Any) -> None:
+        dist.broadcast(t, src=src, group=group)
+
+    def all_reduce(self, t: torch.Tensor, group: Any) -> None:
+        dist.all_reduce(t, group=group)
 
 
 def _storages(values: tuple) -> dict[int, float]:
@@ -97,6 +116,7 @@ class PipelineRunner:
     rest), ``in_flight`` (the most micro-batches whose activations were kept at once) and
     ``saved_peak`` (the most bytes of them kept at once, distinct storages counted once)."""
     timing: bool = False
+    transport: Transport = field(default_factory=Transport)
     predicted: dict[str, float] = field(default_factory=dict)
     """What the plan predicts for this rank's step, as ``last`` measures it: ``step``, ``compute``,
     ``in_flight`` (set by ``autopar.parallelize``, the plan's schedule played by
@@ -159,8 +179,8 @@ class PipelineRunner:
                 return local.pop(key)
             t0 = time.perf_counter()
             buf = torch.empty(shape, dtype=dtype)
-            dist.irecv(
-                buf, src=self._rank_of(src_stage), group=self.pp.group, tag=self._tag(value, mb, direction)
+            self.transport.irecv(
+                buf, self._rank_of(src_stage), self.pp.group, self._tag(value, mb, direction)
             ).wait()
             clock["p2p"] += time.perf_counter() - t0
             return buf
@@ -171,8 +191,10 @@ class PipelineRunner:
                 local[key] = t if first or key not in local else local[key] + t
                 return
             t = t.contiguous()
-            pending.append((dist.isend(t, dst=self._rank_of(dst_stage), group=self.pp.group,
-                                       tag=self._tag(value, mb, direction)), t))  # fmt: skip
+            work = self.transport.isend(
+                t, self._rank_of(dst_stage), self.pp.group, self._tag(value, mb, direction)
+            )
+            pending.append((work, t))
 
         for kind, stage, mb in self.actions if grad else self._forward_order():
             step = self.steps[stage]
@@ -267,13 +289,13 @@ class PipelineRunner:
             loss = torch.stack([outputs[mb][0].detach().float() for mb in range(m)]).mean()
         else:
             loss = torch.zeros(())
-        dist.broadcast(loss, src=src, group=self.pp.group)
+        self.transport.broadcast(loss, src, self.pp.group)
         if grad:
             for i, group in self.shared:
                 g = grads.get(i)
                 if g is None:
                     g = torch.zeros_like(primals[i])
-                dist.all_reduce(g, group=group)
+                self.transport.all_reduce(g, group)
                 grads[i] = g
             self.stash = [grads.get(i) for i in self.trainable]
         clock["step"] = time.perf_counter() - t_step
