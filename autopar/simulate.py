@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.cluster import Cluster
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
-from autopar.cost.timeline import Event, StageCost, Timeline, play
+from autopar.cost.timeline import GRADIENT_BUCKETS, Event, StageCost, Timeline, play
 from autopar.graph import OpFamily, op_family, tensor_inputs
 from autopar.ir import COST, TENSOR
 from autopar.placement import local_shape, parse_spec
@@ -203,7 +203,7 @@ def stage_costs(
                 static=static[s],
                 grad_sync=sync[s],
                 microbatch_sync=mb_sync[s],
-                sync_chunks=max(1, min(chunks[s], 8)),
+                sync_chunks=max(1, min(chunks[s], GRADIENT_BUCKETS)),
                 param_gather=gather[s],
                 sync_compute=blocking[s],
             )

@@ -50,7 +50,16 @@ from dataclasses import dataclass, field
 
 from autopar.schedule import Action, stage_rank
 
-__all__ = ["Event", "StageCost", "Timeline", "play"]
+__all__ = ["GRADIENT_BUCKETS", "Event", "StageCost", "Timeline", "play"]
+
+GRADIENT_BUCKETS = 8
+"""A stage's gradient reduction is issued in at least this many buckets (one per gradient where
+it has fewer): the runtime caps each bucket at a ``1/GRADIENT_BUCKETS`` share of the reduction as
+well as at DDP's 25 MiB (``passes.overlap.bucket_gradients``), so the last bucket — the part of
+the reduction that cannot overlap the backward — is at most that share (``sync_chunks``). A
+reduction of 13 MB in one 25 MiB bucket starts only when the backward ends; measured on two
+emulated nodes joined by a 50 MB/s link (``examples/local_fidelity.py --slow-link``), the step
+was 1.6× the one predicted with ``GRADIENT_BUCKETS`` chunks."""
 
 KIND_NAMES = {"F": "forward", "B": "backward (input gradient)", "W": "backward (weight gradient)"}
 
@@ -81,6 +90,8 @@ class StageCost:
     grad_sync: float = 0.0
     microbatch_sync: float = 0.0
     sync_chunks: int = 1
+    """Buckets the reduction is issued in (at most ``GRADIENT_BUCKETS``: beyond it the last
+    bucket's share is counted as ``1/GRADIENT_BUCKETS``, an upper bound)."""
     param_gather: float = 0.0
     sync_compute: float = 0.0
 

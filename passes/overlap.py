@@ -11,7 +11,9 @@ per-rank compiler, ``passes.rank_compiler``, runs it after tracing the step):
 2. ``bucket_gradients`` — gradient all-reduces whose result is only returned as a gradient
    (data-parallel weights) are merged into flat buckets of up to 25 MiB, in the order backward
    produces them, each issued as soon as its last gradient is ready (PyTorch DDP's bucketing,
-   Li et al., VLDB 2020).
+   Li et al., VLDB 2020); and of at most ``1/GRADIENT_BUCKETS`` of the gradients they reduce
+   (``cost.timeline.GRADIENT_BUCKETS``, what the simulator plays), so that a small model's
+   reduction does not wait whole for the end of the backward.
 3. ``prefetch_params`` — each ZeRO-3 gather is issued while the previous gathered layer
    computes (one layer ahead), in forward and in backward (FSDP's prefetch), rather than just
    before its first use.
@@ -34,11 +36,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable
 
 import torch
 from torch.fx import GraphModule, Node
 
+from autopar.cost.timeline import GRADIENT_BUCKETS
 from autopar.graph import outer_instance, output_node
 from autopar.ir import GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
@@ -154,9 +158,11 @@ def bucket_gradients(gm: GraphModule, ctx: PassContext, bucket_bytes: int = BUCK
     for members in groups.values():
         buckets: list[list[tuple[Node, Node]]] = [[]]
         size = 0
+        sizes = {ar: _fake_of(ar.args[0]).numel() * _fake_of(ar.args[0]).element_size() for ar, _ in members}
+        cap = min(bucket_bytes, math.ceil(sum(sizes.values()) / GRADIENT_BUCKETS))
         for ar, w in sorted(members, key=lambda m: order[m[0]]):
-            nbytes = _fake_of(ar.args[0]).numel() * _fake_of(ar.args[0]).element_size()
-            if buckets[-1] and size + nbytes > bucket_bytes:
+            nbytes = sizes[ar]
+            if buckets[-1] and size + nbytes > cap:
                 buckets.append([])
                 size = 0
             buckets[-1].append((ar, w))

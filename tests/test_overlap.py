@@ -128,18 +128,27 @@ def test_trace_joint_records_both_directions_and_partition_saves_forward_values(
         assert torch.allclose(g, r.grad)
 
 
-def test_bucket_gradients_merges_the_weight_all_reduces_into_one_flat_bucket():
-    params = [torch.randn(8, 8) for _ in range(3)]
-    jp = _joint(dp_program, params, torch.randn(4, 8), [PrimalInfo("param", f"w{i}") for i in range(3)])
-    gm = bucket_gradients(jp.gm, _ctx())
-    (ar,) = _collectives(gm, Phase.BWD)
-    assert ar.args[0].target is torch.ops.aten.cat.default and len(ar.args[0].args[0]) == 3
-    assert ar.meta["val"].numel() == 3 * 64
-    # A small bucket size splits them again (DDP fills buckets in backward order).
-    jp2 = _joint(dp_program, params, torch.randn(4, 8), [PrimalInfo("param", f"w{i}") for i in range(3)])
-    gm2 = bucket_gradients(jp2.gm, _ctx(), bucket_bytes=2 * 64 * 4)
-    sizes = sorted(n.meta["val"].numel() for n in _collectives(gm2, Phase.BWD))
-    assert sizes == [64, 128]
+def test_bucket_gradients_merges_the_weight_all_reduces_into_flat_buckets():
+    from autopar.cost.timeline import GRADIENT_BUCKETS
+
+    params = [torch.randn(8, 8) for _ in range(16)]
+    infos = [PrimalInfo("param", f"w{i}") for i in range(16)]
+    gm = bucket_gradients(_joint(dp_program, params, torch.randn(4, 8), infos).gm, _ctx())
+    # Each bucket holds at most 1/GRADIENT_BUCKETS of the gradients (what the simulator plays:
+    # the last bucket, issued when the backward ends, is that share): 8 buckets of 2.
+    ars = _collectives(gm, Phase.BWD)
+    assert len(ars) == GRADIENT_BUCKETS == 8
+    for ar in ars:
+        assert ar.args[0].target is torch.ops.aten.cat.default and len(ar.args[0].args[0]) == 2
+        assert ar.meta["val"].numel() == 2 * 64
+    # DDP's byte cap splits them further (buckets fill in backward order): one gradient each.
+    gm2 = bucket_gradients(
+        _joint(dp_program, params, torch.randn(4, 8), infos).gm, _ctx(), bucket_bytes=64 * 4
+    )
+    assert sorted(n.meta["val"].numel() for n in _collectives(gm2, Phase.BWD)) == [64] * 16
+    # Three gradients: fewer than GRADIENT_BUCKETS, so each is reduced on its own, as it is ready.
+    three = _joint(dp_program, params[:3], torch.randn(4, 8), infos[:3]).gm
+    assert len(_collectives(bucket_gradients(three, _ctx()), Phase.BWD)) == 3
 
 
 def test_bucket_gradients_leaves_collectives_whose_result_backward_still_uses():
