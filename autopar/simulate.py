@@ -144,6 +144,7 @@ def stage_costs(
     kind = {n.name: n.kind for n in plan.nodes}
     zero = {n.name: n.zero_stage for n in plan.nodes if n.kind == "param"}
     gather = [0.0] * num_stages
+    fwd_gather = [0.0] * num_stages
     blocking = [0.0] * num_stages
 
     def where(name: str) -> int:
@@ -175,8 +176,9 @@ def stage_costs(
             if not r.collectives:
                 sync[s] += r.time - r.blocking
                 blocking[s] += r.blocking
-            elif stage == 3:
-                mb_sync[s] += r.time
+            elif stage == 3:  # gathered for the forward, again for the backward; reduce-scattered
+                fwd_gather[s] += r.time / 3
+                mb_sync[s] += 2 * r.time / 3
             else:
                 gather[s] += r.time / 2
                 if stage == 1:
@@ -203,6 +205,7 @@ def stage_costs(
                 static=static[s],
                 grad_sync=sync[s],
                 microbatch_sync=mb_sync[s],
+                forward_gather=fwd_gather[s],
                 sync_chunks=max(1, min(chunks[s], GRADIENT_BUCKETS)),
                 param_gather=gather[s],
                 sync_compute=blocking[s],

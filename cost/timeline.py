@@ -39,6 +39,12 @@ Words:
   step runs beside the first forward, bucket by bucket in the order the forward reads them, so
   the first ``F`` on a rank ends no earlier than the gather plus its last bucket's share of the
   ``F`` (the steady state of one step to the next).
+* **ZeRO-3 gathers** — a weight stored sharded is gathered for each micro-batch's forward, again
+  for its backward, and its gradient reduce-scattered (``cost.reshard_cost.edge_cost``: three
+  equal volumes). The backward's two run with the gradient reduction above; the forward's on the
+  same communication stream beside the ``F``, prefetched a layer ahead (FSDP's forward prefetch,
+  ``passes.overlap.prefetch_params``), so the ``F`` ends no earlier than its last gather plus its
+  last layer's share of the ``F`` (``sync_chunks``). Without overlap the ``F`` waits for them.
 * **bubble** — a rank's idle time before its last action ends: the step's makespan less its busy
   time.
 """
@@ -89,6 +95,8 @@ class StageCost:
     static: float = 0.0
     grad_sync: float = 0.0
     microbatch_sync: float = 0.0
+    forward_gather: float = 0.0
+    """ZeRO-3 weights gathered for one micro-batch's forward (each ``F``; module docstring)."""
     sync_chunks: int = 1
     """Buckets the reduction is issued in (at most ``GRADIENT_BUCKETS``: beyond it the last
     bucket's share is counted as ``1/GRADIENT_BUCKETS``, an upper bound)."""
@@ -227,6 +235,16 @@ def play(actions: Sequence[Sequence[Action]], stages: Sequence[StageCost], overl
                     dur += c.sync_compute
                 start = max(free[r], t)
                 end = start + dur
+                if kind == "F" and c.forward_gather > 0:  # ZeRO-3's gathers (module docstring)
+                    if overlap:
+                        begin = max(comm[r], start)
+                        comm[r] = begin + c.forward_gather
+                        tl.comm.append((r, begin, comm[r]))
+                        end = max(end, comm[r] + dur / max(1, c.sync_chunks))
+                    else:
+                        tl.comm.append((r, end, end + c.forward_gather))
+                        end += c.forward_gather
+                        blocked[r] += c.forward_gather
                 if kind == "F" and pos[r] == 0 and gather[r] > 0:  # waits for its last bucket
                     end = max(end, gather[r] + dur / chunks_of[r])
                 tl.events[a] = (r, start, end)

@@ -99,6 +99,26 @@ def test_a_reduction_without_overlap_takes_the_computes_time():
     assert play(make_schedule("1f1b", 1, 2), one).step_time == pytest.approx(6.2)  # last bucket only
 
 
+def test_zero3_forward_gathers_overlap_the_forward_on_the_reduction_stream():
+    """A ZeRO-3 stage's forward gathers run beside its ``F`` (prefetched a layer ahead): a short
+    gather costs the ``F`` nothing, a long one holds it until its last gather plus the last
+    layer's share of the ``F``; they share one stream with the backward's traffic, and without
+    overlap the ``F`` waits for them."""
+    zs = dict(forward=1.0, backward_input=1.0, backward_weight=1.0, sync_chunks=4)
+    short = [StageCost(**zs, forward_gather=0.5, microbatch_sync=1.0)]
+    assert play(make_schedule("1f1b", 1, 1), short).step_time == pytest.approx(3.0 + 0.25)
+    long = [StageCost(**zs, forward_gather=2.0)]
+    tl = play(make_schedule("1f1b", 1, 1), long)
+    assert tl.events[("F", 0, 0)][2] == pytest.approx(2.0 + 0.25) and tl.step_time == pytest.approx(4.25)
+    # Two micro-batches: the second forward's gathers queue behind the first backward's traffic.
+    both = [StageCost(**zs, forward_gather=1.0, microbatch_sync=3.0)]
+    tl = play(make_schedule("1f1b", 1, 2), both)
+    # F0 [0, 1.25] (gather until 1), B0 [1.25, 2.25], W0 [2.25, 3.25] with its traffic [1.25, 4.25],
+    # F1's gather [4.25, 5.25]: F1 ends at 5.5, not 4.25.
+    assert tl.events[("F", 0, 1)][2] == pytest.approx(5.5)
+    assert play(make_schedule("1f1b", 1, 1), long, overlap=False).step_time == pytest.approx(5.0)
+
+
 def test_peak_memory_follows_the_schedule():
     stages = [StageCost(forward=1, backward_input=1, backward_weight=1, activation=10.0, static=100.0)] * 4
     gp = play(make_schedule("gpipe", 4, 8), stages)
