@@ -3,6 +3,8 @@ processes, each predicted from the measured local cluster and then run.
 
     python examples/local_fidelity.py                    # 2 and 4 processes, every layout
     python examples/local_fidelity.py --world 2 --steps 30
+    python examples/local_fidelity.py --world 4 --slow-link 50e6   # two nodes of 2, a slow link
+    python examples/local_fidelity.py --world 4 --calibration c4.json   # measure once, reuse
 
 For each world size the machine is measured first (``autopar.measure_local``:
 matmul rate, memory bandwidth, per-op overhead and every gloo collective's α-β, with all ranks
@@ -14,7 +16,15 @@ running at once as they will in training); then five plans are made on that clus
 * ``pp`` — two pipeline stages, 1F1B over four micro-batches (the rest data-parallel);
 * ``auto`` — ``autopar.plan``'s own choice —
 
-and each is run for ``--steps`` training steps (after warm-up) on processes of its own, one thread
+With ``--slow-link B`` the processes stand for two nodes of ``world / 2`` each, joined by one NIC
+per node of ``B`` bytes/s (``autopar.runtime.link_emulation``: a collective that crosses the nodes
+completes no earlier than its bytes get through the nodes' NICs). The plans are made for that
+cluster — the measured one with ``nodes=2`` and the slow link between the nodes — and two more
+join them: ``hsdp`` (``layouts.fsdp(replicate=2)``: sharded inside a node, replicated across) and
+``tp2`` (``layouts.megatron(tp=world / 2)``: tensor parallelism inside a node, data parallelism
+across). The emulated NIC is a wire, not a core: its transfers overlap compute (``overlap_comm``).
+
+Each is run for ``--steps`` training steps (after warm-up) on processes of its own, one thread
 each: forward, backward and ``AdamW.step()``; the step a rank sees is as slow as the slowest rank,
 so each step's time is the maximum over ranks, and the figure is the median over steps. Printed per
 plan: the predicted step (``plan.predicted.step_time``, the simulator's), the measured median, their
@@ -34,6 +44,8 @@ from typing import Any
 import torch
 
 LAYOUTS = ("dp", "tp", "zero3", "pp", "auto")
+NODE_LAYOUTS = ("dp", "tp", "tp2", "zero3", "hsdp", "auto")
+"""With ``--slow-link``: the pipeline's sends are not emulated (``emulate_nodes``), so no ``pp``."""
 TIE = 0.05
 """Predictions closer than this (relative) are a tie: their order is not checked."""
 
@@ -58,16 +70,35 @@ def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
         return autopar.plan(model, inputs, cluster, mesh_shape=(world,), fixed=fixed, pp=1)
     if layout == "tp":
         return autopar.layouts.megatron(model, inputs, cluster, tp=world)
+    if layout == "tp2":
+        return autopar.layouts.megatron(model, inputs, cluster, tp=world // 2)
     if layout == "zero3":
         return autopar.layouts.fsdp(model, inputs, cluster)
+    if layout == "hsdp":
+        return autopar.layouts.fsdp(model, inputs, cluster, replicate=2)
     if layout == "pp":
         fixed = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)} if world > 2 else {}
         return autopar.plan(model, inputs, cluster, pp=2, microbatches=4, schedule="1f1b", fixed=fixed)
     return autopar.plan(model, inputs, cluster)
 
 
-def worker(rank: int, world: int, plans: dict[str, str], cluster: dict, shape: tuple, steps: int) -> dict:
+def two_nodes(cluster: Any, bandwidth: float) -> Any:
+    """``cluster`` (measured, one node) as two nodes of half its processes, one NIC each of
+    ``bandwidth`` bytes/s between them (the emulated link), the gloo link inside each."""
+    from dataclasses import replace
+
+    from autopar.devices import Link
+
+    per = cluster.world_size // 2
+    slow = Link(name="emulated NIC", bandwidth=bandwidth, latency=cluster.intra_node.latency)
+    return replace(cluster, gpus_per_node=per, nodes=2, inter_node=slow, nics_per_node=1, overlap_comm=True)
+
+
+def worker(
+    rank: int, world: int, plans: dict[str, str], cluster: dict, shape: tuple, steps: int, link: Any = None
+) -> dict:
     import autopar
+    from autopar.runtime.link_emulation import emulate_nodes
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -76,6 +107,8 @@ def worker(rank: int, world: int, plans: dict[str, str], cluster: dict, shape: t
         plan = autopar.Plan.from_dict(json.loads(text))
         model, inputs = build(*shape)
         pm = autopar.parallelize(model, autopar.Cluster.from_dict(cluster), inputs, plan=plan)
+        if link is not None:
+            emulate_nodes(pm, link)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         times = []
         for i in range(steps + 3):
@@ -91,11 +124,47 @@ def worker(rank: int, world: int, plans: dict[str, str], cluster: dict, shape: t
     return out
 
 
-def run(world: int, layouts: list[str], steps: int, shape: tuple) -> list[tuple[str, float, float, str]]:
-    from autopar.api import measure_local
-    from autopar.runtime.launch import spawn
+def calibrated(world: int, path: str | None) -> Any:
+    """The measured local cluster of ``world`` processes: read from ``path`` where it exists, else
+    measured (``autopar.measure_local``) and written there. With 4 processes on 2 cores one
+    calibration can predict every step 20-30 % slower than the next (``runtime.calibrate.ROUNDS``):
+    runs that share one calibration compare plans and links, not calibrations."""
+    import os
 
+    import autopar
+    from autopar.api import measure_local
+
+    if path and os.path.exists(path):
+        with open(path) as f:
+            cluster = autopar.Cluster.from_dict(json.load(f))
+        if cluster.world_size != world:
+            raise SystemExit(f"{path} calibrates {cluster.world_size} processes, not {world}")
+        return cluster
     cluster = measure_local(world)
+    if path:
+        with open(path, "w") as f:
+            json.dump(cluster.to_dict(), f)
+    return cluster
+
+
+def run(
+    world: int,
+    layouts: list[str],
+    steps: int,
+    shape: tuple,
+    slow: float | None = None,
+    calibration: str | None = None,
+) -> list[tuple[str, float, float, str]]:
+    import tempfile
+
+    from autopar.runtime.launch import spawn
+    from autopar.runtime.link_emulation import EmulatedLink
+
+    cluster = calibrated(world, calibration)
+    link = None
+    if slow is not None:
+        cluster = two_nodes(cluster, slow)
+        link = EmulatedLink.create(world // 2, slow, tempfile.gettempdir())
     model, inputs = build(*shape)
     plans, what = {}, {}
     for name in layouts:
@@ -106,7 +175,7 @@ def run(world: int, layouts: list[str], steps: int, shape: tuple) -> list[tuple[
         what[name] = (f"pp={pipe.pp} m={pipe.microbatches} " if pipe else "") + axes
         what[name] += f" (predicted {plan.predicted.step_time * 1e3:.1f} ms)"
     res = {  # each plan in processes of its own, as a user runs one
-        name: spawn(worker, world, {name: text}, cluster.to_dict(), shape, steps, timeout=1800)
+        name: spawn(worker, world, {name: text}, cluster.to_dict(), shape, steps, link, timeout=1800)
         for name, text in plans.items()
     }
     rows = []
@@ -120,20 +189,36 @@ def run(world: int, layouts: list[str], steps: int, shape: tuple) -> list[tuple[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, nargs="*", default=[2, 4])
-    ap.add_argument("--layout", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--layout", nargs="*", default=None, choices=sorted(set(LAYOUTS + NODE_LAYOUTS)))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--slow-link", type=float, default=None, metavar="BYTES_PER_S",
+                    help="two emulated nodes joined by one NIC of this speed each")  # fmt: skip
+    ap.add_argument("--calibration", default=None, metavar="FILE",
+                    help="the measured cluster: read it from FILE, or measure and write it there")  # fmt: skip
     args = ap.parse_args()
+    if args.calibration and len(args.world) > 1:
+        ap.error("--calibration holds one world size's measurements: give one --world")
+    layouts = args.layout or list(NODE_LAYOUTS if args.slow_link else LAYOUTS)
+    if args.slow_link and "pp" in layouts:
+        ap.error("--slow-link emulates no pipeline sends: leave pp out")
+    if args.slow_link and any(w % 2 or w < 4 for w in args.world):
+        ap.error("--slow-link needs world sizes of 4 or more, even (two nodes of at least 2)")
     warnings.simplefilter("ignore")
     shape = (args.layers, args.hidden, args.seq, args.batch)
     print(f"GPT {args.layers} layers × {args.hidden}, batch {args.batch} × {args.seq}, vocabulary 512; "
           f"median of {args.steps} steps, the slowest rank's")  # fmt: skip
     for world in args.world:
-        rows = run(world, args.layout, args.steps, shape)
-        print(f"\n{world} processes")
+        rows = run(world, layouts, args.steps, shape, args.slow_link, args.calibration)
+        link = (
+            f", two nodes of {world // 2} joined by {args.slow_link / 1e6:g} MB/s NICs"
+            if args.slow_link
+            else ""
+        )
+        print(f"\n{world} processes{link}")
         print(f"  {'plan':<6} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  layout")
         for name, pred, meas, what in rows:
             print(f"  {name:<6} {pred * 1e3:>8.1f}ms {meas * 1e3:>8.1f}ms {pred / meas:>9.2f}  {what}")
