@@ -1,6 +1,6 @@
 """Gradient compression as a plan choice: what it costs in learning, what it sends, what it gains.
 
-    python examples/compression.py converge [--steps 200] [--ranks 2 4 8] [--warmup 0 20]
+    python examples/compression.py converge [--steps 200] [--ranks 2 4 8] [--warmup 0 20] [--seeds 1 2 3]
     python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b:128] [--no-baseline]
 
 * ``converge`` — a small GPT (2 layers, width 64) trained data parallel on 4 gloo processes for
@@ -9,7 +9,10 @@
   in bf16 and once with PowerSGD at each ``--ranks`` and each ``--warmup`` (steps reduced exactly
   before PowerSGD starts, PyTorch's ``start_powerSGD_iter``); then each final model's loss on held-out
   sequences, against the exact run's, and the bytes one rank's collectives carried in the last
-  step (counted as they are issued) against the plan's prediction.
+  step (counted as they are issued) against the plan's prediction. With several ``--seeds`` (the
+  training stream's; the held-out sequences stay the same) every variant trains once per seed and
+  the loss is the mean over the seeds, with the spread of each seed's ratio to its own exact run:
+  one stream's difference is partly the stream's.
 * ``ethernet`` — each model's shape planned for 8 nodes × 8 H100 joined by one 400 Gb/s Ethernet
   NIC per node (``Cluster.preset(network="ethernet-400g")``): the best Megatron-LM layout for that
   cluster (``layouts.best_megatron``, every knob tuned; it compresses nothing: Megatron-LM has no
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 # ----------------------------------------------------------------------------------- converge
 
 
-def converge(steps: int, ranks: list[int], warmups: list[int]) -> None:
+def converge(steps: int, ranks: list[int], warmups: list[int], seeds: list[int]) -> None:
     from test_compression import _bigram_batches, _gpt, _train, held_out_loss
 
     from autopar.runtime.launch import spawn
@@ -62,18 +65,20 @@ def converge(steps: int, ranks: list[int], warmups: list[int]) -> None:
             k: autopar.layouts.megatron(model, data[0], cluster, tp=1, **kw) for k, kw in variants.items()
         }
     t0 = time.perf_counter()
-    out = spawn(_train, 4, plans, steps, timeout=3600)[0]
-    print(f"4 gloo processes, {steps} AdamW steps ({time.perf_counter() - t0:.0f} s)")
-    print(
-        f"{'reduction':<28} {'held-out loss':>13} {'vs exact':>9} {'bytes measured':>15} {'predicted':>10} {'ratio':>6}"
-    )
-    exact = held_out_loss(out["exact"]["state"])
-    for name, run in out.items():
-        loss = held_out_loss(run["state"])
+    runs = [spawn(_train, 4, plans, steps, seed, timeout=3600)[0] for seed in seeds]
+    print(f"4 gloo processes, {steps} AdamW steps, training stream seed{'s' if len(seeds) > 1 else ''} "
+          f"{', '.join(map(str, seeds))} ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    print(f"{'reduction':<28} {'held-out loss':>13} {'vs exact':>9} {'per seed':>22} {'bytes measured':>15} "
+          f"{'predicted':>10} {'ratio':>6}")  # fmt: skip
+    losses = [{name: held_out_loss(run["state"]) for name, run in out.items()} for out in runs]
+    exact = sum(ls["exact"] for ls in losses) / len(losses)
+    for name in plans:
+        loss = sum(ls[name] for ls in losses) / len(losses)
+        each = " ".join(f"{100 * (ls[name] / ls['exact'] - 1):+.1f}" for ls in losses)
         predicted = plans[name].predicted.comm_bytes_per_axis[0]
-        sent = run["bytes"][-1]
+        sent = runs[0][name]["bytes"][-1]
         print(
-            f"{name:<28} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {sent:>15,} "
+            f"{name:<28} {loss:>13.4f} {100 * (loss / exact - 1):>+8.1f}% {each:>22} {sent:>15,} "
             f"{predicted:>10,.0f} {sent / predicted:>6.3f}"
         )
 
@@ -187,12 +192,13 @@ def main() -> None:
     c.add_argument("--steps", type=int, default=200)
     c.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     c.add_argument("--warmup", type=int, nargs="+", default=[0])
+    c.add_argument("--seeds", type=int, nargs="+", default=[1])
     e = sub.add_parser("ethernet")
     e.add_argument("--models", nargs="+", default=["llama3-8b", "gpt3-1.3b"])
     e.add_argument("--no-baseline", action="store_true", help="skip best_megatron (slow)")
     args = p.parse_args()
     if args.what == "converge":
-        converge(args.steps, args.ranks, args.warmup)
+        converge(args.steps, args.ranks, args.warmup, args.seeds)
     else:
         ethernet(args.models, not args.no_baseline)
 

@@ -45,7 +45,6 @@ import mmap
 import os
 import struct
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +55,7 @@ from torch.fx import GraphModule
 
 from autopar.program.records import FUNCTIONAL_COLLECTIVES
 from autopar.runtime.pipeline_runner import Transport
+from autopar.runtime.step_runner import plain_attribute
 
 __all__ = ["EmulatedLink", "LinkTally", "emulate_nodes", "node_share"]
 
@@ -361,16 +361,12 @@ def _emulated_wait(emu: _Emulator, node_name: str, wait_name: str, *args: Any) -
 def _rewrite(gm: GraphModule, emu: _Emulator, program: int) -> None:
     """Route ``gm``'s collectives and their waits through ``emu`` (``program``: this program's
     number among the module's, which keeps its nodes' names apart from the others')."""
-    gm._link_emulator = emu
     attr = None
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in FUNCTIONAL_COLLECTIVES:
             continue
         if attr is None:
-            first = next(m for m in gm.graph.nodes if m.op != "placeholder")
-            with gm.graph.inserting_before(first), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
-                attr = gm.graph.get_attr("_link_emulator")
+            attr = plain_attribute(gm, "_link_emulator", emu)
         name = f"{program}:{n.name}"
         waits = [u for u in n.users if u.op == "call_function"]
         emu.targets[name] = n.target

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from autopar.program.collectives import AxisGroup
 from autopar.program.records import (
@@ -34,7 +34,7 @@ from autopar.program.records import (
 )
 from autopar.runtime.monitor import StepMonitor
 
-__all__ = ["bind_step", "run_step"]
+__all__ = ["bind_step", "plain_attribute", "run_step"]
 
 _fc = torch.ops._c10d_functional
 
@@ -44,19 +44,25 @@ def monitored_wait(x: torch.Tensor, monitor: StepMonitor, label: str) -> torch.T
     return monitor.wait(x, label)
 
 
+def plain_attribute(gm: GraphModule, name: str, value: object) -> Node:
+    """Set ``gm.<name> = value`` — a plain attribute (not a module, parameter or buffer), on
+    purpose: a runtime object its nodes call with — and return a ``get_attr`` node reading it,
+    placed before the program's first computation."""
+    setattr(gm, name, value)
+    first = next(m for m in gm.graph.nodes if m.op != "placeholder")
+    with gm.graph.inserting_before(first), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+        return gm.graph.get_attr(name)
+
+
 def _monitor_waits(gm: GraphModule, monitor: StepMonitor, axis_names: dict[str, str], direction: str) -> None:
     """Route every ``wait_tensor`` of ``gm`` through ``monitor``, labelled with its collective."""
-    gm._monitor = monitor
     attr = None
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not _fc.wait_tensor.default:
             continue
         if attr is None:
-            first = next(m for m in gm.graph.nodes if m.op != "placeholder")
-            with gm.graph.inserting_before(first), warnings.catch_warnings():
-                # ``_monitor`` is a plain attribute (not a module, parameter or buffer), on purpose
-                warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
-                attr = gm.graph.get_attr("_monitor")
+            attr = plain_attribute(gm, "_monitor", monitor)
         issue = n.args[0]
         kind = FUNCTIONAL_COLLECTIVES.get(getattr(issue, "target", None), "collective")
         group = next((a for a in getattr(issue, "args", ()) if isinstance(a, str) and a in axis_names), None)

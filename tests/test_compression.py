@@ -265,9 +265,9 @@ class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _train(rank: int, world: int, plans: dict[str, Any], steps: int) -> dict[str, Any]:
+def _train(rank: int, world: int, plans: dict[str, Any], steps: int, seed: int = 1) -> dict[str, Any]:
     out = {}
-    data = _bigram_batches(steps, seed=1)
+    data = _bigram_batches(steps, seed=seed)
     for name, plan in plans.items():
         pm = autopar.parallelize(_gpt(), autopar.Cluster.local(world), data[0], plan=plan)
         opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
