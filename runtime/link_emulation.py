@@ -59,8 +59,6 @@ from autopar.runtime.step_runner import plain_attribute
 
 __all__ = ["EmulatedLink", "LinkTally", "emulate_nodes", "node_share"]
 
-_fc = torch.ops._c10d_functional
-
 
 @dataclass(frozen=True, slots=True)
 class EmulatedLink:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,7 +117,7 @@ def _run(rank: int, world: int, plans: dict[str, str], link: EmulatedLink, steps
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_two_emulated_nodes_hold_back_only_the_crossing_collectives():
+def test_two_emulated_nodes_hold_back_only_the_crossing_collectives(tmp_path):
     from autopar.runtime.launch import spawn
 
     world, steps = 4, 4
@@ -133,7 +132,7 @@ def test_two_emulated_nodes_hold_back_only_the_crossing_collectives():
     assert tp2.mesh_axes[-1] == "tp" and tp2.mesh_shape == (2, 2)
     pp = autopar.plan(model, inputs, cluster, pp=2, microbatches=2, schedule="1f1b", fixed=batch)
     plans = {"dp": json.dumps(dp.to_dict()), "tp2": json.dumps(tp2.to_dict()), "pp": json.dumps(pp.to_dict())}
-    link = EmulatedLink.create(2, BANDWIDTH, tempfile.gettempdir())
+    link = EmulatedLink.create(2, BANDWIDTH, str(tmp_path))
     res = spawn(_run, world, plans, link, steps, timeout=240)
 
     for name, plan in (("dp", dp), ("tp2", tp2)):
