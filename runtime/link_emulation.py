@@ -24,18 +24,21 @@ Words:
   ``p·(n−p)/n·S`` (``S`` one member's buffer); a broadcast passes ``S`` through each node once; a
   point-to-point transfer between nodes puts its bytes on the sender's NIC.
 * **charge** — a crossing collective is charged when its last member issues it (its transfer can
-  start no earlier; a point-to-point transfer when the sender issues it): each node's NIC takes its share after what it already carries, and the
-  collective's **finish** is when the last of its nodes' NICs is done, plus ``latency``. Its wait
-  returns at gloo's own completion or at the finish, whichever is later: the rank sleeps for the
-  difference. Work issued before the wait runs meanwhile (a link is a wire, not a core).
+  start no earlier), a point-to-point transfer when its sender does: each node's NIC takes its
+  share after what it already carries, and the collective's **finish** is when the last of its
+  nodes' NICs is done, plus ``latency``. Its wait returns at gloo's own completion or at the
+  finish, whichever is later: the rank sleeps for the difference. Work issued before the wait runs
+  meanwhile (a link is a wire, not a core).
 
 The ranks share the NIC clocks and the charges in flight through a file they all map
 (``EmulatedLink.state``, ``_SharedTable``; ``flock`` around every access): every emulated process
 runs on this machine.
-What is emulated: the collectives of a traced step program (a plan without pipeline stages), and of
-a pipeline's stage programs with the runner's transfers, its loss broadcast and its shared
-weights' gradient sums (``PipelineRunner.transport``). Not Inductor's programs (``compile=True``):
-:func:`emulate_nodes` refuses those rather than leave a link fast.
+
+What is emulated: the training step — the collectives of its traced program (a plan without
+pipeline stages), or of a pipeline's stage programs with the runner's transfers, its loss
+broadcast and its shared weights' gradient sums (``PipelineRunner.transport``). Not the forward
+program run without gradients (evaluation), and not Inductor's programs (``compile=True``):
+:func:`emulate_nodes` refuses a compiled step rather than leave its link fast.
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ def _key(*parts: int) -> int:
 @dataclass
 class LinkTally:
     """What the emulated link did on this rank: crossing collectives issued (by kind), the bytes
-    this rank's nodes sent for them (each collective's share of this rank's node, once per rank),
+    this rank's node sent for them (each collective's share of this rank's node, once per rank),
     and the seconds its waits slept for the link."""
 
     calls: Counter = field(default_factory=Counter)
@@ -235,7 +238,7 @@ class _Emulator:
         self.pending: dict[str, tuple[int | None, int]] = {}
         self.ranks: dict[str, tuple[int, ...]] = {}
         self.targets: dict[str, Any] = {}
-        """What each rewritten node called (by node name; the programs' node names are unique)."""
+        """What each rewritten node called, by ``"<program>:<node name>"`` (``_rewrite``)."""
         self.tally = LinkTally()
         self.table = _SharedTable(link.state)
 
@@ -340,12 +343,10 @@ class _EmulatedTransport(Transport):
         self.emu.end(key, len(ranks))
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any) -> None:
-        self._blocking(
-            "broadcast", t, group, lambda: super(_EmulatedTransport, self).broadcast(t, src, group)
-        )
+        self._blocking("broadcast", t, group, lambda: Transport.broadcast(self, t, src, group))
 
     def all_reduce(self, t: torch.Tensor, group: Any) -> None:
-        self._blocking("all_reduce", t, group, lambda: super(_EmulatedTransport, self).all_reduce(t, group))
+        self._blocking("all_reduce", t, group, lambda: Transport.all_reduce(self, t, group))
 
 
 def _emulated_issue(emu: _Emulator, node_name: str, *args: Any, **kwargs: Any) -> Any:
