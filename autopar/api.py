@@ -231,7 +231,9 @@ def _rank_target(
             i for i, (kind, key) in enumerate(roles) if kind == "param" and named[key].requires_grad
         ),
         pp_coord=world.pp.coord if world.pp is not None else 0,
-        gather_outputs=gather_outputs or pipelined,
+        # A pipelined step returns the loss alone (``runtime.pipeline_runner``): other outputs (the
+        # logits) stay local shards rather than being gathered every micro-batch for nothing.
+        gather_outputs=gather_outputs and not pipelined,
         compile=compile,
         group=world.world_group,
         quiet=tuple(world.all_axes),
