@@ -148,7 +148,9 @@ def parallelize(
     target = _rank_target(pm, plan, model, world, batch, gather_outputs, compile)
     pm.set_step(compile_rank(target, PassContext(captured=cap, cluster=cluster, config=config)))
     if pm.pipeline is not None:
-        pm.pipeline.predicted = _predicted_rank(plan, world.pp.coord)
+        pm.pipeline.predicted = _predicted_rank(
+            plan, world.pp.coord, world.axes[0].coord if world.axes else 0
+        )
     return pm
 
 
@@ -240,19 +242,24 @@ def _rank_target(
     )
 
 
-def _predicted_rank(plan: Plan, coord: int) -> dict[str, float]:
+def _predicted_rank(plan: Plan, coord: int, coord0: int = 0) -> dict[str, float]:
     """What ``plan`` predicts for pipeline rank ``coord``'s step, its schedule played by
     ``autopar.cost.timeline`` (``PipelineRunner.predicted``, which ``ParallelModule.report`` prints
-    beside the measurement); empty where the plan has no per-stage costs."""
+    beside the measurement); empty where the plan has no per-stage costs. ``coord0``: the rank's
+    coordinate on the stage mesh's first axis (unequal data-parallel shares)."""
     from autopar.cost.timeline import StageCost, play
     from autopar.schedule import max_in_flight
 
     pipe = plan.pipeline
     if pipe is None or not pipe.stage_costs:
         return {}
-    actions = pipe.actions()
     overlap = Cluster.from_dict(plan.cluster).overlap_comm
-    tl = play(actions, [StageCost(**c) for c in pipe.stage_costs], overlap=overlap)
+    if pipe.dp_shares and pipe.replica_costs:  # this rank's replica's own micro-batches and costs
+        actions = pipe.actions(coord0)
+        tl = play(actions, [StageCost(**pipe.replica_costs[coord0])], overlap=overlap)
+    else:
+        actions = pipe.actions()
+        tl = play(actions, [StageCost(**c) for c in pipe.stage_costs], overlap=overlap)
     return {
         "step": tl.step_time,
         "compute": tl.busy[coord],

@@ -394,6 +394,12 @@ def plan_summary(plan: PlanRecord) -> str:
             + ", ".join(fmt_bytes(b) for b in pipe.peak_memory)
             + pipeline_devices(plan)
         )
+        if pipe.dp_shares:
+            axis = plan.mesh_axes[0] if plan.mesh_axes else "the first axis"
+            lines.append(
+                f"  unequal data-parallel shares over {axis}: {':'.join(map(str, pipe.dp_shares))} of the step's "
+                f"{sum(pipe.dp_shares)} micro-batches, each replica on its own devices" + shares_devices(plan)
+            )
     if plan.recompute != "none":
         lines.append(f"  recomputation: {plan.recompute} ({recomputed_where(plan)})")
     fused = plan.fusion_counts()
@@ -587,11 +593,24 @@ def param_count(nodes: Iterable[NodeRecord]) -> int:
     return sum(math.prod(n.shape) for n in nodes if n.kind == "param")
 
 
+def shares_devices(plan: PlanRecord) -> str:
+    """``" (cpu-process, cpu-process-fast)"``: the device kind of each data-parallel replica of a
+    plan with unequal shares (``PipelinePlan.dp_shares``)."""
+    from autopar.cluster import Cluster
+    from autopar.dp_shares import replica_clusters
+
+    pipe = plan.pipeline
+    if pipe is None or not pipe.dp_shares or not plan.cluster:
+        return ""
+    parts = replica_clusters(Cluster.from_dict(plan.cluster), len(pipe.dp_shares))
+    return f" ({', '.join(c.device.name for c in parts)})" if parts else ""
+
+
 def pipeline_devices(plan: Any) -> str:
     """``"; ranks on A100-80GB, H100-SXM"``: each pipeline rank's device kind where the plan's
     cluster mixes kinds (``Cluster.node_groups``), else ``""``."""
-    if not (plan.cluster or {}).get("node_groups") or plan.pipeline is None:
-        return ""
+    if not (plan.cluster or {}).get("node_groups") or plan.pipeline is None or plan.pipeline.dp_shares:
+        return ""  # with unequal shares each replica's own devices are named (``shares_devices``)
     from autopar.cluster import Cluster
 
     cluster, pp = Cluster.from_dict(plan.cluster), plan.pipeline.pp

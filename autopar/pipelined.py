@@ -27,6 +27,7 @@ from autopar.cost.compute import kernel_time
 from autopar.cost.timeline import play
 from autopar.devices import DeviceSpec
 from autopar.display import fmt_bytes
+from autopar.dp_shares import balance, replica_clusters, share_blockers
 from autopar.passes.annotate import node_kernels
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
@@ -112,16 +113,18 @@ def pipelined_candidates(
     own = [cluster.pipeline_part(pp, r) for r in range(pp)]
     budgets = [budget + c.device.memory - floor.device.memory for c in own]
     known: dict[str, dict[str, float]] = gm.meta.setdefault(DEVICE_RATIOS, {})  # one graph's, kept with it
-    ratios: list[dict[str, float] | None] = []
-    for c in own:
+
+    def ratios_on(c: Cluster) -> dict[str, float] | None:
+        """Each node's time on ``c``'s devices ÷ on the floor's; ``None`` where they are alike."""
         # Name and memory do not time a kernel: a rank of the floor's own kind runs as planned.
         if replace(c.device, name=floor.device.name, memory=floor.device.memory) == floor.device:
-            ratios.append(None)
-            continue
+            return None
         key = json.dumps([c.device.to_dict(), floor.device.to_dict(), config.matmul_tf32], sort_keys=True)
         if key not in known:
             known[key] = device_time_ratios(gm, floor.device, c.device, config.matmul_tf32)
-        ratios.append(known[key])
+        return known[key]
+
+    ratios = [ratios_on(c) for c in own]
     link_factor = [floor.intra_node.bandwidth / c.intra_node.bandwidth for c in own]
     mixed = any(r is not None for r in ratios) or any(f != 1 for f in link_factor)
 
@@ -174,6 +177,12 @@ def pipelined_candidates(
 
     def play_cut(stage_of: dict[str, int], S: int, actions: Any) -> tuple[list, Any]:
         """The stage costs of a cut, and the schedule played with them."""
+        costs = cut_costs(stage_of, S, scale if mixed else None)
+        return costs, play(actions, costs, overlap=cluster.overlap_comm)
+
+    def cut_costs(stage_of: dict[str, int], S: int, by: Any) -> list:
+        """The stage costs of a cut, each node's times scaled by ``by(node, stage)`` (``None``: the
+        stage plan's own)."""
         boundary = [0.0] * S
         for n in gm.graph.nodes:
             s = stage_of.get(n.name)
@@ -190,9 +199,9 @@ def pipelined_candidates(
             trainable_matmul=facts.trainable_matmul,
             boundary_bytes=boundary,
             send_time=lambda b: link.latency + b / link.bandwidth,
-            scale=scale if mixed else None,
+            scale=by,
         )
-        return costs, play(actions, costs, overlap=cluster.overlap_comm)
+        return costs
 
     def fit_cut(stage_of: dict[str, int], costs: list, tl: Any, S: int, actions: Any) -> tuple:
         """Balanced by time, a rank holds more than its device: the fastest cut under per-stage
@@ -237,6 +246,60 @@ def pipelined_candidates(
             if not over(t) and (over(best[2]) or t.step_time < best[2].step_time):
                 best = (cut, c, t)
         return best
+
+    def shares_candidate(base: Scored) -> Scored | None:
+        """``base`` (one stage, ``m`` micro-batches on every replica, held to the floor) with
+        unequal data-parallel shares (``autopar.dp_shares``): each replica of the first mesh axis
+        plays its own micro-batches on its own devices; ``None`` where the replicas are of one
+        kind, the plan ties them together (``share_blockers``: logged) or the shares come out
+        equal."""
+        parts = replica_clusters(cluster, mesh[0]) if mesh else None
+        if parts is None or len({c.device.name for c in parts}) < 2:
+            return None
+        blockers = share_blockers(spmd)
+        if blockers:
+            log.info("pp=1 m=%d: no unequal data-parallel shares: %s", m, "; ".join(blockers[:3]))
+            return None
+        pipe = base.plan.pipeline
+        assert pipe is not None
+        per = []
+        for c in parts:
+            ratio, f = ratios_on(c), floor.intra_node.bandwidth / c.intra_node.bandwidth
+            per.append(
+                cut_costs(
+                    pipe.stage_of,
+                    1,
+                    lambda name, s, ratio=ratio, f=f: (ratio.get(name, 1.0) if ratio else 1.0, f),
+                )[0]
+            )
+        shares = balance([c.forward + c.backward_input + c.backward_weight for c in per], m * mesh[0])
+        if len(set(shares)) == 1:
+            return None
+        tls = [
+            play(make_schedule("1f1b", 1, k), [c], overlap=cluster.overlap_comm) for k, c in zip(shares, per)
+        ]
+        peaks = [max(t.peak_memory) for t in tls]
+        caps = [budget + c.device.memory - floor.device.memory for c in parts]
+        if any(pk > cap for pk, cap in zip(peaks, caps)):
+            return None
+        shared = replace(
+            pipe,
+            dp_shares=shares,
+            replica_costs=tuple({f: getattr(c, f) for f in c.__dataclass_fields__} for c in per),
+            peak_memory=(max(peaks),),
+        )
+        p = replace(base.plan, pipeline=shared, info=dict(base.plan.info))
+        opt = max(optimizer_time(p, c) for c in parts)
+        slowest = max(range(len(tls)), key=lambda j: tls[j].step_time)
+        step = tls[slowest].step_time + opt
+        p.predicted = replace(base.plan.predicted, step_time=step, memory_per_device=max(peaks))
+        p.info["simulated"] = {
+            "compute_and_comm": tls[slowest].busy[0],
+            "bubble_fraction": 0.0,
+            "exposed_grad_sync": tls[slowest].exposed_sync[0],
+            "optimizer": opt,
+        }
+        return Scored(p, step, f"{base.what} shares {':'.join(map(str, shares))}")
 
     if cuts is not None:  # a user's cut: wrong is an error, not a candidate that does not fit
         missing = [n for n in compute if n not in cuts]
@@ -319,6 +382,10 @@ def pipelined_candidates(
                 "optimizer": opt,
             }
             out.append(Scored(p, step, label))
+    if pp == 1 and m > 1 and out and cluster.mixed_kinds:
+        shared = shares_candidate(out[0])
+        if shared is not None:
+            out.append(shared)
     return out
 
 

@@ -126,16 +126,55 @@ class PipelinePlan:
     """Predicted idle share of the pipelined compute (``autopar.cost.timeline``)."""
     peak_memory: tuple[float, ...] = ()
     """Predicted peak bytes per pipeline rank."""
+    dp_shares: tuple[int, ...] = ()
+    """Unequal data-parallel shares (``autopar.dp_shares``): the micro-batches each coordinate of
+    the stage mesh's first axis runs, summing to ``microbatches`` × that axis's size; every
+    micro-batch has the same rows. Empty: each runs ``microbatches``. One stage only (``pp = 1``,
+    gradient accumulation)."""
+    replica_costs: tuple[dict[str, float], ...] = ()
+    """With ``dp_shares``: per coordinate of the first axis, its one stage's costs per micro-batch
+    on its own devices (as ``stage_costs``, which holds the floor device's)."""
+
+    def __post_init__(self) -> None:
+        if not self.dp_shares:
+            if self.replica_costs:
+                raise ValueError("PipelinePlan: replica_costs are given only with dp_shares")
+            return
+        shares = tuple(int(k) for k in self.dp_shares)
+        object.__setattr__(self, "dp_shares", shares)
+        if self.pp != 1 or self.virtual != 1:
+            raise ValueError(
+                f"PipelinePlan: unequal data-parallel shares {shares} run with one stage (pp = 1, gradient "
+                f"accumulation), not pp = {self.pp} × v = {self.virtual}"
+            )
+        n, want = len(shares), self.microbatches * len(shares)
+        if min(shares) < 1 or sum(shares) != want:
+            raise ValueError(
+                f"PipelinePlan: dp_shares {shares} must each be >= 1 and sum to microbatches × {n} = "
+                f"{self.microbatches} × {n} = {want} (they sum to {sum(shares)})"
+            )
+        if self.replica_costs and len(self.replica_costs) != n:
+            raise ValueError(
+                f"PipelinePlan: {len(self.replica_costs)} replica_costs for {n} dp_shares; give one per share"
+            )
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual
 
-    def actions(self) -> list[list[tuple[str, int, int]]]:
-        """Every pipeline rank's actions (``autopar.schedule.make_schedule``)."""
+    def microbatches_at(self, coord0: int) -> int:
+        """Micro-batches run by the ranks at coordinate ``coord0`` of the stage mesh's first axis."""
+        return self.dp_shares[coord0] if self.dp_shares else self.microbatches
+
+    def actions(self, coord0: int | None = None) -> list[list[tuple[str, int, int]]]:
+        """Every pipeline rank's actions (``autopar.schedule.make_schedule``); with ``dp_shares``,
+        those of the ranks at coordinate ``coord0`` of the stage mesh's first axis."""
         from autopar.schedule import make_schedule
 
-        return make_schedule(self.schedule, self.pp, self.microbatches, self.virtual)
+        if self.dp_shares and coord0 is None:
+            raise ValueError("PipelinePlan.actions: a plan with dp_shares needs the first axis's coordinate")
+        m = self.microbatches if coord0 is None else self.microbatches_at(coord0)
+        return make_schedule(self.schedule, self.pp, m, self.virtual)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +186,8 @@ class PipelinePlan:
             "stage_costs": [dict(c) for c in self.stage_costs],
             "bubble_fraction": self.bubble_fraction,
             "peak_memory": list(self.peak_memory),
+            **({"dp_shares": list(self.dp_shares)} if self.dp_shares else {}),
+            **({"replica_costs": [dict(c) for c in self.replica_costs]} if self.replica_costs else {}),
         }
 
     @classmethod
@@ -160,6 +201,8 @@ class PipelinePlan:
             stage_costs=tuple(dict(c) for c in d.get("stage_costs", ())),
             bubble_fraction=float(d.get("bubble_fraction", 0.0)),
             peak_memory=tuple(float(x) for x in d.get("peak_memory", ())),
+            dp_shares=tuple(int(k) for k in d.get("dp_shares", ())),
+            replica_costs=tuple(dict(c) for c in d.get("replica_costs", ())),
         )
 
 

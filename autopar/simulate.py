@@ -248,6 +248,19 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
         actions = make_schedule("1f1b", 1, 1)
         tl = play(actions, stages, overlap=cluster.overlap_comm)
         return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
+    if p.dp_shares and p.replica_costs:
+        # Unequal data-parallel shares (``autopar.dp_shares``): each replica plays its own micro-
+        # batches on its own devices; the step is the slowest's.
+        played = [
+            play(p.actions(j), [StageCost(**c)], overlap=cluster.overlap_comm)
+            for j, c in enumerate(p.replica_costs)
+        ]
+        size = cluster.world_size // len(p.dp_shares)
+        j = max(range(len(played)), key=lambda j: played[j].step_time)
+        opt = max(optimizer_time(plan, cluster.part(i * size, size)) for i in range(len(played)))
+        return StepSimulation(
+            played[j], opt, p.schedule + f" (shares {':'.join(map(str, p.dp_shares))})", p.dp_shares[j]
+        )
     stages = [StageCost(**d) for d in p.stage_costs]
     tl = play(p.actions(), stages, overlap=cluster.overlap_comm)
     opt = max(

@@ -38,7 +38,16 @@ from autopar.capture import Captured
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
 from autopar.passes.plan_check import LoweringError, check_plan
-from autopar.placement import Replicate, Shard, Spec, format_spec, local_shape, parse_spec, shard_slices
+from autopar.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    Spec,
+    format_spec,
+    local_shape,
+    parse_spec,
+    shard_slices,
+)
 from autopar.planfile import NodePlan, Plan
 from autopar.program import collectives as C
 from autopar.program import experts as M
@@ -477,9 +486,14 @@ class _Lowerer:
         class_axes = [
             self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_CLASSES and self.mesh[a] > 1
         ]
-        row_axes = [
-            self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_ROWS and self.mesh[a] > 1
-        ]
+        rows = [a for a, r in enumerate(p.rewrites) if r == Rewrite.LOSS_ROWS and self.mesh[a] > 1]
+        copies = 1
+        pipe = self.plan.pipeline
+        if pipe is not None and pipe.dp_shares and rows and rows[0] == 0:
+            # Unequal shares: no per-micro-batch count over the first axis (its ranks run different
+            # numbers of micro-batches); its rows are counted as this rank's (``_reduce_rows``).
+            copies, rows = self.mesh[0], rows[1:]
+        row_axes = [self.ax(a) for a in rows]
         reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
         ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
         class_start = 0
@@ -494,16 +508,25 @@ class _Lowerer:
             raise self.fail(node, "class-sharded nll_loss is not supported")
         else:
             fn = O.sharded_nll_loss
+        if copies > 1:
+            kw["row_copies"] = copies
         return self.g.call_function(fn, (args[0], args[1]), kw | {"row_axes": row_axes})
 
     def lower_output(self, node: Node) -> None:
         replicated = tuple(Replicate() for _ in self.mesh)
         no_split = tuple(False for _ in self.mesh)
+        # Unequal data-parallel shares (``PipelinePlan.dp_shares``): the ranks along the first axis
+        # run different numbers of micro-batches, so a loss partial over it stays partial — the
+        # pipeline runner sums the parts once per step (``autopar.runtime.pipeline_runner``).
+        pipe = self.plan.pipeline
+        shares = pipe is not None and bool(pipe.dp_shares)
 
         def out(n: Node) -> Node:
             val = n.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 return self.env[n]
+            if shares and val.dim() == 0 and isinstance(self.spec_out(n)[0], Partial):
+                return self.local_input(n, (self.spec_out(n)[0], *replicated[1:]), no_split)
             if self.gather_outputs or val.dim() == 0:
                 return self.local_input(n, replicated, no_split)
             return self.env[n]

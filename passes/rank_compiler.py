@@ -61,6 +61,7 @@ from torch.fx import GraphModule
 
 from autopar.ir import RANK, PrimalInfo, RankInfo
 from autopar.passes import PassContext
+from autopar.passes.collective_nodes import is_issue
 from autopar.passes.compile import compile_agreed
 from autopar.passes.fusion import fuse_kernels, kernels_run
 from autopar.passes.joint import JointProgram, step_program, trace_joint
@@ -81,6 +82,7 @@ from autopar.program.records import (
     CompileReport,
     RankStages,
     RankStep,
+    StageStep,
     StepProgram,
     group_names,
 )
@@ -406,8 +408,30 @@ def split_step(build: RankBuild, ctx: PassContext) -> RankBuild:
         steps[unit.stage.stage] = stage_step(
             unit.stage, unit.joint, unit.examples, build.differentiable, microbatches=pipe.microbatches
         )
+    if pipe.dp_shares:
+        _check_shares(steps, t.axes)
     build.stages = RankStages(steps=steps, stage_coord=build.stage_coord, holders=build.holders)
     return build
+
+
+def _check_shares(steps: dict[int, StageStep], axes: Sequence[AxisGroup]) -> None:
+    """Unequal data-parallel shares (``PipelinePlan.dp_shares``): ranks along the first axis run
+    different numbers of micro-batches, so no program run once per micro-batch may hold a
+    collective over that axis — it would wait forever for the ranks that ran out. Raised on every
+    rank alike, before the first step (the planner's ``autopar.dp_shares.share_blockers`` keeps
+    such plans from being made)."""
+    first = axes[0]
+    names = {first.group_name} | {g.group_name for key, g in first.combined.items() if 0 in key}
+    for s, step in steps.items():
+        for kind in ("forward", "backward_input", "backward_weight_local"):
+            gm = getattr(step, kind)
+            for n in gm.graph.nodes if gm is not None else ():
+                if is_issue(n) and any(isinstance(a, str) and a in names for a in n.args):
+                    raise ValueError(
+                        f"the plan gives the ranks of its first mesh axis ({first.name}) unequal shares of "
+                        f"micro-batches, but stage {s}'s {kind} program runs {n.target} over that "
+                        "axis every micro-batch; plan again without dp_shares (autopar.dp_shares)"
+                    )
 
 
 def compile_step(build: RankBuild, ctx: PassContext) -> RankBuild:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autopar.capture import input_paths
-from autopar.placement import Spec, local_shape
+from autopar.placement import Replicate, Spec, local_shape
 from autopar.runtime.compat import all_gather_into
 from autopar.runtime.monitor import CollectiveFailure
 from autopar.runtime.shards import local_shard
@@ -92,6 +92,15 @@ class InputChecks:
         input's spec (a replicated target beside a batch-split input included)."""
         if self.microbatches == 1 or x.dim() == 0:
             return local_shard(x, spec, self._mesh, self._coord)
+        pipe = self.plan.pipeline
+        if pipe is not None and pipe.dp_shares:
+            # Unequal shares (``PipelinePlan.dp_shares``): the batch cut into the step's micro-batches
+            # of one size, a run of consecutive ones for each coordinate of the first axis (which
+            # therefore splits nothing further), each laid out over the other axes as planned.
+            j, shares = self._coord[0], pipe.dp_shares
+            pieces = torch.chunk(x, sum(shares), dim=0)[sum(shares[:j]) : sum(shares[: j + 1])]
+            rest = (Replicate(), *spec[1:])
+            return torch.cat([local_shard(p, rest, self._mesh, self._coord) for p in pieces], dim=0)
         pieces = torch.chunk(x, self.microbatches, dim=0)
         return torch.cat([local_shard(p, spec, self._mesh, self._coord) for p in pieces], dim=0)
 

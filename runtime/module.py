@@ -206,10 +206,14 @@ class ParallelModule(InputChecks, ModuleState, nn.Module):
         if record.stages is not None:
             pipe = self.plan.pipeline
             assert pipe is not None and self._world.pp is not None
+            # Unequal data-parallel shares: this rank's count of the plan's micro-batches.
+            coord0 = self._coord[0] if pipe.dp_shares else None
             self.pipeline = build_runner(
                 record.stages, roles=self.primal_roles(), trainable=self.grad_primals(), pp_axis=self._world.pp,
-                pp_groups=self._world.pp_groups(), actions=pipe.actions()[self._world.pp.coord],
-                microbatches=pipe.microbatches, timeout=self._world.timeout,
+                pp_groups=self._world.pp_groups(), actions=pipe.actions(coord0)[self._world.pp.coord],
+                microbatches=pipe.microbatches_at(coord0 or 0), timeout=self._world.timeout,
+                shares=self.axes[0] if pipe.dp_shares else None,
+                loss_weight=1.0 / pipe.microbatches if pipe.dp_shares else 0.0,
             )  # fmt: skip
             self.pipeline.monitor = self.monitor
             self.microbatches = pipe.microbatches

@@ -14,6 +14,12 @@ stage step; ``autopar.schedule`` for schedules):
   is the mean of the micro-batches' losses (each micro-batch's loss gets the gradient ``1/m``),
   which equals the whole batch's when micro-batches count equally (the model's mean losses over
   equal-sized micro-batches).
+* **unequal shares** (``PipelinePlan.dp_shares``, ``autopar.dp_shares``) — ranks at different
+  coordinates of the first mesh axis run different numbers of micro-batches of one size. The
+  stage program then leaves the loss partial over that axis (each rank's part of the mean over
+  the plan's micro-batch), every micro-batch's loss still gets ``1/m`` of the plan's ``m``, and
+  after the schedule the loss's parts are summed over the axis (``shares``): the mean over all
+  the step's rows, as the gradients summed over the axis are.
 
 A step runs the whole schedule when the module is called (forward and backward of every
 micro-batch), stashes the parameter gradients, and returns the loss as a tensor whose backward
@@ -117,6 +123,12 @@ class PipelineRunner:
     ``saved_peak`` (the most bytes of them kept at once, distinct storages counted once)."""
     timing: bool = False
     transport: Transport = field(default_factory=Transport)
+    shares: AxisGroup | None = None
+    """With unequal data-parallel shares (module docstring): the first mesh axis, over which the
+    loss's parts are summed after the schedule."""
+    loss_weight: float = 0.0
+    """The gradient each micro-batch's loss gets: ``1/m`` of the plan's ``m`` (0: of
+    ``microbatches``, this rank's count, which is the plan's without unequal shares)."""
     predicted: dict[str, float] = field(default_factory=dict)
     """What the plan predicts for this rank's step, as ``last`` measures it: ``step``, ``compute``,
     ``in_flight`` (set by ``autopar.parallelize``, the plan's schedule played by
@@ -238,7 +250,7 @@ class PipelineRunner:
                         tangents.append(total)
                     else:
                         out = outputs[mb][i - n_sent]
-                        scale = 1.0 / m if out.dim() == 0 else 0.0
+                        scale = (self.loss_weight or 1.0 / m) if out.dim() == 0 else 0.0
                         tangents.append(torch.full_like(out, scale))
                 t0 = time.perf_counter()
                 res = step.program("backward_input")(*sv[: step.num_saved_i], *tangents)
@@ -286,9 +298,12 @@ class PipelineRunner:
         # The model's outputs: the mean loss over micro-batches, from the last stage's rank.
         src = self._rank_of(last)
         if self._mine(last):
-            loss = torch.stack([outputs[mb][0].detach().float() for mb in range(m)]).mean()
+            losses = torch.stack([outputs[mb][0].detach().float() for mb in range(m)])
+            loss = losses.mean() if self.shares is None else losses.sum() * self.loss_weight
         else:
             loss = torch.zeros(())
+        if self.shares is not None and self._mine(last) and self.shares.size > 1:
+            self.transport.all_reduce(loss, self.shares.group)  # the parts of the step's mean
         self.transport.broadcast(loss, src, self.pp.group)
         if grad:
             for i, group in self.shared:
@@ -374,12 +389,15 @@ def build_runner(
     actions: Sequence[tuple[str, int, int]],
     microbatches: int,
     timeout: float = 300.0,
+    shares: AxisGroup | None = None,
+    loss_weight: float = 0.0,
 ) -> PipelineRunner:
     """This rank's ``PipelineRunner`` for ``stages`` (built by the per-rank compiler's stage cut, ``autopar.passes.stage_cut``),
     with the groups that sum tied weights' gradients across pipeline ranks. ``roles``: ``(kind,
     name)`` of each primal; ``pp_groups``: the global ranks of every pipeline group (each rank's,
     by coordinate; every rank creates the tied-weight groups of all of them, in the same order);
-    ``actions``: this rank's schedule."""
+    ``actions``: this rank's schedule; ``shares``, ``loss_weight``: with unequal data-parallel
+    shares, the first mesh axis and each micro-batch loss's gradient (``PipelineRunner``)."""
     import datetime
 
     # Weights held on several pipeline ranks (tied): one group per distinct set of coordinates in
@@ -409,4 +427,6 @@ def build_runner(
         trainable=list(trainable),
         shared=shared,
         holders=holders,
+        shares=shares,
+        loss_weight=loss_weight,
     )

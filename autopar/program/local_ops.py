@@ -124,6 +124,7 @@ def sharded_cross_entropy(
     class_axes: Sequence[AxisGroup] = (),
     row_axes: Sequence[AxisGroup] = (),
     fused: bool = False,
+    row_copies: int = 1,
 ) -> torch.Tensor:
     """``aten.cross_entropy_loss`` on local shards (``reduction``: 1 mean, 2 sum; see module doc).
     ``fused``: the fused kernels of ``autopar.program.kernels`` compute the loss (set by the
@@ -143,7 +144,7 @@ def sharded_cross_entropy(
         total = per_row.sum().to(logits.dtype)
     else:
         total = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-    return _reduce_rows(total, target, ignore_index, reduction, row_axes)
+    return _reduce_rows(total, target, ignore_index, reduction, row_axes, row_copies)
 
 
 def _reduce_rows(
@@ -152,15 +153,20 @@ def _reduce_rows(
     ignore_index: int,
     reduction: int,
     row_axes: Sequence[AxisGroup],
+    row_copies: int = 1,
 ) -> torch.Tensor:
     """``reduction`` 2 (sum): this device's sum, Partial along ``row_axes``. 1 (mean): divided by
-    the number of counted rows over all of them (an all-reduce of the counts, no gradient)."""
+    the number of counted rows over all of them (an all-reduce of the counts, no gradient), times
+    ``row_copies``: the rows are split ``row_copies`` ways more, over ranks that run unequal
+    numbers of micro-batches (``PipelinePlan.dp_shares``), whose counts are taken as this rank's
+    (exact where every micro-batch counts the same rows; else each micro-batch's mean counts
+    equally, as under DDP with gradient accumulation)."""
     if reduction == 2:
         return total
     count = (target != ignore_index).sum().to(torch.float32)
     for ax in row_axes:
         count = reduce_values(count, ax, "fwd")
-    return total / count.to(total.dtype)
+    return total / (count * row_copies).to(total.dtype)
 
 
 def sharded_nll_loss(
@@ -170,7 +176,8 @@ def sharded_nll_loss(
     ignore_index: int = -100,
     reduction: int = 1,
     row_axes: Sequence[AxisGroup] = (),
+    row_copies: int = 1,
 ) -> torch.Tensor:
     """``aten.nll_loss`` with rows split (the lowering refuses one with classes split)."""
     total = torch.nn.functional.nll_loss(log_probs, target, ignore_index=ignore_index, reduction="sum")
-    return _reduce_rows(total, target, ignore_index, reduction, row_axes)
+    return _reduce_rows(total, target, ignore_index, reduction, row_axes, row_copies)
