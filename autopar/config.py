@@ -143,6 +143,12 @@ class PlanConfig:
     (``autopar.cost.compression``): the 3D search's fastest candidates are planned again with each
     method (``autopar.refine.compressed``) and one is kept where it plays at least 5 % faster
     (``refine.COMPRESSION_GAIN``). Off: gradients are reduced exactly."""
+    replicas_first: bool = False
+    """Keep the first mesh axis to independent data-parallel replicas: nothing crosses it inside a
+    micro-batch (inputs split by rows over it, weights replicated over it, no reshard or in-op
+    collective over it), so its ranks may run unequal shares of the micro-batches
+    (``autopar.dp_shares``). The 3D search sets it on a mixed cluster, for a second plan of each
+    accumulated candidate whose first plan ties the replicas together."""
     compression: str | None = None
     """Compress every data-parallel gradient all-reduce with this method (``"bf16"`` or
     ``"powersgd"``, ``autopar.cost.compression.METHODS``) in every candidate: the solver prices
@@ -291,6 +297,8 @@ class PlanConfig:
             )
         if not isinstance(self.allow_compression, bool):
             fail(f"allow_compression is True or False, got {self.allow_compression!r}")
+        if not isinstance(self.replicas_first, bool):
+            fail(f"replicas_first is True or False, got {self.replicas_first!r}")
         if self.compression is not None and self.compression not in METHODS:
             fail(
                 f"compression must be one of {', '.join(repr(m) for m in METHODS)} or None (exact "

@@ -396,10 +396,7 @@ def plan_summary(plan: PlanRecord) -> str:
         )
         if pipe.dp_shares:
             axis = plan.mesh_axes[0] if plan.mesh_axes else "the first axis"
-            lines.append(
-                f"  unequal data-parallel shares over {axis}: {':'.join(map(str, pipe.dp_shares))} of the step's "
-                f"{sum(pipe.dp_shares)} micro-batches, each replica on its own devices" + shares_devices(plan)
-            )
+            lines.append(f"  unequal data-parallel shares over {axis}: {shares_text(plan)}")
     if plan.recompute != "none":
         lines.append(f"  recomputation: {plan.recompute} ({recomputed_where(plan)})")
     fused = plan.fusion_counts()
@@ -593,17 +590,34 @@ def param_count(nodes: Iterable[NodeRecord]) -> int:
     return sum(math.prod(n.shape) for n in nodes if n.kind == "param")
 
 
-def shares_devices(plan: PlanRecord) -> str:
-    """``" (cpu-process, cpu-process-fast)"``: the device kind of each data-parallel replica of a
-    plan with unequal shares (``PipelinePlan.dp_shares``)."""
+def shares_text(plan: PlanRecord) -> str:
+    """``"8 replicas on A100-80GB run 1 micro-batch each, 8 on H100-SXM run 3 (32 in all)"``: the
+    unequal data-parallel shares of a plan (``PipelinePlan.dp_shares``), runs of equal replicas
+    together, each with its device kind where the cluster is known."""
     from autopar.cluster import Cluster
     from autopar.dp_shares import replica_clusters
 
     pipe = plan.pipeline
-    if pipe is None or not pipe.dp_shares or not plan.cluster:
-        return ""
-    parts = replica_clusters(Cluster.from_dict(plan.cluster), len(pipe.dp_shares))
-    return f" ({', '.join(c.device.name for c in parts)})" if parts else ""
+    shares = pipe.dp_shares
+    parts = replica_clusters(Cluster.from_dict(plan.cluster), len(shares)) if plan.cluster else None
+    kinds = [c.device.name for c in parts] if parts else [""] * len(shares)
+    runs: list[list] = []
+    for k, kind in zip(shares, kinds):
+        if runs and runs[-1][1:] == [k, kind]:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, k, kind])
+    out = []
+    for i, (n, k, kind) in enumerate(runs):
+        who = f"{n} replica{'s' if n > 1 else ''}" if i == 0 else str(n)
+        where = f" on {kind}" if kind else ""
+        what = (
+            f"run{'s' if n == 1 and i == 0 else ''} {k} micro-batch{'es' if k > 1 else ''}"
+            if i == 0
+            else f"run {k}"
+        )
+        out.append(f"{who}{where} {what}" + (" each" if i == 0 and n > 1 else ""))
+    return ", ".join(out) + f" ({sum(shares)} in all, each replica on its own devices)"
 
 
 def pipeline_devices(plan: Any) -> str:

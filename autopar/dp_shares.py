@@ -32,7 +32,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from torch.fx import Graph
+
 from autopar.cluster import Cluster
+from autopar.passes.param_syncs import weight_syncs
 from autopar.placement import Partial, Shard, parse_spec
 from autopar.planfile import Plan
 
@@ -70,9 +73,12 @@ def replica_clusters(cluster: Cluster, replicas: int) -> list[Cluster] | None:
         return None
 
 
-def share_blockers(plan: Plan) -> list[str]:
+def share_blockers(plan: Plan, graph: Graph | None = None) -> list[str]:
     """What in ``plan`` (a stage plan of one stage) keeps the replicas of its first mesh axis
-    running equal shares (module docstring: blocker); empty where unequal shares can run."""
+    running equal shares (module docstring: blocker); empty where unequal shares can run.
+    ``graph``: the captured graph the plan was made for, where the lowering's weight syncs are
+    read from (``passes.param_syncs``: a position-embedding lookup's gradient is reduced at its
+    weight, once per step); without it every activation's gradient sync blocks."""
     mesh = tuple(plan.mesh_shape)
     if not mesh or mesh[0] < 2:
         return [f"the mesh {mesh} has no first axis of two or more to share"]
@@ -82,6 +88,10 @@ def share_blockers(plan: Plan) -> list[str]:
         if s and not (isinstance(s[0], Shard) and s[0].dim == 0):
             why.append(f"input {path} is laid out {spec[0]} on the first axis, not split by rows (S(0))")
     kinds = {n.name: n.kind for n in plan.nodes}
+    at_weight: set[tuple[str, tuple[int, ...]]] = set()
+    if graph is not None:
+        values, _ = weight_syncs(graph, {n for n, k in kinds.items() if k == "param"}, plan)
+        at_weight = {(v.name, axes) for v, axes in values}
     for r in plan.distinct_reshards():
         # A replicated value made partial stays on one coordinate: no communication either way.
         on_first = [
@@ -89,7 +99,11 @@ def share_blockers(plan: Plan) -> list[str]:
         ]
         if on_first:
             why.append(f"{r.producer} → {r.consumer}: {on_first[0]} over the first axis in every micro-batch")
-        elif 0 in r.grad_sync_axes and kinds.get(r.producer) != "param":
+        elif (
+            0 in r.grad_sync_axes
+            and kinds.get(r.producer) != "param"
+            and (r.producer, tuple(a for a in r.grad_sync_axes if mesh[a] > 1)) not in at_weight
+        ):
             why.append(f"{r.producer}: its gradient is all-reduced over the first axis in every micro-batch")
     for n in plan.nodes:
         if n.comms and n.comms[0]:

@@ -242,6 +242,12 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
         notes.append(
             f"{split} repeated layer(s) are cut inside (between attention and MLP); the layout cuts between layers"
         )
+    if pipe is not None and pipe.dp_shares:
+        notes.append(
+            f"autopar gives the data-parallel replicas unequal shares of the step's {sum(pipe.dp_shares)} "
+            f"micro-batches ({':'.join(map(str, pipe.dp_shares))}, a faster device kind more); the layout "
+            f"gives each {m}"
+        )
     zero = plan.zero_stages()
     stage_counts = Counter(zero.values())
     if len(stage_counts) > 1:

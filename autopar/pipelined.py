@@ -256,7 +256,7 @@ def pipelined_candidates(
         parts = replica_clusters(cluster, mesh[0]) if mesh else None
         if parts is None or len({c.device.name for c in parts}) < 2:
             return None
-        blockers = share_blockers(spmd)
+        blockers = share_blockers(spmd, gm.graph)
         if blockers:
             log.info("pp=1 m=%d: no unequal data-parallel shares: %s", m, "; ".join(blockers[:3]))
             return None

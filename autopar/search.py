@@ -38,6 +38,11 @@ everything.
   plans pp = 2, 4 and 8, not accumulation). Bisecting the sizes instead planned fewer on that
   model but more on GPT-3 175B, and on the 1T-parameter row settled on a 1.5 % slower pipeline:
   the step is not unimodal where divisibility changes the stage's layouts (pp = 3 there).
+* On a mixed cluster, gradient accumulation is tried even where the whole batch fits: its
+  micro-batches are what unequal data-parallel shares are made of (``autopar.dp_shares``: a
+  replica of a faster device kind runs more of them). Where the stage plan ties the replicas of
+  its first axis together (a sequence split or a ZeRO-3 weight over it), it is planned once more
+  with that axis kept to replicas (``PlanConfig.replicas_first``) and its shares candidates join.
 * Where a size's last count does not fit, smaller micro-batches (the next count dividing the batch
   at least twice as many) are tried while the smallest memory per device its plans reach still
   falls (``ESCALATE_SHRINK``), down to one sequence per micro-batch: activations shrink with the
@@ -394,6 +399,8 @@ class PipelineSearch:
                     screen = False
                 except (NotBetter, InfeasibleError) as e:
                     log.info("pp=%d m=%d: refining the screened stage plan failed (%s)", pp, m, e)
+            if pp == 1 and m > 1 and cluster.mixed_kinds and not any(" shares " in c.what for c in found):
+                found += self.replicas_first(cap, sub, stage_config, far, score, m)
             if not found:
                 self.errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
                 if more is not None and escalated < 2:
@@ -412,6 +419,22 @@ class PipelineSearch:
                 prev_recomputes = config.recompute == "auto" and fastest.plan.recompute != "none"
                 out = _Size(min(out.step, prev_m))
         return out
+
+    def replicas_first(
+        self, cap: Any, sub: Cluster, stage_config: PlanConfig, far: float | None, score: Player, m: int
+    ) -> list[Scored]:
+        """An accumulated candidate on a mixed cluster whose stage plan ties the replicas of its
+        first axis together: planned once more keeping that axis to independent replicas
+        (``PlanConfig.replicas_first``), so that they may run unequal shares (``autopar.dp_shares``;
+        module docstring). Only its shares candidates are kept; none where no such plan exists."""
+        try:
+            spmd = plan_captured(
+                cap, sub, stage_config.replace(replicas_first=True), path_cutoff=far, score=score, fewer_layers=False
+            )
+        except (NotBetter, InfeasibleError) as e:
+            log.info("pp=1 m=%d: no plan keeps the first axis to replicas (%s)", m, e)
+            return []
+        return [c for c in score.candidates(spmd) if " shares " in c.what]
 
     def skip(self, pp: int, why: str) -> None:
         self.errors.append(f"pp={pp}: not tried ({why})")
@@ -503,8 +526,10 @@ def plan_model(
         whole = search.whole(pps[1] if len(pps) > 1 else None)
         if config.pp == "auto" and whole is None and len(pps) == 1:  # one stage does not fit: pipelines too
             pps += [d for d in range(2, world + 1) if world % d == 0]
-    fits = whole is not None  # as it is: accumulating smaller micro-batches is then not tried
-    if pps[0] == 1 and ((config.pp == "auto" and fits) or search.batch is None):
+    fits = whole is not None  # as it is: accumulating smaller micro-batches is then not tried,
+    # except on a mixed cluster, where accumulation is what lets a faster replica run more of the
+    # step's micro-batches (``autopar.dp_shares``).
+    if pps[0] == 1 and ((config.pp == "auto" and fits and not cluster.mixed_kinds) or search.batch is None):
         pps = pps[1:]
     if config.pp == "auto" and not fits and len(pps) > 2 and pps[0] == 1:
         search.pipelines_first(pps)

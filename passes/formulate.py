@@ -45,7 +45,7 @@ from autopar.mesh import Mesh
 from autopar.passes import PassContext
 from autopar.passes.annotate import grad_sync_share
 from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec, spec_problem
-from autopar.reshard import ReshardStep, bucketed_grad_sync, grad_sync_axes, reshard_steps
+from autopar.reshard import ReshardStep, StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
 __all__ = ["STRATEGY_GRAPH", "formulate", "parse_fixed"]
@@ -128,6 +128,21 @@ EdgeCost = Callable[[int, int], tuple[float, float]]
 """(seconds, bytes kept) of carrying the producer group key with this id into the consumer's."""
 
 
+def _replica_strategy(n: Node, s: Strategy) -> bool:
+    """Whether ``s`` keeps the first mesh axis to independent data-parallel replicas
+    (``PlanConfig.replicas_first``): no collective inside the op over it, a weight replicated over
+    it, an input (with dimensions) split by rows over it."""
+    if s.comms and s.comms[0]:
+        return False
+    kind = n.meta[TENSOR].kind
+    first = s.outputs[0][0] if s.outputs and s.outputs[0] else None
+    if kind == "param":
+        return isinstance(first, Replicate)
+    if kind == "input" and n.meta["val"].dim() > 0:
+        return isinstance(first, Shard) and first.dim == 0
+    return True
+
+
 class _Builder:
     def __init__(
         self,
@@ -137,8 +152,10 @@ class _Builder:
         in_flight: int = 1,
         per_sync: int = 1,
         compression: GradCompression | None = None,
+        replicas_first: bool = False,
     ) -> None:
         self.gm = gm
+        self.replicas_first = replicas_first
         self.compression = compression
         self.in_flight = in_flight
         self.per_sync = per_sync
@@ -246,6 +263,8 @@ class _Builder:
                 s = strategies[fmap[k]]
                 d.unary[k] += s.compute_time + s.comm_time
                 d.memory[k] += s.memory * scale
+                if self.replicas_first and not _replica_strategy(n, s):
+                    d.allowed[k] = False
 
     # Step 4 ------------------------------------------------------------------------------------
     def _edge_cost_fn(self, i: Node, written: bool) -> EdgeCost:
@@ -257,6 +276,7 @@ class _Builder:
         bucketed = bucketed_grad_sync(i)
         share = grad_sync_share(i)
         mesh, cache, keys, steps_cache = self.mesh, self.edge_cache, self.keys, self.steps_cache
+        replicas_first = self.replicas_first
         compression = (
             self.compression.for_weight(read_by_lookup(i))
             if self.compression is not None and info.kind == "param"
@@ -281,6 +301,11 @@ class _Builder:
                     steps = steps_cache.get((shape, src, spec))
                     if steps is None:
                         steps = steps_cache[(shape, src, spec)] = reshard_steps(shape, src, spec, mesh.shape)
+                    if replicas_first and any(
+                        st.axis == 0 and st.kind != StepKind.TO_PARTIAL and mesh.shape[0] > 1 for st in steps
+                    ):
+                        cache[key] = (math.inf, 0.0)  # a collective over the replicas' axis
+                        return cache[key]
                     t = edge_cost(
                         shape,
                         itemsize,
@@ -447,6 +472,7 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ctx.config.activations_in_flight,
         ctx.config.microbatches_per_sync,
         ctx.config.grad_compression,
+        ctx.config.replicas_first,
     )
     b.build_decisions()
     b.add_unary()

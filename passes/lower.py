@@ -37,6 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.capture import Captured
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs, written_inputs
 from autopar.ir import Rewrite
+from autopar.passes.param_syncs import dropped, weight_syncs
 from autopar.passes.plan_check import LoweringError, check_plan
 from autopar.placement import (
     Partial,
@@ -93,11 +94,6 @@ def _out_of_place(node: Node) -> Any:
     packet = getattr(torch.ops.aten, name[:-1], None)
     overload = getattr(packet, target._overloadname, None) if packet is not None else None
     return overload if overload is not None else target
-
-
-def _dropped(node: Node) -> bool:
-    """Export's shape assertions compute nothing; the per-rank program leaves them out."""
-    return op_family(node) is OpFamily.ASSERT
 
 
 class _Lowerer:
@@ -258,54 +254,8 @@ class _Lowerer:
 
     # -------------------------------------------------------------- main walk
     def plan_param_syncs(self) -> None:
-        """Find weights whose gradient is synced at the weight itself (and can be bucketed).
-
-        A weight qualifies when every use reads it as laid out (no reshard) and splits work along
-        the same axes, so its whole gradient is partial there; or when it feeds, through a chain
-        of single-use ops run replicated on every axis (a position-embedding lookup), a value
-        whose uses are like that — the all-reduce then moves from that value's gradient to the
-        weight's, which is the same sum pushed through the same linear map on every device.
-        """
-        derived: set[Node] = set()
-        for node in self.cap.graph.nodes:
-            if (node.op == "placeholder" and node.name in self.cap.params) or (
-                node.op == "call_function" and any(i in derived for i in node.all_input_nodes)
-            ):
-                derived.add(node)
-        order: list[tuple[str, tuple[int, ...]]] = []
-        for p in self.cap.graph.nodes:
-            if p.op != "placeholder" or p.name not in self.cap.params:
-                continue
-            v = p
-            while True:
-                users = [u for u in v.users if not _dropped(u)]
-                if not users or any(u.op != "call_function" or u.name not in self.np for u in users):
-                    break
-                src = self.spec_out(v)
-                reqs = set()
-                for u in users:
-                    up = self.np[u.name]
-                    dst = up.inputs[tensor_inputs(u).index(v)]
-                    if dst is None or parse_spec(dst) != src:
-                        reqs.add(None)
-                        continue
-                    reqs.add(grad_sync_axes(up.split, src))
-                if len(reqs) != 1 or None in reqs:
-                    break
-                # An axis of one device reduces nothing (``local_input`` leaves it out too: the
-                # two must name the same axes, or the consumer would sync the gradient again).
-                axes = tuple(a for a in reqs.pop() if self.mesh[a] > 1)
-                if axes:
-                    self.bucketed_values.add((v, axes))
-                    order.append((p.name, axes))
-                    break
-                (u,) = users if len(users) == 1 else (None,)
-                if u is None or any(self.np[u.name].split) or len(tensor_outputs(u)) != 1:
-                    break
-                if [i for i in tensor_inputs(u) if i in derived] != [v]:
-                    break
-                v = u
-        self.param_syncs = dict(order)
+        """The weights whose gradient is synced at the weight itself (``passes.param_syncs``)."""
+        self.bucketed_values, self.param_syncs = weight_syncs(self.cap.graph, self.cap.params, self.plan)
 
     def run(self) -> GraphModule:
         self.plan_param_syncs()
@@ -333,7 +283,7 @@ class _Lowerer:
 
     def lower_call(self, node: Node) -> None:
         name = op_name(node)
-        if _dropped(node):
+        if dropped(node):
             return
         p = self.np.get(node.name)
         if node.target is operator.getitem:

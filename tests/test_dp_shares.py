@@ -23,11 +23,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:autopar")
 VOCAB, BATCH, SEQ = 512, 16, 16
 
 
-def _model(seed: int = 0, vocab: int = VOCAB) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A tiny LLaMA whose logits are large enough that the loss is split by rows (not gathered)."""
+def _model(seed: int = 0, vocab: int = VOCAB, kind: str = "llama") -> tuple[torch.nn.Module, Any]:
+    """A tiny LLaMA (or, ``kind="gpt"``, ``autopar.models.GPT`` with learned positions) whose
+    logits are large enough that the loss is split by rows (not gathered)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    if kind == "gpt":
+        from autopar.models import GPT, GPTConfig
+
+        gpt = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=vocab))
+        return gpt, (torch.randint(0, vocab, (BATCH, SEQ)), torch.randint(0, vocab, (BATCH, SEQ)))
     cfg = LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, use_cache=False,
@@ -104,28 +110,52 @@ def test_the_faster_group_gets_more_micro_batches_and_the_step_replays():
     assert simulate(again).step_time == pytest.approx(plan.predicted.step_time, rel=1e-9)
     equal = autopar.plan(model, inputs, mixed.uniform(), pp=1, microbatches=4, mesh_shape=(2, 2))
     assert plan.predicted.step_time < 0.8 * equal.predicted.step_time
-    assert "shares" in plan.summary()
+    assert "8 in all" in plan.summary() and "cpu-process-fast run" in plan.summary()
+    # An engine's layout cannot say it: the export notes what it drops.
+    from autopar.export import export
+
+    assert any("unequal shares" in n for n in export(plan, "megatron").notes)
 
 
-def test_a_plan_that_ties_the_replicas_together_keeps_equal_shares_and_says_why(caplog):
+def test_the_search_tries_unequal_shares_on_a_mixed_cluster():
+    model, inputs = _model()
+    plan = autopar.plan(model, inputs, _mixed(), mesh_shape=(2, 2))  # pp="auto": the whole batch fits
+    tried = plan.info["pipeline_candidates"]
+    shared = [t for t in tried if "shares" in t.get("candidate", "")]
+    assert shared and all(t["pp"] == 1 and t["microbatches"] > 1 for t in shared), tried
+    # Each shares candidate beats its own equal-shares candidate, held to the floor.
+    for t in shared:
+        equal = next(u for u in tried if u.get("candidate") == t["candidate"].split(" shares")[0])
+        assert t["step_time"] < equal["step_time"]
+    assert plan.predicted.step_time <= min(t["step_time"] for t in shared) * (1 + 1e-9)
+
+
+def test_a_plan_that_ties_the_replicas_together_is_planned_again_keeping_them_apart(caplog):
     model, inputs = _model(vocab=64)  # small logits: the solver gathers them over the first axis
+    tied = autopar.plan(model, inputs, _mixed().uniform(), pp=1, microbatches=4, mesh_shape=(4,))
+    why = share_blockers(tied)
+    assert any("over the first axis in every micro-batch" in w for w in why), why
     with caplog.at_level("INFO", logger="autopar.planner"):
         plan = autopar.plan(model, inputs, _mixed(), pp=1, microbatches=4, mesh_shape=(4,))
-    assert plan.pipeline is not None and plan.pipeline.dp_shares == ()
-    why = share_blockers(plan)
-    assert any("over the first axis in every micro-batch" in w for w in why), why
-    assert "no unequal data-parallel shares" in caplog.text
+    assert "no unequal data-parallel shares" in caplog.text  # the first stage plan, as the solver chose
+    # Planned again with PlanConfig.replicas_first: nothing crosses the first axis in a micro-batch.
+    pipe = plan.pipeline
+    assert pipe is not None and len(set(pipe.dp_shares)) > 1, pipe
+    assert share_blockers(plan) == []
+    assert all(not c.startswith("all_gather") for r in plan.reshards for c in r.collectives if "axis=0" in c)
+    with pytest.raises(ValueError, match="replicas_first is True or False"):
+        autopar.PlanConfig(replicas_first="yes")
 
 
-def _shares_worker(rank: int, world: int, plans: list[Any]) -> list[dict[str, Any]]:
+def _shares_worker(rank: int, world: int, plans: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     import warnings
 
     from _runtime_helpers import make_optimizer, train
 
     warnings.simplefilter("ignore")
     out = []
-    for plan in plans:
-        model, inputs = _model()
+    for kind, plan in plans:
+        model, inputs = _model(kind=kind.split(":")[0], vocab=int(kind.split(":")[1]))
         pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
         losses = train(pm, inputs, make_optimizer("sgd", pm.parameters()))
         out.append({"losses": losses, "state": pm.full_state_dict(), "ran": pm.pipeline.microbatches})
@@ -139,22 +169,29 @@ def test_unequal_shares_train_like_one_process():
 
     from autopar.runtime.launch import spawn
 
-    model, inputs = _model()
-    plans = [
-        autopar.plan(model, inputs, _mixed(), pp=1, microbatches=4, mesh_shape=mesh)
-        for mesh in ((2, 2), (4,))
-    ]
-    for p in plans:
+    # LLaMA on two meshes; the GPT's position-embedding gradient is reduced at its weight, once
+    # a step (``passes.param_syncs``), so it does not tie the replicas either.
+    plans = []
+    # LLaMA with a small vocabulary is planned a second time keeping the first axis to replicas
+    # (``PlanConfig.replicas_first``): that plan must run too.
+    for kind, mesh in (("llama:512", (2, 2)), ("llama:512", (4,)), ("gpt:512", (4,)), ("llama:64", (2, 2))):
+        model, inputs = _model(kind=kind.split(":")[0], vocab=int(kind.split(":")[1]))
+        plans.append((kind, autopar.plan(model, inputs, _mixed(), pp=1, microbatches=4, mesh_shape=mesh)))
+    for _, p in plans:
         assert p.pipeline is not None and len(set(p.pipeline.dp_shares)) > 1, p.pipeline
-    ref_model, _ = _model()
-    ref = (train(ref_model, inputs, make_optimizer("sgd", ref_model.parameters())), ref_model.state_dict())
+    refs = {}
+    for kind in ("llama:512", "gpt:512", "llama:64"):
+        ref_model, inputs = _model(kind=kind.split(":")[0], vocab=int(kind.split(":")[1]))
+        losses = train(ref_model, inputs, make_optimizer("sgd", ref_model.parameters()))
+        refs[kind] = (losses, ref_model.state_dict())
     out = spawn(_shares_worker, 4, plans)
-    for k, p in enumerate(plans):
+    for k, (kind, p) in enumerate(plans):
+        ref = refs[kind]
         shares = p.pipeline.dp_shares
         size = 4 // len(shares)
         for r, got in enumerate(out):
             assert got[k]["ran"] == shares[r // size]  # each rank ran its replica's share
             problems = compare_training(
-                ref, (got[k]["losses"], got[k]["state"]), "sgd", f"shares {shares} rank {r}"
+                ref, (got[k]["losses"], got[k]["state"]), "sgd", f"{kind} shares {shares} rank {r}"
             )
             assert not problems, "\n".join(problems)
