@@ -429,7 +429,12 @@ class PipelineSearch:
         module docstring). Only its shares candidates are kept; none where no such plan exists."""
         try:
             spmd = plan_captured(
-                cap, sub, stage_config.replace(replicas_first=True), path_cutoff=far, score=score, fewer_layers=False
+                cap,
+                sub,
+                stage_config.replace(replicas_first=True),
+                path_cutoff=far,
+                score=score,
+                fewer_layers=False,
             )
         except (NotBetter, InfeasibleError) as e:
             log.info("pp=1 m=%d: no plan keeps the first axis to replicas (%s)", m, e)
