@@ -150,14 +150,16 @@ class PlanConfig:
     (``autopar.dp_shares``). The 3D search sets it on a mixed cluster, for a second plan of each
     accumulated candidate whose first plan ties the replicas together."""
     compression: str | None = None
-    """Compress every data-parallel gradient all-reduce with this method (``"bf16"`` or
-    ``"powersgd"``, ``autopar.cost.compression.METHODS``) in every candidate: the solver prices
+    """Compress every data-parallel gradient all-reduce with this method (``"bf16"``, ``"fp8"``,
+    ``"topk"`` or ``"powersgd"``, ``autopar.cost.compression.METHODS``) in every candidate: the solver prices
     it, the plan records it (``Plan.compression``) and the runtime runs it. ``None``: exact, unless
     ``allow_compression`` lets the search choose."""
     compression_rank: int = 4
     """PowerSGD's approximation rank (``GradCompression.rank``)."""
     compression_warmup: int = 0
     """Steps reduced exactly before PowerSGD starts (``GradCompression.warmup_steps``)."""
+    compression_density: float = 0.01
+    """Top-k's share of each gradient sent a step (``GradCompression.density``)."""
     float32_matmul_precision: str | None = None
     """What float32 matmuls run at, as ``torch.set_float32_matmul_precision`` names it:
     ``"highest"`` (PyTorch's default: the device's plain FP32 rate), ``"high"`` or ``"medium"``
@@ -171,7 +173,10 @@ class PlanConfig:
         if self.compression is None:
             return None
         return GradCompression(
-            method=self.compression, rank=self.compression_rank, warmup_steps=self.compression_warmup
+            method=self.compression,
+            rank=self.compression_rank,
+            warmup_steps=self.compression_warmup,
+            density=self.compression_density,
         )
 
     @property
@@ -313,6 +318,12 @@ class PlanConfig:
         w = self.compression_warmup
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             fail(f"compression_warmup must be a whole number of steps ≥ 0, got {w!r}")
+        d = self.compression_density
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+            fail(
+                f"compression_density must be in (0, 1] (top-k sends ceil(density · n) of a gradient's n "
+                f"elements), got {d!r}"
+            )
         fixed = {}
         for name, spec in dict(self.fixed or {}).items():
             texts = (spec,) if isinstance(spec, str) else tuple(spec)

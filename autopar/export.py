@@ -363,15 +363,19 @@ def export(plan: Plan, engine: str) -> Export:
         d = json.loads(out.text)
         d["communication_data_type"] = "bf16"
         return dataclasses.replace(out, text=json.dumps(d, indent=2) + "\n")
-    hook = (
-        f"register_comm_hook(PowerSGDState(process_group=None, matrix_approximation_rank={c.rank}), powerSGD_hook)"
-        if c.method == "powersgd"
-        else "register_comm_hook(None, bf16_compress_hook)"
+    hooks = {
+        "powersgd": "register_comm_hook(PowerSGDState(process_group=None, matrix_approximation_rank="
+        f"{c.rank}), powerSGD_hook)",
+        "bf16": "register_comm_hook(None, bf16_compress_hook)",
+    }
+    runs = (
+        f"PyTorch DDP runs it: {hooks[c.method]}"
+        if c.method in hooks
+        else "no PyTorch DDP hook runs it; autopar's runtime does"
     )
     note = (
         f"the plan compresses its data-parallel gradients ({c.describe()}), which {ENGINE_NAMES[engine]} does not: "
-        f"exported uncompressed, so the step is slower than predicted where the network is slow (PyTorch DDP "
-        f"runs it: {hook})"
+        f"exported uncompressed, so the step is slower than predicted where the network is slow ({runs})"
     )
     return dataclasses.replace(out, notes=(*out.notes, note))
 

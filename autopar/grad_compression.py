@@ -22,10 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["METHODS", "GradCompression", "powersgd_matrix"]
+__all__ = ["FP8_MAX", "METHODS", "GradCompression", "powersgd_matrix", "topk_count"]
 
-METHODS = ("bf16", "powersgd")
-"""The compression methods (module docstring)."""
+METHODS = ("bf16", "fp8", "topk", "powersgd")
+"""The compression methods (``autopar.cost.compression`` defines each)."""
+
+FP8_MAX = 448.0
+"""The largest finite float8 e4m3 value: a quantized chunk is scaled so its largest magnitude
+lands there (OCP 8-bit floating point specification, 2023: E4M3's maximum normal, 1.75 · 2⁸)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,7 +37,7 @@ class GradCompression:
     """How the data-parallel gradient all-reduces are compressed (module docstring)."""
 
     method: str
-    """``"bf16"`` or ``"powersgd"``."""
+    """``"bf16"``, ``"fp8"``, ``"topk"`` or ``"powersgd"``."""
     rank: int = 4
     """PowerSGD's approximation rank ``r`` (Vogels et al. reach the uncompressed accuracy at 2–4
     on their image and language models)."""
@@ -43,6 +47,10 @@ class GradCompression:
     """Steps whose gradients are all-reduced exactly before PowerSGD starts (PyTorch's
     ``start_powerSGD_iter``; Vogels et al. start from the first step). The predicted step is the
     compressed one that follows."""
+    density: float = 0.01
+    """Top-k's share of a gradient's elements sent each step (Lin et al., "Deep Gradient
+    Compression", ICLR 2018, send 0.1 %; Stich et al., "Sparsified SGD with memory", NeurIPS 2018,
+    prove convergence for any share with error feedback)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +63,12 @@ class GradCompression:
         w = self.warmup_steps
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"GradCompression: warmup_steps must be a whole number ≥ 0, got {w!r}")
+        d = self.density
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+            raise ValueError(
+                f"GradCompression: density must be in (0, 1] (top-k sends ceil(density · n) of a gradient's "
+                f"n elements), got {d!r}"
+            )
         if not isinstance(self.min_compression_rate, (int, float)) or self.min_compression_rate < 1:
             raise ValueError(
                 f"GradCompression: min_compression_rate must be ≥ 1 (a matrix is compressed where "
@@ -67,7 +81,12 @@ class GradCompression:
         return None if lookup and self.method == "powersgd" else self
 
     def describe(self) -> str:
-        return f"PowerSGD rank {self.rank}" if self.method == "powersgd" else "bf16 all-reduce"
+        return {
+            "powersgd": f"PowerSGD rank {self.rank}",
+            "bf16": "bf16 all-reduce",
+            "fp8": "fp8 (e4m3) reduction with error feedback",
+            "topk": f"top-k {self.density * 100:g} % with error feedback",
+        }[self.method]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +94,7 @@ class GradCompression:
             "rank": self.rank,
             "min_compression_rate": self.min_compression_rate,
             "warmup_steps": self.warmup_steps,
+            "density": self.density,
         }
 
     @classmethod
@@ -84,6 +104,7 @@ class GradCompression:
             rank=int(d.get("rank", 4)),
             min_compression_rate=float(d.get("min_compression_rate", 2.0)),
             warmup_steps=int(d.get("warmup_steps", 0)),
+            density=float(d.get("density", 0.01)),
         )
 
 
@@ -96,3 +117,8 @@ def powersgd_matrix(shape: Sequence[int], c: GradCompression) -> tuple[int, int]
     if (m + n) * c.rank * c.min_compression_rate >= m * n:
         return None
     return m, n
+
+
+def topk_count(numel: int, c: GradCompression) -> int:
+    """Elements top-k sends of a gradient of ``numel``: ``ceil(density · numel)``, at least one."""
+    return max(1, math.ceil(c.density * numel))

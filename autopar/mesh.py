@@ -143,10 +143,17 @@ class Mesh:
         return comm.group_all_reduce_cost(nbytes, g.without_latency() if bucketed else g)
 
     def all_gather_cost(
-        self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None
+        self,
+        nbytes: float,
+        axis: int | Sequence[int] = (),
+        *,
+        axes: Sequence[int] | None = None,
+        bucketed: bool = False,
     ) -> float:
-        """All-gather producing an ``nbytes`` buffer over ``axis``."""
-        return comm.group_all_gather_cost(nbytes, self.group(axes if axes is not None else axis))
+        """All-gather producing an ``nbytes`` buffer over ``axis``; ``bucketed``: one of a bucket's
+        (as ``all_reduce_cost``: bandwidth, no per-message latency)."""
+        g = self.group(axes if axes is not None else axis)
+        return comm.group_all_gather_cost(nbytes, g.without_latency() if bucketed else g)
 
     def reduce_scatter_cost(
         self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None

@@ -159,9 +159,10 @@ def _zero1(search: PipelineSearch, plan: Plan, pp: int, m: int) -> None:
 
 
 def compression_methods(plan: Plan) -> list[str]:
-    """The compression methods worth planning for ``plan``: PowerSGD, and bf16 where its
-    parameters (so their gradients) are 4 bytes: a gradient already in 2 bytes gains nothing."""
-    methods = ["powersgd"]
+    """The compression methods worth planning for ``plan``: PowerSGD, top-k and fp8, and bf16
+    where its parameters (so their gradients) are 4 bytes: a gradient already in 2 bytes gains
+    nothing from it."""
+    methods = ["powersgd", "topk", "fp8"]
     if int(plan.info.get("param_bytes", 4)) > 2:
         methods.append("bf16")
     return methods

@@ -17,6 +17,12 @@ ones a pipeline stage defers to its last micro-batch (``passes.stage_cut.defer_r
   (``cost.compression.powersgd_matrix``) are left alone, and a lookup table's gradient (computed
   by ``embedding_dense_backward``, ``GradCompression.for_weight``) goes in the exact part.
 
+* ``fp8`` and ``topk``: the issue and its wait replaced by one call of an ``Fp8Reduce`` or
+  ``TopKReduce`` module (``autopar.program.compression``) on the whole buffer, at the issue's
+  place; top-k's ``k`` is the buffer's ``ceil(density · n)`` (``grad_compression.topk_count``).
+  A bucket's top-k is taken over its members together: ``cost.compression`` prices each
+  gradient's own ``k``, and the bucket's is their sum within one element per member.
+
 Each buffer's members are read off ``GRAD_MEMBERS`` (the bucket's shapes, set by
 ``bucket_gradients``), or, for an unbucketed gradient, off the value all-reduced.
 """
@@ -28,11 +34,11 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.grad_compression import powersgd_matrix
+from autopar.grad_compression import powersgd_matrix, topk_count
 from autopar.ir import COMPRESS_CAST, GRAD_MEMBERS, PHASE, RANK, Phase
 from autopar.passes import PassContext
 from autopar.passes.collective_nodes import gradient_all_reduces
-from autopar.program.compression import PowerSGDReduce
+from autopar.program.compression import Fp8Reduce, PowerSGDReduce, TopKReduce
 
 __all__ = ["compress_gradients"]
 
@@ -119,6 +125,17 @@ def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
             back.meta.update({PHASE: Phase.BWD, "val": val})
             wait.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)
             wait.meta["val"] = cast.meta["val"]
+        elif c.method in ("fp8", "topk"):
+            name = f"{c.method}_{done}"
+            group = issue.args[2]
+            k = topk_count(val.numel(), c)
+            gm.add_submodule(name, Fp8Reduce(group) if c.method == "fp8" else TopKReduce(k, group))
+            with g.inserting_before(issue):
+                call = g.call_module(name, (x,))
+            call.meta.update({PHASE: Phase.BWD, "val": val})
+            wait.replace_all_uses_with(call)
+            g.erase_node(wait)
+            g.erase_node(issue)
         else:
             shapes = _members(issue)
             lookups = [_from_lookup(gr) for gr in _member_grads(issue)]

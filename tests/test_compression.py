@@ -52,11 +52,15 @@ def test_powersgd_leaves_a_lookup_table_exact():
 
 
 def test_compression_records_refuse_bad_values_with_the_arithmetic():
-    with pytest.raises(ValueError, match="unknown method 'topk'"):
-        GradCompression(method="topk")
+    with pytest.raises(ValueError, match="unknown method 'int4'"):
+        GradCompression(method="int4")
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+        GradCompression(method="topk", density=0.0)
+    with pytest.raises(ValueError, match="compression_density must be in"):
+        PlanConfig(compression="topk", compression_density=2)
     with pytest.raises(ValueError, match=r"\(m \+ n\) · rank"):
         GradCompression(method="powersgd", rank=0)
-    with pytest.raises(ValueError, match="compression must be one of 'bf16', 'powersgd'"):
+    with pytest.raises(ValueError, match="compression must be one of 'bf16', 'fp8', 'topk', 'powersgd'"):
         PlanConfig(compression="int8")
     with pytest.raises(ValueError, match="compression_rank"):
         PlanConfig(compression="powersgd", compression_rank=0)
@@ -91,6 +95,21 @@ def test_compressed_bytes_and_times_follow_the_formulas():
     assert half.wire_bytes == numel * 2 and half.overlapped == pytest.approx(exact)
     same = compressed_sync(shape, 2, GradCompression(method="bf16"), mesh, (0,))
     assert same.blocking == 0.0  # a bf16 gradient is sent as it is
+    # fp8: one byte an element, reduce-scattered and all-gathered as an all-reduce moves it, after
+    # eight fp32 passes; top-k: 8 bytes for each of the k entries of each of the 8 ranks.
+    bw = dev.memory_bandwidth * dev.memory_efficiency
+    fp8 = compressed_sync(shape, 2, GradCompression(method="fp8"), mesh, (0,))
+    assert fp8.wire_bytes == numel and fp8.kept == numel * 4 and fp8.overlapped == 0.0
+    assert fp8.blocking == pytest.approx(
+        8 * numel * 4 / bw + mesh.all_reduce_cost(numel, axes=(0,), bucketed=True)
+    )
+    top = compressed_sync(shape, 2, GradCompression(method="topk", density=0.001), mesh, (0,))
+    k = math.ceil(0.001 * numel)
+    assert top.wire_bytes == 8 * k * 8 and top.kept == numel * 4
+    assert top.blocking == pytest.approx(
+        10 * numel * 4 / bw + mesh.all_gather_cost(8 * k * 8.0, axes=(0,), bucketed=True)
+    )
+    assert top.time < fp8.time < exact
 
 
 def test_ethernet_network_replaces_the_infiniband_nics():
@@ -158,7 +177,7 @@ def test_the_search_compresses_where_the_network_is_slow_and_not_where_it_is_fas
     common = dict(mesh_shape=(2,), pp=1, microbatches=1, workers=1, recompute="none", allow_compression=True)
     slow = autopar.plan(model, inputs, autopar.Cluster.preset("H100-SXM", **ETHERNET), **common)
     tried = slow.info["compression_tried"]
-    assert set(tried) == {"none", "powersgd"}  # bf16 gradients: bf16 compression gains nothing
+    assert set(tried) == {"none", "powersgd", "topk", "fp8"}  # bf16 gradients: bf16 compression gains nothing
     assert slow.compression is not None and slow.compression.method == "powersgd"
     assert slow.predicted.step_time == pytest.approx(tried["powersgd"]) and tried["powersgd"] < tried["none"]
     fast = autopar.plan(model, inputs, autopar.Cluster.preset("H100-SXM", gpus_per_node=2), **common)
@@ -204,6 +223,57 @@ def test_powersgd_error_feedback_conserves_the_gradient_sum():
     assert not torch.allclose(out[0]["returned"][: 24 * 40], given[: 24 * 40], atol=1e-2)  # it is lossy
 
 
+def _error_feedback(rank: int, world: int) -> dict[str, Any]:
+    """fp8 and top-k reductions over 5 calls: what they returned, what they were given, their
+    final errors; and one fp8 call's result against the exact sum."""
+    from autopar.program.compression import Fp8Reduce, TopKReduce
+
+    group = torch.distributed.group.WORLD.group_name
+    out = {}
+    for name, mod in (("fp8", Fp8Reduce(group)), ("topk", TopKReduce(37, group))):
+        gen = torch.Generator().manual_seed(rank)
+        given = torch.zeros(1001, dtype=torch.float64)
+        returned = torch.zeros_like(given)
+        for _ in range(5):
+            g = torch.randn(1001, generator=gen) * torch.logspace(-3, 1, 1001)  # magnitudes spread
+            given += g.double()
+            returned += mod(g).double()
+        out[name] = {
+            "given": given,
+            "returned": returned,
+            "error": mod.e.double().clone(),
+            "calls": mod.calls,
+        }
+    once = torch.randn(1001, generator=torch.Generator().manual_seed(10 + rank))
+    exact = once.clone()
+    torch.distributed.all_reduce(exact)
+    out["fp8_once"] = (Fp8Reduce(group)(once), exact)
+    out["topk_dense"] = (TopKReduce(1001, group)(once), exact)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_fp8_and_topk_error_feedback_conserve_the_gradient_sum():
+    from autopar.runtime.launch import spawn
+
+    out = spawn(_error_feedback, 3)
+    for name in ("fp8", "topk"):
+        given = sum(r[name]["given"] for r in out)
+        errors = sum(r[name]["error"] for r in out)
+        for r in out:
+            assert r[name]["calls"] == 5
+            torch.testing.assert_close(r[name]["returned"] + errors, given, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(
+                r[name]["returned"], out[0][name]["returned"]
+            )  # the same sum everywhere
+        assert errors.abs().max() > 1e-3  # it is lossy
+    got, exact = out[0]["fp8_once"]
+    # e4m3 keeps 3 mantissa bits: each value within 2⁻⁴ of its chunk's scale, twice quantized.
+    assert (got - exact).abs().max() <= 2 * 2**-4 * exact.abs().max() * 3
+    torch.testing.assert_close(*out[0]["topk_dense"], rtol=1e-5, atol=1e-5)  # k = n: exact
+
+
 VOCAB, BATCH, SEQ = 64, 8, 16
 
 
@@ -238,14 +308,16 @@ def held_out_loss(state: dict[str, torch.Tensor]) -> float:
 
 
 def powersgd_modules(pm: Any) -> list[Any]:
-    from autopar.program.compression import PowerSGDReduce
+    """The program's compressed reductions (PowerSGD's, fp8's and top-k's modules)."""
+    from autopar.program.compression import Fp8Reduce, PowerSGDReduce, TopKReduce
 
     programs = []
     if getattr(pm, "step", None) is not None:
         programs.append(pm.step.backward)
     if getattr(pm, "pipeline", None) is not None:
         programs += [s.backward_weight for s in pm.pipeline.steps.values()]
-    return [m for g in programs for m in g.modules() if isinstance(m, PowerSGDReduce)]
+    kinds = (PowerSGDReduce, Fp8Reduce, TopKReduce)
+    return [m for g in programs for m in g.modules() if isinstance(m, kinds)]
 
 
 class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -293,26 +365,32 @@ def _train(rank: int, world: int, plans: dict[str, Any], steps: int, seed: int =
 @pytest.mark.timeout(600)
 def test_compressed_training_on_four_processes_learns_and_sends_the_predicted_bytes():
     """4 gloo processes, data parallel, 60 AdamW steps on a bigram stream: bf16 reduction trains
-    as the exact one does (fp32 gradients, bf16 rounding only); PowerSGD rank 4, compressing once
-    a step, learns, more slowly (37 % above the exact held-out loss here; 5 % after 200 steps,
-    ``examples/compression_convergence.py``); the all-reduce bytes each rank sends equal the
-    plan's within 5 %."""
+    as the exact one does (fp32 gradients, bf16 rounding only), and fp8 with error feedback
+    nearly so; PowerSGD rank 4 and top-k 1 %, compressing once a step, learn, more slowly
+    (PowerSGD 37 % above the exact held-out loss here, 5 % after 200 steps, ``examples/
+    compression.py converge``; top-k about twice it here); the reduction bytes each rank sends
+    equal the plan's within 5 %."""
     from autopar.runtime.launch import spawn
 
     model, data = _gpt(), _bigram_batches(1, seed=1)
     cluster = autopar.Cluster.local(4)
     plans = {
         m or "exact": autopar.layouts.megatron(model, data[0], cluster, tp=1, compression=m)
-        for m in (None, "bf16", "powersgd")
+        for m in (None, "bf16", "powersgd", "fp8", "topk")
     }
     steps = 60
     out = spawn(_train, 4, plans, steps, timeout=540)[0]
-    exact, half, psgd = out["exact"], out["bf16"], out["powersgd"]
-    e_exact, e_half, e_psgd = (held_out_loss(r["state"]) for r in (exact, half, psgd))
+    exact, psgd = out["exact"], out["powersgd"]
+    e_exact, e_half, e_psgd, e_fp8, e_top = (
+        held_out_loss(out[k]["state"]) for k in ("exact", "bf16", "powersgd", "fp8", "topk")
+    )
     assert e_exact < 1.5  # it learned: from ln 64 = 4.16 towards ln 2 = 0.69
     assert abs(e_half - e_exact) < 0.01 * e_exact, (e_half, e_exact)
+    assert abs(e_fp8 - e_exact) < 0.05 * e_exact, (e_fp8, e_exact)
     assert e_psgd < min(2.0, 1.5 * e_exact), (e_psgd, e_exact)
-    assert psgd["calls"] and all(c == steps for c in psgd["calls"])
+    assert e_top < 0.6 * math.log(VOCAB), (e_top, e_exact)  # it learns, slowest: 1 % of each gradient a step
+    for name in ("powersgd", "fp8", "topk"):
+        assert out[name]["calls"] and all(c == steps for c in out[name]["calls"]), name
     for name, run in out.items():
         predicted = plans[name].predicted.comm_bytes_per_axis[0]
         assert run["bytes"][-1] == pytest.approx(predicted, rel=0.05), (name, run["bytes"][-1], predicted)

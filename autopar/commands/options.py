@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.grad_compression import METHODS
+
 
 class UsageError(ValueError):
     """A command line that cannot mean anything: the message says what would."""
@@ -189,9 +191,9 @@ def planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
                    help="activation recomputation (default auto: the lightest that fits)")  # fmt: skip
     g.add_argument("--allow-compression", action="store_true", default=None,
-                   help="let the plan compress the data-parallel gradient all-reduces (lossy: PowerSGD or bf16) "
-                        "where that plays faster")  # fmt: skip
-    g.add_argument("--compression", choices=("bf16", "powersgd"),
+                   help="let the plan compress the data-parallel gradient all-reduces (lossy: PowerSGD, top-k, "
+                        "fp8 or bf16) where that plays faster")  # fmt: skip
+    g.add_argument("--compression", choices=METHODS,
                    help="compress every data-parallel gradient all-reduce this way (lossy)")  # fmt: skip
 
 

@@ -21,6 +21,22 @@ bucket (Vogels et al., arXiv 1905.13727, Algorithm 1; PyTorch's ``powerSGD_hook`
 
 The bucket's other members (vectors, small matrices) are all-reduced as they are, in one buffer
 issued before the rounds and waited for after them.
+
+``Fp8Reduce`` and ``TopKReduce`` replace a gradient all-reduce the same way, each keeping its
+error feedback ``e`` (fp32, the buffer's size) as a buffer; their rounds are
+``autopar.cost.compression``'s:
+
+* fp8 — ``M = g + e`` cut into one chunk per rank (zero-padded), each scaled onto float8 e4m3
+  and sent to its owner with its scale (one all-to-all of bytes); the owner sums its chunk's
+  pieces in fp32, scales and quantizes the sum, and every rank all-gathers the quantized sums
+  with their scales. ``e`` keeps ``M`` less what was sent, and on the owner's chunk also the sum
+  less what was gathered.
+* top-k — the ``k`` entries of ``M = g + e`` largest in magnitude, values and indices (as int32
+  bits in an fp32 buffer), all-gathered; each rank adds every rank's entries into zeros. ``e``
+  keeps ``M`` with the sent entries zeroed.
+
+Either way the sum returned plus every rank's error equals the sum of every rank's ``g + e``:
+error feedback loses nothing over the steps.
 """
 
 from __future__ import annotations
@@ -32,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # registers torch.ops._c10d_functional
 
-__all__ = ["PowerSGDReduce"]
+__all__ = ["Fp8Reduce", "PowerSGDReduce", "TopKReduce"]
 
 _fc = torch.ops._c10d_functional
 
@@ -129,3 +145,97 @@ class PowerSGDReduce(torch.nn.Module):
             for k, piece in zip(plain, _fc.wait_tensor(pending).split([parts[k].numel() for k in plain])):
                 out[k] = piece
         return torch.cat(out).reshape(x.shape)  # type: ignore[arg-type]
+
+
+def _group_size_rank(group_name: str) -> tuple[int, int]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _ErrorFeedback(torch.nn.Module):
+    """A gradient reduction that keeps what it did not send (``e``, fp32) for the next call."""
+
+    def __init__(self, group_name: str) -> None:
+        super().__init__()
+        self.group_name = group_name
+        self.calls = 0
+        """Reductions run (the tests read it)."""
+        self.e: torch.Tensor | None
+        self.register_buffer("e", None, persistent=False)
+
+    def _error(self, x: torch.Tensor) -> torch.Tensor:
+        if self.e is None or self.e.numel() != x.numel():
+            self.e = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        return self.e
+
+
+class Fp8Reduce(_ErrorFeedback):
+    """The fp8-quantized sum of one gradient buffer over a process group, with error feedback
+    (module docstring)."""
+
+    def extra_repr(self) -> str:
+        return f"fp8 e4m3, group={self.group_name}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from autopar.grad_compression import FP8_MAX
+
+        self.calls += 1
+        size, me = _group_size_rank(self.group_name)
+        e = self._error(x)
+        numel = x.numel()
+        chunk = -(-numel // size)
+        m = torch.zeros(size * chunk, dtype=torch.float32, device=x.device)
+        m[:numel] = x.reshape(-1).float() + e
+        rows = m.view(size, chunk)
+        scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        q = (rows / scale[:, None]).to(torch.float8_e4m3fn)
+        sent = q.float() * scale[:, None]
+        # Round 1: chunk j (its bytes, then its scale's four) to rank j: a reduce-scatter in 8 bits.
+        payload = torch.cat([q.view(torch.uint8), scale[:, None].view(torch.uint8)], dim=1).reshape(-1)
+        got = _fc.wait_tensor(
+            _fc.all_to_all_single(payload, [chunk + 4] * size, [chunk + 4] * size, self.group_name)
+        )
+        got = got.view(size, chunk + 4)
+        pieces = got[:, :chunk].contiguous().view(torch.float8_e4m3fn).float()
+        summed = (pieces * got[:, chunk:].contiguous().view(torch.float32)).sum(dim=0)
+        # Round 2: the owner's sum, quantized again, all-gathered.
+        s2 = (summed.abs().amax() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+        q2 = (summed / s2).to(torch.float8_e4m3fn)
+        mine = torch.cat([q2.view(torch.uint8), s2.view(torch.uint8)])
+        all_ = _fc.wait_tensor(_fc.all_gather_into_tensor(mine, size, self.group_name)).view(size, chunk + 4)
+        out = all_[:, :chunk].contiguous().view(torch.float8_e4m3fn).float() * all_[
+            :, chunk:
+        ].contiguous().view(torch.float32)
+        lost = (m - sent.reshape(-1)).view(size, chunk)
+        lost[me] += summed - q2.float() * s2  # the sum's own rounding, on its owner
+        e.copy_(lost.reshape(-1)[:numel])
+        return out.reshape(-1)[:numel].to(x.dtype).reshape(x.shape)
+
+
+class TopKReduce(_ErrorFeedback):
+    """The top-k sparsified sum of one gradient buffer over a process group, with error feedback
+    (module docstring); ``k``: entries each rank sends."""
+
+    def __init__(self, k: int, group_name: str) -> None:
+        super().__init__(group_name)
+        self.k = int(k)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, group={self.group_name}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        size, _ = _group_size_rank(self.group_name)
+        e = self._error(x)
+        m = x.reshape(-1).float() + e
+        k = min(self.k, m.numel())
+        idx = m.abs().topk(k, sorted=False).indices
+        values = m[idx]
+        e.copy_(m.index_fill(0, idx, 0.0))
+        payload = torch.cat([values, idx.to(torch.int32).view(torch.float32)])
+        all_ = _fc.wait_tensor(_fc.all_gather_into_tensor(payload, size, self.group_name)).view(size, 2 * k)
+        out = torch.zeros_like(m)
+        out.index_add_(
+            0, all_[:, k:].contiguous().view(torch.int32).reshape(-1).long(), all_[:, :k].reshape(-1)
+        )
+        return out.to(x.dtype).reshape(x.shape)
