@@ -1,13 +1,15 @@
 """Gradient compression as a plan choice: what it costs in learning, what it sends, what it gains.
 
     python examples/compression.py converge [--steps 200] [--ranks 2 4 8] [--warmup 0 20] [--seeds 1 2 3]
+                                            [--densities 0.01 0.1]
     python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b:128] [--no-baseline]
 
 * ``converge`` — a small GPT (2 layers, width 64) trained data parallel on 4 gloo processes for
   ``--steps`` AdamW steps on a stream of sequences from a fixed random bigram table (two
   successors per token: at best ``ln 2`` nats a token), once reducing its gradients exactly, once
-  in bf16 and once with PowerSGD at each ``--ranks`` and each ``--warmup`` (steps reduced exactly
-  before PowerSGD starts, PyTorch's ``start_powerSGD_iter``); then each final model's loss on held-out
+  in bf16, once in fp8 with error feedback, once with top-k at each ``--densities`` and once with
+  PowerSGD at each ``--ranks`` and each ``--warmup`` (steps reduced exactly before PowerSGD starts,
+  PyTorch's ``start_powerSGD_iter``); then each final model's loss on held-out
   sequences, against the exact run's, and the bytes one rank's collectives carried in the last
   step (counted as they are issued) against the plan's prediction. With several ``--seeds`` (the
   training stream's; the held-out sequences stay the same) every variant trains once per seed and
@@ -47,7 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 # ----------------------------------------------------------------------------------- converge
 
 
-def converge(steps: int, ranks: list[int], warmups: list[int], seeds: list[int]) -> None:
+def converge(
+    steps: int, ranks: list[int], warmups: list[int], seeds: list[int], densities: list[float]
+) -> None:
     from test_compression import _bigram_batches, _gpt, _train, held_out_loss
 
     from autopar.runtime.launch import spawn
@@ -59,6 +63,9 @@ def converge(steps: int, ranks: list[int], warmups: list[int], seeds: list[int])
         for w in warmups:
             name = f"powersgd rank {r}" + (f", warmup {w}" if w else "")
             variants[name] = {"compression": "powersgd", "compression_rank": r, "compression_warmup": w}
+    variants["fp8"] = {"compression": "fp8"}
+    for d in densities:
+        variants[f"top-k {d * 100:g} %"] = {"compression": "topk", "compression_density": d}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plans = {
@@ -193,12 +200,13 @@ def main() -> None:
     c.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     c.add_argument("--warmup", type=int, nargs="+", default=[0])
     c.add_argument("--seeds", type=int, nargs="+", default=[1])
+    c.add_argument("--densities", type=float, nargs="+", default=[0.01], help="top-k's shares sent")
     e = sub.add_parser("ethernet")
     e.add_argument("--models", nargs="+", default=["llama3-8b", "gpt3-1.3b"])
     e.add_argument("--no-baseline", action="store_true", help="skip best_megatron (slow)")
     args = p.parse_args()
     if args.what == "converge":
-        converge(args.steps, args.ranks, args.warmup, args.seeds)
+        converge(args.steps, args.ranks, args.warmup, args.seeds, args.densities)
     else:
         ethernet(args.models, not args.no_baseline)
 

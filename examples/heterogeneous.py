@@ -14,7 +14,8 @@ The cluster is ``--groups`` (default four nodes of 8 × A100-80GB, then four of 
   placement, pipeline cut, micro-batches, schedule, recomputation) held and played on the mixed
   cluster (``PlanConfig.stage_of`` holds the cut);
 * **autopar**: the plan made for the mixed cluster (``autopar.pipelined``: each pipeline rank on
-  its own devices, the cut balanced on them).
+  its own devices, the cut balanced on them; or one stage whose data-parallel replicas run
+  unequal shares of the micro-batches, ``autopar.dp_shares``).
 
 Each with its simulated step (compute and collectives, pipeline bubble, exposed gradient
 reduction, optimizer) and the pipeline's stage sizes (repeated layers per stage).
@@ -63,6 +64,9 @@ def _row(label: str, plan: Any, t: float) -> str:
         layout += f", pp {pipe.pp} × {pipe.microbatches} mb {pipe.schedule}" + (
             f" v={pipe.virtual}" if pipe.virtual > 1 else ""
         )
+    if pipe is not None and pipe.dp_shares:
+        runs = sorted(set(pipe.dp_shares))
+        layout += f", unequal data-parallel shares {':'.join(map(str, runs))} of {sum(pipe.dp_shares)} micro-batches"
     if plan.recompute != "none":
         layout += f", recompute {plan.recompute}"
     return (
