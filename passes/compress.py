@@ -99,6 +99,19 @@ def _member_grads(issue: Node) -> list[Node]:
     return [x]
 
 
+def _replace(gm: GraphModule, issue: Node, wait: Node, name: str, reduce: torch.nn.Module) -> None:
+    """The all-reduce ``issue`` and its ``wait`` replaced by one call of ``reduce``, registered on
+    ``gm`` as ``name``, at the issue's place."""
+    g = gm.graph
+    gm.add_submodule(name, reduce)
+    with g.inserting_before(issue):
+        call = g.call_module(name, (issue.args[0],))
+    call.meta.update({PHASE: Phase.BWD, "val": issue.args[0].meta["val"]})
+    wait.replace_all_uses_with(call)
+    g.erase_node(wait)
+    g.erase_node(issue)
+
+
 def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write the plan's gradient compression into ``gm`` (module docstring)."""
     info = gm.meta.get(RANK)
@@ -126,16 +139,15 @@ def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
             wait.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)
             wait.meta["val"] = cast.meta["val"]
         elif c.method in ("fp8", "topk"):
-            name = f"{c.method}_{done}"
             group = issue.args[2]
             k = topk_count(val.numel(), c)
-            gm.add_submodule(name, Fp8Reduce(group) if c.method == "fp8" else TopKReduce(k, group))
-            with g.inserting_before(issue):
-                call = g.call_module(name, (x,))
-            call.meta.update({PHASE: Phase.BWD, "val": val})
-            wait.replace_all_uses_with(call)
-            g.erase_node(wait)
-            g.erase_node(issue)
+            _replace(
+                gm,
+                issue,
+                wait,
+                f"{c.method}_{done}",
+                Fp8Reduce(group) if c.method == "fp8" else TopKReduce(k, group),
+            )
         else:
             shapes = _members(issue)
             lookups = [_from_lookup(gr) for gr in _member_grads(issue)]
@@ -150,19 +162,10 @@ def compress_gradients(gm: GraphModule, ctx: PassContext) -> GraphModule:
             ]
             if all(m is None for m in matrices):
                 continue
-            name = f"powersgd_{done}"
-            gm.add_submodule(
-                name,
-                PowerSGDReduce(
-                    shapes, matrices, c.rank, issue.args[2], seed=done, warmup_steps=c.warmup_steps
-                ),
+            psgd = PowerSGDReduce(
+                shapes, matrices, c.rank, issue.args[2], seed=done, warmup_steps=c.warmup_steps
             )
-            with g.inserting_before(issue):
-                call = g.call_module(name, (x,))
-            call.meta.update({PHASE: Phase.BWD, "val": val})
-            wait.replace_all_uses_with(call)
-            g.erase_node(wait)
-            g.erase_node(issue)
+            _replace(gm, issue, wait, f"powersgd_{done}", psgd)
         done += 1
     if done:
         log.info("compress_gradients: %d gradient all-reduces compressed (%s)", done, c.describe())

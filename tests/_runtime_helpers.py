@@ -46,8 +46,9 @@ def quiet() -> None:
     warnings.simplefilter("ignore")
 
 
-def build(kind: str, seed: int = 0) -> tuple[nn.Module, Any]:
-    """``(model, inputs)``: a tiny fp32 model with no dropout and one global batch.
+def build(kind: str, seed: int = 0, vocab: int = VOCAB, batch: int = BATCH) -> tuple[nn.Module, Any]:
+    """``(model, inputs)``: a tiny fp32 model with no dropout and one global batch (``batch``
+    sequences of ``SEQ`` tokens from a ``vocab`` of that many).
 
     ``kind``: ``"gpt2"`` (``GPT2LMHeadModel``), ``"llama"`` (``LlamaForCausalLM``, 4 heads, 2 KV
     heads) or ``"gpt"`` (``autopar.models.GPT``, positional ``(idx, targets)``). Transformers
@@ -55,17 +56,17 @@ def build(kind: str, seed: int = 0) -> tuple[nn.Module, Any]:
     would merge two uses of one tensor into one input).
     """
     torch.manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    ids = torch.randint(0, vocab, (batch, SEQ))
     if kind == "gpt":
         from autopar.models import GPT, GPTConfig
 
-        model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB))
-        return model, (ids, torch.randint(0, VOCAB, (BATCH, SEQ)))
+        model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=vocab))
+        return model, (ids, torch.randint(0, vocab, (batch, SEQ)))
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+            n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
             bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
@@ -75,7 +76,7 @@ def build(kind: str, seed: int = 0) -> tuple[nn.Module, Any]:
 
         cfg = LlamaConfig(
             num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
+            intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, use_cache=False,
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )  # fmt: skip
         model = LlamaForCausalLM(cfg)

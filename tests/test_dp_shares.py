@@ -20,28 +20,15 @@ from autopar.simulate import simulate
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar")
 
-VOCAB, BATCH, SEQ = 512, 16, 16
+VOCAB, BATCH = 512, 16
 
 
 def _model(seed: int = 0, vocab: int = VOCAB, kind: str = "llama") -> tuple[torch.nn.Module, Any]:
     """A tiny LLaMA (or, ``kind="gpt"``, ``autopar.models.GPT`` with learned positions) whose
     logits are large enough that the loss is split by rows (not gathered)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _runtime_helpers import build
 
-    torch.manual_seed(seed)
-    if kind == "gpt":
-        from autopar.models import GPT, GPTConfig
-
-        gpt = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=vocab))
-        return gpt, (torch.randint(0, vocab, (BATCH, SEQ)), torch.randint(0, vocab, (BATCH, SEQ)))
-    cfg = LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, vocab, (BATCH, SEQ))
-    return model, {"input_ids": ids, "labels": torch.randint(0, vocab, (BATCH, SEQ))}
+    return build(kind, seed, vocab=vocab, batch=BATCH)
 
 
 def _mixed() -> autopar.Cluster:

@@ -169,6 +169,12 @@ class _ErrorFeedback(torch.nn.Module):
         return self.e
 
 
+def _dequantized(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Rows of ``chunk`` float8 e4m3 bytes, each followed by its fp32 scale's four, as fp32."""
+    values = rows[:, :chunk].contiguous().view(torch.float8_e4m3fn).float()
+    return values * rows[:, chunk:].contiguous().view(torch.float32)
+
+
 class Fp8Reduce(_ErrorFeedback):
     """The fp8-quantized sum of one gradient buffer over a process group, with error feedback
     (module docstring)."""
@@ -195,17 +201,13 @@ class Fp8Reduce(_ErrorFeedback):
         got = _fc.wait_tensor(
             _fc.all_to_all_single(payload, [chunk + 4] * size, [chunk + 4] * size, self.group_name)
         )
-        got = got.view(size, chunk + 4)
-        pieces = got[:, :chunk].contiguous().view(torch.float8_e4m3fn).float()
-        summed = (pieces * got[:, chunk:].contiguous().view(torch.float32)).sum(dim=0)
+        summed = _dequantized(got.view(size, chunk + 4), chunk).sum(dim=0)
         # Round 2: the owner's sum, quantized again, all-gathered.
         s2 = (summed.abs().amax() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
         q2 = (summed / s2).to(torch.float8_e4m3fn)
         mine = torch.cat([q2.view(torch.uint8), s2.view(torch.uint8)])
-        all_ = _fc.wait_tensor(_fc.all_gather_into_tensor(mine, size, self.group_name)).view(size, chunk + 4)
-        out = all_[:, :chunk].contiguous().view(torch.float8_e4m3fn).float() * all_[
-            :, chunk:
-        ].contiguous().view(torch.float32)
+        all_ = _fc.wait_tensor(_fc.all_gather_into_tensor(mine, size, self.group_name))
+        out = _dequantized(all_.view(size, chunk + 4), chunk)
         lost = (m - sent.reshape(-1)).view(size, chunk)
         lost[me] += summed - q2.float() * s2  # the sum's own rounding, on its owner
         e.copy_(lost.reshape(-1)[:numel])
