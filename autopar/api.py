@@ -254,9 +254,10 @@ def _predicted_rank(plan: Plan, coord: int, coord0: int = 0) -> dict[str, float]
     if pipe is None or not pipe.stage_costs:
         return {}
     overlap = Cluster.from_dict(plan.cluster).overlap_comm
-    if pipe.dp_shares and pipe.replica_costs:  # this rank's replica's own micro-batches and costs
+    if pipe.dp_shares:  # this rank's replica's own micro-batches and costs
         actions = pipe.actions(coord0)
-        tl = play(actions, [StageCost(**pipe.replica_costs[coord0])], overlap=overlap)
+        own = pipe.replica_costs[coord0] if pipe.replica_costs else pipe.stage_costs[0]
+        tl = play(actions, [StageCost(**own)], overlap=overlap)
     else:
         actions = pipe.actions()
         tl = play(actions, [StageCost(**c) for c in pipe.stage_costs], overlap=overlap)

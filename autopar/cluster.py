@@ -217,6 +217,18 @@ class Cluster:
         n = self.world_size // pp
         return self.part(rank * n, n)
 
+    def replicas(self, n: int) -> list[Cluster] | None:
+        """The cluster cut into ``n`` runs of consecutive ranks (the replicas of a mesh's first
+        axis, ``autopar.dp_shares``), each a cluster of its own (``part``: its device kind);
+        ``None`` where ``n`` does not cut it into equal runs of whole nodes or parts of one."""
+        if n < 2 or self.world_size % n:
+            return None
+        size = self.world_size // n
+        try:
+            return [self.part(j * size, size) for j in range(n)]
+        except ValueError:
+            return None
+
     def uniform(self, device: str | DeviceSpec | None = None) -> Cluster:
         """This cluster as if every node were ``device`` (a preset's name, a ``DeviceSpec``; default
         the floor ``device``), with that preset's NVLink where a preset is named."""

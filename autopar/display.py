@@ -595,11 +595,10 @@ def shares_text(plan: PlanRecord) -> str:
     unequal data-parallel shares of a plan (``PipelinePlan.dp_shares``), runs of equal replicas
     together, each with its device kind where the cluster is known."""
     from autopar.cluster import Cluster
-    from autopar.dp_shares import replica_clusters
 
     pipe = plan.pipeline
     shares = pipe.dp_shares
-    parts = replica_clusters(Cluster.from_dict(plan.cluster), len(shares)) if plan.cluster else None
+    parts = Cluster.from_dict(plan.cluster).replicas(len(shares)) if plan.cluster else None
     kinds = [c.device.name for c in parts] if parts else [""] * len(shares)
     runs: list[list] = []
     for k, kind in zip(shares, kinds):

@@ -5,7 +5,7 @@ Words:
 
 * **replica** — the ranks at one coordinate of the stage mesh's first axis (with one stage, the
   whole mesh's: the first axis is the outermost, so a replica is consecutive ranks — whole nodes or
-  part of one — of one device kind where the cluster's node groups allow it). Replicas differ in
+  part of one — of one device kind where the cluster's node groups allow it; ``Cluster.replicas``). Replicas differ in
   what they compute only in the rows they are given.
 * **share** — how many micro-batches of one size a replica runs in the step. Equal shares are the
   plain plan (each runs ``microbatches``); unequal ones sum to the same total, ``microbatches ×
@@ -34,12 +34,11 @@ from collections.abc import Sequence
 
 from torch.fx import Graph
 
-from autopar.cluster import Cluster
 from autopar.passes.param_syncs import weight_syncs
 from autopar.placement import Partial, Shard, parse_spec
 from autopar.planfile import Plan
 
-__all__ = ["balance", "replica_clusters", "share_blockers"]
+__all__ = ["balance", "share_blockers"]
 
 
 def balance(times: Sequence[float], total: int) -> tuple[int, ...]:
@@ -58,19 +57,6 @@ def balance(times: Sequence[float], total: int) -> tuple[int, ...]:
         shares[j] += 1
         heapq.heappush(heap, ((shares[j] + 1) * times[j], j))
     return tuple(shares)
-
-
-def replica_clusters(cluster: Cluster, replicas: int) -> list[Cluster] | None:
-    """Each replica's devices as a cluster of their own (``Cluster.part``: their device kind), or
-    ``None`` where ``replicas`` does not cut the cluster into equal runs of whole nodes or parts of
-    one node."""
-    if replicas < 2 or cluster.world_size % replicas:
-        return None
-    size = cluster.world_size // replicas
-    try:
-        return [cluster.part(j * size, size) for j in range(replicas)]
-    except ValueError:
-        return None
 
 
 def share_blockers(plan: Plan, graph: Graph | None = None) -> list[str]:

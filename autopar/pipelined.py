@@ -27,7 +27,7 @@ from autopar.cost.compute import kernel_time
 from autopar.cost.timeline import play
 from autopar.devices import DeviceSpec
 from autopar.display import fmt_bytes
-from autopar.dp_shares import balance, replica_clusters, share_blockers
+from autopar.dp_shares import balance, share_blockers
 from autopar.passes.annotate import node_kernels
 from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
@@ -253,7 +253,7 @@ def pipelined_candidates(
         plays its own micro-batches on its own devices; ``None`` where the replicas are of one
         kind, the plan ties them together (``share_blockers``: logged) or the shares come out
         equal."""
-        parts = replica_clusters(cluster, mesh[0]) if mesh else None
+        parts = cluster.replicas(mesh[0]) if mesh else None
         if parts is None or len({c.device.name for c in parts}) < 2:
             return None
         blockers = share_blockers(spmd, gm.graph)

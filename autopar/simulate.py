@@ -248,12 +248,13 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
         actions = make_schedule("1f1b", 1, 1)
         tl = play(actions, stages, overlap=cluster.overlap_comm)
         return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
-    if p.dp_shares and p.replica_costs:
+    if p.dp_shares:
         # Unequal data-parallel shares (``autopar.dp_shares``): each replica plays its own micro-
-        # batches on its own devices; the step is the slowest's.
+        # batches on its own devices (the stage's costs where a plan has no replica's own); the
+        # step is the slowest's.
+        costs = p.replica_costs or (p.stage_costs[0],) * len(p.dp_shares)
         played = [
-            play(p.actions(j), [StageCost(**c)], overlap=cluster.overlap_comm)
-            for j, c in enumerate(p.replica_costs)
+            play(p.actions(j), [StageCost(**c)], overlap=cluster.overlap_comm) for j, c in enumerate(costs)
         ]
         size = cluster.world_size // len(p.dp_shares)
         j = max(range(len(played)), key=lambda j: played[j].step_time)

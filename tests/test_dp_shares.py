@@ -6,6 +6,7 @@ faster) training equal to one process with the shares unequal."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.dp_shares import balance, replica_clusters, share_blockers
+from autopar.dp_shares import balance, share_blockers
 from autopar.planfile import PipelinePlan, Plan
 from autopar.simulate import simulate
 
@@ -77,12 +78,10 @@ def test_the_record_checks_its_shares_and_round_trips():
 
 def test_replicas_are_runs_of_one_device_kind():
     mixed = _mixed()
-    parts = replica_clusters(mixed, 2)
+    parts = mixed.replicas(2)
     assert parts is not None and [c.device.name for c in parts] == ["cpu-process", "cpu-process-fast"]
-    assert [c.device.name for c in replica_clusters(mixed, 4) or []] == ["cpu-process"] * 2 + [
-        "cpu-process-fast"
-    ] * 2
-    assert replica_clusters(mixed, 3) is None and replica_clusters(mixed, 1) is None
+    assert [c.device.name for c in mixed.replicas(4) or []] == ["cpu-process"] * 2 + ["cpu-process-fast"] * 2
+    assert mixed.replicas(3) is None and mixed.replicas(1) is None
 
 
 def test_the_faster_group_gets_more_micro_batches_and_the_step_replays():
@@ -95,6 +94,11 @@ def test_the_faster_group_gets_more_micro_batches_and_the_step_replays():
     # The saved plan replays to the step it was chosen by, and beats equal shares held to the floor.
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert simulate(again).step_time == pytest.approx(plan.predicted.step_time, rel=1e-9)
+    # Without each replica's own costs, every replica plays the stage's (the floor's): the largest
+    # share is then the slowest.
+    bare = dataclasses.replace(plan, pipeline=dataclasses.replace(pipe, replica_costs=()))
+    assert simulate(bare).microbatches == max(pipe.dp_shares)
+    assert simulate(bare).step_time > plan.predicted.step_time
     equal = autopar.plan(model, inputs, mixed.uniform(), pp=1, microbatches=4, mesh_shape=(2, 2))
     assert plan.predicted.step_time < 0.8 * equal.predicted.step_time
     assert "8 in all" in plan.summary() and "cpu-process-fast run" in plan.summary()
@@ -137,15 +141,25 @@ def test_a_plan_that_ties_the_replicas_together_is_planned_again_keeping_them_ap
 def _shares_worker(rank: int, world: int, plans: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     import warnings
 
-    from _runtime_helpers import make_optimizer, train
+    from _runtime_helpers import call, loss_of, make_optimizer, train
 
     warnings.simplefilter("ignore")
     out = []
     for kind, plan in plans:
         model, inputs = _model(kind=kind.split(":")[0], vocab=int(kind.split(":")[1]))
         pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+        with torch.no_grad():  # evaluation runs the rank's share too, the loss summed over replicas
+            first = loss_of(call(pm, inputs)).item()
         losses = train(pm, inputs, make_optimizer("sgd", pm.parameters()))
-        out.append({"losses": losses, "state": pm.full_state_dict(), "ran": pm.pipeline.microbatches})
+        out.append(
+            {
+                "first": first,
+                "losses": losses,
+                "state": pm.full_state_dict(),
+                "ran": pm.pipeline.microbatches,
+                "report": pm.report(),
+            }
+        )
     return out
 
 
@@ -178,6 +192,8 @@ def test_unequal_shares_train_like_one_process():
         size = 4 // len(shares)
         for r, got in enumerate(out):
             assert got[k]["ran"] == shares[r // size]  # each rank ran its replica's share
+            assert f"{shares[r // size]} micro-batches" in got[k]["report"]  # and is predicted as its own
+            assert got[k]["first"] == pytest.approx(ref[0][0], rel=1e-5)
             problems = compare_training(
                 ref, (got[k]["losses"], got[k]["state"]), "sgd", f"{kind} shares {shares} rank {r}"
             )

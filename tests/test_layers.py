@@ -61,6 +61,7 @@ PLANNER = {
     "simulate",
     "search",
     "refine",
+    "dp_shares",
     "audit",
     "audit_figures",
 }
