@@ -66,6 +66,16 @@ class Transport:
         dist.all_reduce(t, group=group)
 
 
+@dataclass(frozen=True)
+class _Dropped:
+    """A non-scalar model output the runner does not keep (``PipelineRunner.last``:
+    ``outputs_kept``): what its zero gradient is made of."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
 def _storages(values: tuple) -> dict[int, float]:
     """The distinct storages among ``values`` and their bytes (views of one storage once)."""
     seen: dict[int, float] = {}
@@ -119,8 +129,11 @@ class PipelineRunner:
     last: dict[str, float] = field(default_factory=dict)
     """The last step's seconds on this rank: ``step`` (the whole schedule), ``compute`` (running
     stage programs, their collectives inside), ``p2p`` (waiting for transfers), ``idle`` (the
-    rest), ``in_flight`` (the most micro-batches whose activations were kept at once) and
-    ``saved_peak`` (the most bytes of them kept at once, distinct storages counted once)."""
+    rest), ``in_flight`` (the most micro-batches whose activations were kept at once),
+    ``saved_peak`` (the most bytes of them kept at once, distinct storages counted once) and
+    ``outputs_kept`` (the bytes of the model's outputs kept until the step's end: the scalar
+    losses alone — a non-scalar output, the logits, is dropped once computed, only its shape kept
+    for its zero gradient)."""
     timing: bool = False
     transport: Transport = field(default_factory=Transport)
     shares: AxisGroup | None = None
@@ -168,6 +181,7 @@ class PipelineRunner:
         saved: dict[tuple[int, int], tuple] = {}
         passed: dict[tuple[int, int], tuple] = {}
         outputs: dict[int, tuple] = {}
+        kept_outputs = 0.0
         grads: dict[int, torch.Tensor] = {}
         clock = {"compute": 0.0, "p2p": 0.0}
         in_flight = 0
@@ -223,7 +237,15 @@ class PipelineRunner:
                     for reader in step.readers[v]:
                         send(v, t.detach(), reader, mb, 0, True)
                 if step.num_outputs:
-                    outputs[mb] = tuple(res[n_sent : n_sent + step.num_outputs])
+                    # The step returns the loss alone: a non-scalar output (the logits) is not kept
+                    # to the step's end, m of them at once, only its shape for its zero gradient.
+                    outputs[mb] = tuple(
+                        o if o.dim() == 0 else _Dropped(tuple(o.shape), o.dtype, o.device)
+                        for o in res[n_sent : n_sent + step.num_outputs]
+                    )
+                    kept_outputs += sum(
+                        o.numel() * o.element_size() for o in outputs[mb] if isinstance(o, torch.Tensor)
+                    )
                 if grad:
                     saved[(stage, mb)] = tuple(res[n_sent + step.num_outputs :])
                     in_flight = max(in_flight, len(saved))
@@ -250,8 +272,10 @@ class PipelineRunner:
                         tangents.append(total)
                     else:
                         out = outputs[mb][i - n_sent]
-                        scale = (self.loss_weight or 1.0 / m) if out.dim() == 0 else 0.0
-                        tangents.append(torch.full_like(out, scale))
+                        if isinstance(out, _Dropped):
+                            tangents.append(torch.zeros(out.shape, dtype=out.dtype, device=out.device))
+                        else:
+                            tangents.append(torch.full_like(out, self.loss_weight or 1.0 / m))
                 t0 = time.perf_counter()
                 res = step.program("backward_input")(*sv[: step.num_saved_i], *tangents)
                 clock["compute"] += time.perf_counter() - t0
@@ -317,6 +341,7 @@ class PipelineRunner:
         clock["idle"] = max(0.0, clock["step"] - clock["compute"] - clock["p2p"])
         clock["in_flight"] = float(in_flight)
         clock["saved_peak"] = peak_saved
+        clock["outputs_kept"] = kept_outputs
         self.last = clock
         if self.timing:
             self.times.append(clock)

@@ -158,6 +158,7 @@ def _shares_worker(rank: int, world: int, plans: list[tuple[str, Any]]) -> list[
                 "state": pm.full_state_dict(),
                 "ran": pm.pipeline.microbatches,
                 "report": pm.report(),
+                "outputs_kept": pm.pipeline.last["outputs_kept"],
             }
         )
     return out
@@ -194,6 +195,8 @@ def test_unequal_shares_train_like_one_process():
             assert got[k]["ran"] == shares[r // size]  # each rank ran its replica's share
             assert f"{shares[r // size]} micro-batches" in got[k]["report"]  # and is predicted as its own
             assert got[k]["first"] == pytest.approx(ref[0][0], rel=1e-5)
+            # The logits LLaMA returns beside its loss are not kept to the step's end: only the losses.
+            assert got[k]["outputs_kept"] <= 4 * shares[r // size], got[k]["outputs_kept"]
             problems = compare_training(
                 ref, (got[k]["losses"], got[k]["state"]), "sgd", f"{kind} shares {shares} rank {r}"
             )
