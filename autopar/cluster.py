@@ -155,6 +155,20 @@ class Cluster:
                     f"Cluster: node_groups hold {' + '.join(str(g.nodes) for g in groups)} = {held} nodes but the "
                     f"cluster has nodes={self.nodes}; give every node to exactly one group"
                 )
+            # Ranks in lockstep are priced on ``device``: it must be the floor (module docstring).
+            slowest = min(groups, key=lambda g: matmul_rate(g.device))
+            least = min(g.device.memory for g in groups)
+            if (
+                matmul_rate(self.device) > matmul_rate(slowest.device) * (1 + 1e-9)
+                or self.device.memory > least
+            ):
+                raise ValueError(
+                    f"Cluster: device {self.device.name} ({matmul_rate(self.device) / 1e12:g} TFLOP/s, "
+                    f"{self.device.memory / 2**30:g} GiB) is not the floor of its node groups (the slowest, "
+                    f"{slowest.device.name}, runs {matmul_rate(slowest.device) / 1e12:g} TFLOP/s; the least memory is "
+                    f"{least / 2**30:g} GiB): ranks in lockstep would be priced too fast. Build it with Cluster.mixed, "
+                    "or give device=autopar.node_groups.floor_device([each group's device])"
+                )
 
     @property
     def world_size(self) -> int:

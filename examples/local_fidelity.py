@@ -5,6 +5,7 @@ processes, each predicted from the measured local cluster and then run.
     python examples/local_fidelity.py --world 2 --steps 30
     python examples/local_fidelity.py --world 4 --slow-link 50e6   # two nodes of 2, a slow link
     python examples/local_fidelity.py --world 4 --calibration c4.json   # measure once, reuse
+    python examples/local_fidelity.py --world 2 --slow-device 3   # a mixed cluster: unequal shares
 
 For each world size the machine is measured first (``autopar.measure_local``:
 matmul rate, memory bandwidth, per-op overhead and every gloo collective's α-β, with all ranks
@@ -23,6 +24,11 @@ cluster — the measured one with ``nodes=2`` and the slow link between the node
 join them: ``hsdp`` (``layouts.fsdp(replicate=2)``: sharded inside a node, replicated across) and
 ``tp2`` (``layouts.megatron(tp=world / 2)``: tensor parallelism inside a node, data parallelism
 across). The emulated NIC is a wire, not a core: its transfers overlap compute (``overlap_comm``).
+
+With ``--slow-device F`` the processes stand for two nodes, the first's a device ``F`` times
+slower (``autopar.runtime.device_emulation.SlowDevice``: every op but the collectives stretched
+``F``-fold), planned as a mixed cluster (``slow_first_node``); the plans are ``DEVICE_LAYOUTS``:
+equal data-parallel shares against unequal ones (``autopar.dp_shares``).
 
 Each is run for ``--steps`` training steps (after warm-up) on processes of its own, one thread
 each: forward, backward and ``AdamW.step()``; the step a rank sees is as slow as the slowest rank,
@@ -82,6 +88,29 @@ def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
     return autopar.plan(model, inputs, cluster)
 
 
+DEVICE_LAYOUTS = ("equal", "shares", "auto")
+"""With ``--slow-device``: ``equal`` — data parallelism over every rank with ``--microbatches``
+accumulated, each rank the same count (planned held to the floor: the slower node); ``shares`` —
+the same with unequal data-parallel shares (``autopar.dp_shares``); ``auto`` — autopar's choice."""
+
+
+def device_plan(layout: str, model: Any, inputs: tuple, cluster: Any, microbatches: int) -> Any:
+    """A ``DEVICE_LAYOUTS`` plan on the mixed ``cluster`` (``slow_first_node``)."""
+    import autopar
+
+    world = cluster.world_size
+    if layout == "equal":
+        return autopar.plan(
+            model, inputs, cluster.uniform(), pp=1, microbatches=microbatches, mesh_shape=(world,)
+        )
+    if layout == "shares":
+        plan = autopar.plan(model, inputs, cluster, pp=1, microbatches=microbatches, mesh_shape=(world,))
+        if plan.pipeline is None or not plan.pipeline.dp_shares:
+            raise SystemExit("the shares layout came out with equal shares: see autopar.dp_shares's log")
+        return plan
+    return autopar.plan(model, inputs, cluster)
+
+
 def two_nodes(cluster: Any, bandwidth: float) -> Any:
     """``cluster`` (measured, one node) as two nodes of half its processes, one NIC each of
     ``bandwidth`` bytes/s between them (the emulated link), the gloo link inside each."""
@@ -94,10 +123,52 @@ def two_nodes(cluster: Any, bandwidth: float) -> Any:
     return replace(cluster, gpus_per_node=per, nodes=2, inter_node=slow, nics_per_node=1, overlap_comm=True)
 
 
+def slow_first_node(cluster: Any, factor: float) -> Any:
+    """``cluster`` (measured, one node) as two nodes of half its processes, the first a device
+    ``factor`` times slower (its compute, memory bandwidth and per-op overheads; the emulated
+    ``SlowDevice`` stretches every op alike), a mixed cluster (``Cluster.node_groups``)."""
+    from dataclasses import replace
+
+    from autopar.node_groups import NodeGroup, floor_device
+
+    d = cluster.device
+    slow = replace(
+        d,
+        name=f"{d.name} ÷ {factor:g}",
+        peak_flops={k: v / factor for k, v in d.peak_flops.items()},
+        memory_bandwidth=d.memory_bandwidth / factor,
+        kernel_overhead=d.kernel_overhead * factor,
+        host_overhead=d.host_overhead * factor,
+    )
+    per = cluster.world_size // 2
+    groups = (
+        NodeGroup(device=slow, nodes=1, intra_node=cluster.intra_node),
+        NodeGroup(device=d, nodes=1, intra_node=cluster.intra_node),
+    )
+    return replace(
+        cluster,
+        gpus_per_node=per,
+        nodes=2,
+        inter_node=cluster.intra_node,
+        node_groups=groups,
+        device=floor_device([slow, d]),  # ranks in lockstep are held to the slower node
+    )
+
+
 def worker(
-    rank: int, world: int, plans: dict[str, str], cluster: dict, shape: tuple, steps: int, link: Any = None
+    rank: int,
+    world: int,
+    plans: dict[str, str],
+    cluster: dict,
+    shape: tuple,
+    steps: int,
+    link: Any = None,
+    slow: float | None = None,
 ) -> dict:
+    import contextlib
+
     import autopar
+    from autopar.runtime.device_emulation import SlowDevice
     from autopar.runtime.link_emulation import emulate_nodes
 
     warnings.simplefilter("ignore")
@@ -114,10 +185,12 @@ def worker(
         for i in range(steps + 3):
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            loss = pm(*inputs)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            # The first node's ranks emulate its slower device (``--slow-device``).
+            with SlowDevice(slow) if slow and rank < world // 2 else contextlib.nullcontext():
+                loss = pm(*inputs)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
             if i >= 3:  # warm-up
                 times.append(time.perf_counter() - t0)
         out[name] = times
@@ -154,6 +227,8 @@ def run(
     shape: tuple,
     slow: float | None = None,
     calibration: str | None = None,
+    slow_device: float | None = None,
+    microbatches: int = 4,
 ) -> list[tuple[str, float, float, str]]:
     import tempfile
 
@@ -165,17 +240,27 @@ def run(
     if slow is not None:
         cluster = two_nodes(cluster, slow)
         link = EmulatedLink.create(world // 2, slow, tempfile.gettempdir())
+    if slow_device is not None:
+        cluster = slow_first_node(cluster, slow_device)
     model, inputs = build(*shape)
     plans, what = {}, {}
     for name in layouts:
-        plan = make_plan(name, model, inputs, cluster)
+        plan = (
+            device_plan(name, model, inputs, cluster, microbatches)
+            if slow_device is not None
+            else make_plan(name, model, inputs, cluster)
+        )
         plans[name] = json.dumps(plan.to_dict())
         axes = " × ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
         pipe = plan.pipeline
         what[name] = (f"pp={pipe.pp} m={pipe.microbatches} " if pipe else "") + axes
+        if pipe is not None and pipe.dp_shares:
+            what[name] += f", shares {':'.join(map(str, pipe.dp_shares))}"
         what[name] += f" (predicted {plan.predicted.step_time * 1e3:.1f} ms)"
     res = {  # each plan in processes of its own, as a user runs one
-        name: spawn(worker, world, {name: text}, cluster.to_dict(), shape, steps, link, timeout=1800)
+        name: spawn(
+            worker, world, {name: text}, cluster.to_dict(), shape, steps, link, slow_device, timeout=1800
+        )
         for name, text in plans.items()
     }
     rows = []
@@ -189,7 +274,9 @@ def run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, nargs="*", default=[2, 4])
-    ap.add_argument("--layout", nargs="*", default=None, choices=sorted(set(LAYOUTS + NODE_LAYOUTS)))
+    ap.add_argument(
+        "--layout", nargs="*", default=None, choices=sorted(set(LAYOUTS + NODE_LAYOUTS + DEVICE_LAYOUTS))
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -197,12 +284,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--slow-link", type=float, default=None, metavar="BYTES_PER_S",
                     help="two emulated nodes joined by one NIC of this speed each")  # fmt: skip
+    ap.add_argument("--slow-device", type=float, default=None, metavar="FACTOR",
+                    help="two nodes, the first's processes emulating a device FACTOR times slower")  # fmt: skip
+    ap.add_argument("--microbatches", type=int, default=4, help="with --slow-device: accumulated per rank")
     ap.add_argument("--calibration", default=None, metavar="FILE",
                     help="the measured cluster: read it from FILE, or measure and write it there")  # fmt: skip
     args = ap.parse_args()
     if args.calibration and len(args.world) > 1:
         ap.error("--calibration holds one world size's measurements: give one --world")
-    layouts = args.layout or list(NODE_LAYOUTS if args.slow_link else LAYOUTS)
+    if args.slow_device and args.slow_link:
+        ap.error("--slow-device and --slow-link emulate one thing each: give one")
+    layouts = args.layout or list(
+        DEVICE_LAYOUTS if args.slow_device else NODE_LAYOUTS if args.slow_link else LAYOUTS
+    )
     if args.slow_link and "pp" in layouts:
         ap.error("--slow-link emulates no pipeline sends: leave pp out")
     if args.slow_link and any(w % 2 or w < 4 for w in args.world):
@@ -212,10 +306,21 @@ def main() -> None:
     print(f"GPT {args.layers} layers × {args.hidden}, batch {args.batch} × {args.seq}, vocabulary 512; "
           f"median of {args.steps} steps, the slowest rank's")  # fmt: skip
     for world in args.world:
-        rows = run(world, layouts, args.steps, shape, args.slow_link, args.calibration)
+        rows = run(
+            world,
+            layouts,
+            args.steps,
+            shape,
+            args.slow_link,
+            args.calibration,
+            args.slow_device,
+            args.microbatches,
+        )
         link = (
             f", two nodes of {world // 2} joined by {args.slow_link / 1e6:g} MB/s NICs"
             if args.slow_link
+            else f", two nodes of {world // 2}, the first {args.slow_device:g}× slower"
+            if args.slow_device
             else ""
         )
         print(f"\n{world} processes{link}")

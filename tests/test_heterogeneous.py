@@ -192,3 +192,10 @@ def test_an_unequal_cut_on_a_mixed_cluster_trains_like_one_process():
     for r, got in enumerate(out):
         problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"mixed rank {r}")
         assert not problems, "\n".join(problems)
+
+
+def test_a_mixed_cluster_whose_device_is_not_its_floor_is_refused():
+    mixed = _local_mixed(4.0)
+    fast = mixed.node_groups[1].device
+    with pytest.raises(ValueError, match="is not the floor of its node groups"):
+        replace(mixed, device=fast)

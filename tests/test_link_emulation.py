@@ -161,3 +161,30 @@ def test_two_emulated_nodes_hold_back_only_the_crossing_collectives(tmp_path):
     for r in range(world):
         calls, node_bytes, _ = res[r][("pp", True)]["tally"]
         assert calls == {"p2p": 2 * steps, "broadcast": steps, "all_reduce": steps}, (r, calls)
+
+
+def test_a_slow_device_stretches_its_ops_and_changes_no_result():
+    """``SlowDevice`` (the mixed-cluster emulation of ``examples/local_fidelity.py
+    --slow-device``): the same results, and about ``factor − 1`` times the ops' own time slept."""
+    from autopar.runtime.device_emulation import SlowDevice
+
+    with pytest.raises(ValueError, match="factor must be ≥ 1"):
+        SlowDevice(0.5)
+    a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))
+
+    def work() -> torch.Tensor:
+        x = a
+        for _ in range(50):
+            x = torch.tanh(x @ a)
+        return x
+
+    want = work()
+    with SlowDevice(3.0):  # the mode's first use sets up dispatch (seconds): not timed
+        work()
+    with SlowDevice(3.0) as slow:
+        t0 = time.perf_counter()
+        got = work()
+        took = time.perf_counter() - t0
+    assert torch.equal(got, want)
+    # Slept twice the ops' own time, so two thirds of the whole, less the debt still owed.
+    assert slow.slept + slow.debt == pytest.approx(2 / 3 * took, rel=0.25)
