@@ -623,7 +623,7 @@ def pipeline_devices(plan: Any) -> str:
     """``"; ranks on A100-80GB, H100-SXM"``: each pipeline rank's device kind where the plan's
     cluster mixes kinds (``Cluster.node_groups``), else ``""``."""
     if not (plan.cluster or {}).get("node_groups") or plan.pipeline is None or plan.pipeline.dp_shares:
-        return ""  # with unequal shares each replica's own devices are named (``shares_devices``)
+        return ""  # with unequal shares each replica's own devices are named (``shares_text``)
     from autopar.cluster import Cluster
 
     cluster, pp = Cluster.from_dict(plan.cluster), plan.pipeline.pp

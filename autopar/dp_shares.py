@@ -5,16 +5,17 @@ Words:
 
 * **replica** — the ranks at one coordinate of the stage mesh's first axis (with one stage, the
   whole mesh's: the first axis is the outermost, so a replica is consecutive ranks — whole nodes or
-  part of one — of one device kind where the cluster's node groups allow it; ``Cluster.replicas``). Replicas differ in
-  what they compute only in the rows they are given.
+  part of one — of one device kind where the cluster's node groups allow it;
+  ``Cluster.replicas``). Replicas differ in what they compute only in the rows they are given.
 * **share** — how many micro-batches of one size a replica runs in the step. Equal shares are the
   plain plan (each runs ``microbatches``); unequal ones sum to the same total, ``microbatches ×
   replicas``, so the batch and the loss are unchanged.
 * **blocker** — what in a plan ties the replicas together inside a micro-batch, so that they
   must run the same number: a collective over the first axis in the forward or the input
   gradient (an activation gathered, a weight gathered for use as ZeRO-3 does, an activation's
-  gradient all-reduced; not a replicated value made partial, which stays where it is), an input not split by rows over it, a loss not left partial over it.
-  Weights' gradients are reduced once per step (``passes.pipeline.defer_reductions``) and the
+  gradient all-reduced; not a replicated value made partial, which stays where it is), an input
+  not split by rows over it, a loss not left partial over it.
+  Weights' gradients are reduced once per step (``passes.stage_cut.defer_reductions``) and the
   loss's parts are summed once after the schedule (``autopar.runtime.pipeline_runner``): neither
   blocks.
 

@@ -33,7 +33,7 @@ from autopar.passes.stages import layer_cuts, seams, stage_cuts
 from autopar.placement import local_shape, parse_spec
 from autopar.planfile import PipelinePlan, Plan
 from autopar.schedule import make_schedule, max_in_flight, stage_rank
-from autopar.simulate import graph_facts, optimizer_time, stage_costs
+from autopar.simulate import graph_facts, optimizer_time, simulate, stage_costs
 
 __all__ = ["Player", "Scored", "device_time_ratios", "pipelined_candidates", "stage_cluster"]
 
@@ -275,29 +275,26 @@ def pipelined_candidates(
         shares = balance([c.forward + c.backward_input + c.backward_weight for c in per], m * mesh[0])
         if len(set(shares)) == 1:
             return None
-        tls = [
-            play(make_schedule("1f1b", 1, k), [c], overlap=cluster.overlap_comm) for k, c in zip(shares, per)
-        ]
-        peaks = [max(t.peak_memory) for t in tls]
-        caps = [budget + c.device.memory - floor.device.memory for c in parts]
-        if any(pk > cap for pk, cap in zip(peaks, caps)):
-            return None
         shared = replace(
             pipe,
             dp_shares=shares,
             replica_costs=tuple({f: getattr(c, f) for f in c.__dataclass_fields__} for c in per),
-            peak_memory=(max(peaks),),
         )
         p = replace(base.plan, pipeline=shared, info=dict(base.plan.info))
-        opt = max(optimizer_time(p, c) for c in parts)
-        slowest = max(range(len(tls)), key=lambda j: tls[j].step_time)
-        step = tls[slowest].step_time + opt
-        p.predicted = replace(base.plan.predicted, step_time=step, memory_per_device=max(peaks))
+        sim = simulate(p, cluster)  # each replica played on its own devices, the slowest's step
+        # One stage holds one micro-batch in flight: every replica peaks alike (the same layout),
+        # held to its own device's budget.
+        peak = max(sim.timeline.peak_memory)
+        if any(peak > budget + c.device.memory - floor.device.memory for c in parts):
+            return None
+        p.pipeline = replace(shared, peak_memory=(peak,))
+        step = sim.step_time
+        p.predicted = replace(base.plan.predicted, step_time=step, memory_per_device=peak)
         p.info["simulated"] = {
-            "compute_and_comm": tls[slowest].busy[0],
+            "compute_and_comm": sim.timeline.busy[0],
             "bubble_fraction": 0.0,
-            "exposed_grad_sync": tls[slowest].exposed_sync[0],
-            "optimizer": opt,
+            "exposed_grad_sync": sim.timeline.exposed_sync[0],
+            "optimizer": sim.optimizer_time,
         }
         return Scored(p, step, f"{base.what} shares {':'.join(map(str, shares))}")
 

@@ -399,7 +399,12 @@ class PipelineSearch:
                     screen = False
                 except (NotBetter, InfeasibleError) as e:
                     log.info("pp=%d m=%d: refining the screened stage plan failed (%s)", pp, m, e)
-            if pp == 1 and m > 1 and cluster.mixed_kinds and not any(" shares " in c.what for c in found):
+            if (
+                pp == 1
+                and m > 1
+                and cluster.mixed_kinds
+                and not any(c.plan.pipeline is not None and c.plan.pipeline.dp_shares for c in found)
+            ):
                 found += self.replicas_first(cap, sub, stage_config, far, score, m)
             if not found:
                 self.errors.append(f"pp={pp} m={m}: no schedule fits the memory budget or the model's seams")
@@ -439,7 +444,9 @@ class PipelineSearch:
         except (NotBetter, InfeasibleError) as e:
             log.info("pp=1 m=%d: no plan keeps the first axis to replicas (%s)", m, e)
             return []
-        return [c for c in score.candidates(spmd) if " shares " in c.what]
+        return [
+            c for c in score.candidates(spmd) if c.plan.pipeline is not None and c.plan.pipeline.dp_shares
+        ]
 
     def skip(self, pp: int, why: str) -> None:
         self.errors.append(f"pp={pp}: not tried ({why})")

@@ -256,9 +256,9 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
         played = [
             play(p.actions(j), [StageCost(**c)], overlap=cluster.overlap_comm) for j, c in enumerate(costs)
         ]
-        size = cluster.world_size // len(p.dp_shares)
         j = max(range(len(played)), key=lambda j: played[j].step_time)
-        opt = max(optimizer_time(plan, cluster.part(i * size, size)) for i in range(len(played)))
+        parts = cluster.replicas(len(p.dp_shares)) or [cluster]
+        opt = max(optimizer_time(plan, c) for c in parts)
         return StepSimulation(
             played[j], opt, p.schedule + f" (shares {':'.join(map(str, p.dp_shares))})", p.dp_shares[j]
         )
