@@ -36,6 +36,7 @@ from autopar.devices import (
     TB,
     DeviceSpec,
     GiB,
+    HostSpec,
     Link,
     check_count,
     link_from_dict,
@@ -43,7 +44,15 @@ from autopar.devices import (
 )
 from autopar.node_groups import NodeGroup, floor_device, matmul_rate
 
-__all__ = ["PROFILE_VERSION", "Cluster", "NodeGroup", "load_profile", "mesh_arithmetic"]
+__all__ = [
+    "PROFILE_VERSION",
+    "Cluster",
+    "HostSpec",
+    "NodeGroup",
+    "load_profile",
+    "local_host",
+    "mesh_arithmetic",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +91,10 @@ class Cluster:
     each of one device kind; their node counts add up to ``nodes``. Empty: every node is
     ``device``. Where given, ``device`` and ``intra_node`` are the floor (``Cluster.mixed`` sets
     them)."""
+    host: HostSpec | None = None
+    """Each node's host — CPU memory, its bandwidth, the PCIe link to each device — where optimizer
+    state can be offloaded (``PlanConfig.offload_optimizer``, ``autopar.cost.offload``); the
+    presets' DGX hosts, ``None``: not described (offload is not planned)."""
 
     def __post_init__(self) -> None:
         # A count given as a whole float (8.0, from a JSON file) is taken as the int it is.
@@ -144,6 +157,8 @@ class Cluster:
         ):
             if not isinstance(v, cls):
                 raise ValueError(f"Cluster: {what} must be a {cls.__name__}, got {type(v).__name__}")
+        if self.host is not None and not isinstance(self.host, HostSpec):
+            raise ValueError(f"Cluster: host must be a HostSpec or None, got {type(self.host).__name__}")
         groups = tuple(self.node_groups)
         object.__setattr__(self, "node_groups", groups)
         if groups:
@@ -272,7 +287,7 @@ class Cluster:
         ``device`` and ``intra_node`` are the floor (module docstring)."""
         if not groups:
             raise ValueError("Cluster.mixed needs at least one (kind, nodes) group")
-        made, nics = [], []
+        made, nics, hosts = [], [], []
         for item in groups:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise ValueError(
@@ -283,6 +298,8 @@ class Cluster:
                 kind = cls.preset(kind)
             made.append(NodeGroup(device=kind.device, nodes=n, intra_node=kind.intra_node))
             nics.append(kind.inter_node)
+            if kind.host is not None:
+                hosts.append(kind.host)
         slowest = min(nics, key=lambda link: link.bandwidth)
         inter, nics_per_node = _network(network, slowest, nics_per_node)
         return cls(
@@ -295,6 +312,12 @@ class Cluster:
             nodes_per_rack=nodes_per_rack,
             spine_oversubscription=spine_oversubscription,
             node_groups=tuple(made),
+            # offload is planned on the slowest host of any group (its smallest memory too)
+            host=(
+                min(hosts, key=lambda h: (h.link.bandwidth, h.memory_bandwidth, h.memory))
+                if len(hosts) == len(made)
+                else None
+            ),
         )
 
     @property
@@ -430,6 +453,7 @@ class Cluster:
             inter_node=link,
             backend="gloo",
             overlap_comm=overlap_comm,
+            host=local_host(dev, world_size),
         )
 
     def with_device(self, **changes: Any) -> Cluster:
@@ -532,6 +556,7 @@ class Cluster:
             "backend": self.backend,
             "overlap_comm": self.overlap_comm,
             **({"node_groups": [g.to_dict() for g in self.node_groups]} if self.node_groups else {}),
+            **({"host": self.host.to_dict()} if self.host is not None else {}),
         }
 
     @classmethod
@@ -548,11 +573,27 @@ class Cluster:
             backend=d.get("backend", "nccl"),
             overlap_comm=d.get("overlap_comm", True),
             node_groups=tuple(NodeGroup.from_dict(g) for g in d.get("node_groups", ())),
+            host=HostSpec.from_dict(d["host"]) if d.get("host") else None,
         )
 
 
 PROFILE_VERSION = 1
 """Version of the profile JSON ``autopar.runtime.calibrate`` writes and ``load_profile`` reads."""
+
+
+def local_host(device: DeviceSpec, processes: int) -> HostSpec:
+    """The host of ``processes`` CPU processes on this machine (``Cluster.local``): its own memory.
+    Each process's share of the host's bandwidth is its device's, its optimizer step on the host
+    runs as fast as on its device, and "offloading" is a copy within the same memory (read and
+    write: half the bandwidth memory-bound kernels reach)."""
+    eff = device.optimizer_efficiency or device.memory_efficiency
+    return HostSpec(
+        name="this machine",
+        memory=device.memory * processes,
+        memory_bandwidth=device.memory_bandwidth * processes,
+        link=Link(name="memcpy", bandwidth=device.achieved_bandwidth / 2, latency=1e-6),
+        optimizer_efficiency=eff,
+    )
 
 
 def load_profile(profile: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:

@@ -160,6 +160,12 @@ class PlanConfig:
     """Steps reduced exactly before PowerSGD starts (``GradCompression.warmup_steps``)."""
     compression_density: float = 0.01
     """Top-k's share of each gradient sent a step (``GradCompression.density``)."""
+    offload_optimizer: bool | None = None
+    """Keep the optimizer state and master weights in host memory and run the optimizer step on the
+    host (ZeRO-Offload; ``autopar.cost.offload``): the device holds only weights and gradients, and
+    each step copies the gradients out and the weights back over the host link. ``None``: the 3D
+    search plans it where nothing fits without it (``autopar.search``); ``True``: every candidate;
+    ``False``: never. Needs a cluster whose ``host`` is described (the presets' are)."""
     float32_matmul_precision: str | None = None
     """What float32 matmuls run at, as ``torch.set_float32_matmul_precision`` names it:
     ``"highest"`` (PyTorch's default: the device's plain FP32 rate), ``"high"`` or ``"medium"``
@@ -299,6 +305,10 @@ class PlanConfig:
             fail(
                 f"float32_matmul_precision is one of 'highest', 'high', 'medium' (torch's names) or None, "
                 f"got {self.float32_matmul_precision!r}"
+            )
+        if self.offload_optimizer not in (None, True, False):
+            fail(
+                f"offload_optimizer is True, False or None (the search decides), got {self.offload_optimizer!r}"
             )
         if not isinstance(self.allow_compression, bool):
             fail(f"allow_compression is True or False, got {self.allow_compression!r}")

@@ -18,6 +18,7 @@ __all__ = [
     "NETWORKS",
     "PRESETS",
     "DeviceSpec",
+    "HostSpec",
     "Link",
     "Preset",
     "check_count",
@@ -229,6 +230,76 @@ class Link:
             check_number(owner, f"{where}: β", b, unit="seconds per byte", fix="measure again", zero_ok=True)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostSpec:
+    """A node's host: the CPU memory optimizer offload keeps state in, the CPU that updates it, and
+    the link each device reaches it over (``autopar.cost.offload`` turns these into seconds).
+
+    The node's devices share ``memory`` and ``memory_bandwidth``; each has its own ``link`` (a
+    PCIe x16 slot per GPU in DGX systems)."""
+
+    name: str
+    """e.g. ``"DGX H100 host"``."""
+    memory: int
+    """Host memory of one node in bytes."""
+    memory_bandwidth: float
+    """The node's DRAM bandwidth in bytes/s (all sockets, datasheet)."""
+    link: Link
+    """Host↔device link of one device, bandwidth per direction (PCIe)."""
+    optimizer_efficiency: float = 0.5
+    """Fraction of ``memory_bandwidth`` an optimizer step on the host reaches with every core of
+    the node working (a vectorized, multi-threaded memory-bound pass: DeepSpeed's CPU-Adam, Ren et
+    al., "ZeRO-Offload", arXiv 2101.06840 §4.2). 0.5 is an assumption until measured."""
+
+    def __post_init__(self) -> None:
+        owner = f"HostSpec {self.name!r}"
+        check_number(owner, "memory", self.memory, unit="bytes", fix="give the node's host memory in bytes")
+        check_number(
+            owner,
+            "memory_bandwidth",
+            self.memory_bandwidth,
+            unit="bytes/s",
+            fix="give the node's DRAM bandwidth",
+        )
+        if not isinstance(self.link, Link):
+            raise ValueError(
+                f"{owner}: link must be a Link (the host↔device PCIe link), got {type(self.link).__name__}"
+            )
+        v = self.optimizer_efficiency
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v <= 1:
+            raise ValueError(
+                f"{owner}: optimizer_efficiency must be in (0, 1] (a fraction of memory_bandwidth), got {v!r}"
+            )
+
+    def optimizer_bandwidth(self, devices: int) -> float:
+        """Bytes/s the host's optimizer step streams for each of ``devices`` devices updating
+        their state at once (they share the node's DRAM)."""
+        return self.memory_bandwidth * self.optimizer_efficiency / devices
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory": self.memory,
+            "memory_bandwidth": self.memory_bandwidth,
+            "link": link_to_dict(self.link),
+            "optimizer_efficiency": self.optimizer_efficiency,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HostSpec:
+        """Inverse of ``to_dict``; unknown keys are an error."""
+        unknown = sorted(set(d) - {"name", "memory", "memory_bandwidth", "link", "optimizer_efficiency"})
+        if unknown:
+            raise ValueError(f"HostSpec: unknown field(s) {unknown}")
+        return cls(
+            name=d["name"],
+            memory=d["memory"],
+            memory_bandwidth=d["memory_bandwidth"],
+            link=link_from_dict(d["link"]),
+            optimizer_efficiency=d.get("optimizer_efficiency", 0.5),
+        )
+
+
 # How fast real kernels run, per device generation (DeviceSpec fields; the formulas are
 # ``autopar.cost.compute``'s). Sources:
 # * matmul curve (compute_efficiency = e_max, matmul_k_half): least-squares fit of
@@ -319,6 +390,24 @@ node at its line rate per direction (400, 200, 100 Gb/s); latency 25 µs, NCCL's
 over TCP (tens of µs a message where InfiniBand's verbs take under 10)."""
 
 
+# Hosts (DGX system datasheets): DGX-1 — 2 × Xeon E5-2698 v4 (4 channels DDR4-2400 each,
+# 76.8 GB/s a socket), 512 GB, PCIe Gen3 x16 per GPU (15.75 GB/s a direction); DGX A100 — 2 × EPYC
+# 7742 (8 channels DDR4-3200, 204.8 GB/s a socket), 1 TB, PCIe Gen4 x16 (31.5 GB/s); DGX H100 and
+# H200 — 2 × Xeon Platinum 8480C (8 channels DDR5-4800, 307.2 GB/s a socket), 2 TB, PCIe Gen5 x16
+# (63 GB/s). A pinned host↔device copy reaches about 80 % of the slot's rate (the headers and flow
+# control of PCIe's packets); taken as 0.8 × nominal until measured.
+_PCIE3 = Link(name="PCIe-Gen3-x16", bandwidth=0.8 * 15.75 * GB, latency=10e-6)
+_PCIE4 = Link(name="PCIe-Gen4-x16", bandwidth=0.8 * 31.5 * GB, latency=10e-6)
+_PCIE5 = Link(name="PCIe-Gen5-x16", bandwidth=0.8 * 63.0 * GB, latency=10e-6)
+_DGX1_HOST = HostSpec(name="DGX-1 host", memory=512 * GiB, memory_bandwidth=2 * 76.8 * GB, link=_PCIE3)
+_DGXA100_HOST = HostSpec(
+    name="DGX A100 host", memory=1024 * GiB, memory_bandwidth=2 * 204.8 * GB, link=_PCIE4
+)
+_DGXH100_HOST = HostSpec(
+    name="DGX H100 host", memory=2048 * GiB, memory_bandwidth=2 * 307.2 * GB, link=_PCIE5
+)
+
+
 class Preset(NamedTuple):
     """One preset's published figures, named as the ``Cluster`` fields they fill
     (``Cluster.preset``)."""
@@ -328,23 +417,25 @@ class Preset(NamedTuple):
     """The node's GPU interconnect (NVLink)."""
     inter_node: Link
     """One inter-node NIC (InfiniBand)."""
+    host: HostSpec | None = None
+    """The node's host (CPU memory and the PCIe link to it)."""
 
 
 PRESETS: dict[str, Preset] = {
     "V100-32GB": Preset(
-        _gpu("V100-32GB", 125 * TB, 0, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS), _NVLINK2, _IB_EDR
+        _gpu("V100-32GB", 125 * TB, 0, 15.7 * TB, 900 * GB, 32 * GiB, 80, _A100_KERNELS), _NVLINK2, _IB_EDR, _DGX1_HOST
     ),
     "A100-40GB": Preset(
-        _gpu("A100-40GB", 312 * TB, 156 * TB, 19.5 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR
+        _gpu("A100-40GB", 312 * TB, 156 * TB, 19.5 * TB, 1555 * GB, 40 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR, _DGXA100_HOST
     ),
     "A100-80GB": Preset(
-        _gpu("A100-80GB", 312 * TB, 156 * TB, 19.5 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR
+        _gpu("A100-80GB", 312 * TB, 156 * TB, 19.5 * TB, 2039 * GB, 80 * GiB, 108, _A100_KERNELS), _NVLINK3, _IB_HDR, _DGXA100_HOST
     ),
     "H100-SXM": Preset(
-        _gpu("H100-SXM", 989 * TB, 494 * TB, 67 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR
+        _gpu("H100-SXM", 989 * TB, 494 * TB, 67 * TB, 3350 * GB, 80 * GiB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR, _DGXH100_HOST
     ),
     "H200": Preset(
-        _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR
+        _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR, _DGXH100_HOST
     ),
 }  # fmt: skip
 

@@ -407,6 +407,8 @@ def plan_summary(plan: PlanRecord) -> str:
         )
     if getattr(plan, "compression", None) is not None or info.get("compression_tried"):
         lines.append("  " + compression_text(plan))
+    if getattr(plan, "offload_optimizer", False):
+        lines.append("  " + offload_text(plan))
     if plan.compile:
         lines.append("  compiled by Inductor: the step's memory-bound chains costed as one kernel each")
     budget = info.get("memory_budget")
@@ -630,6 +632,24 @@ def pipeline_devices(plan: Any) -> str:
     if not cluster.mixed_kinds:
         return ""
     return "; ranks on " + ", ".join(cluster.pipeline_part(pp, r).device.name for r in range(pp))
+
+
+def offload_text(plan: Any) -> str:
+    """The plan's optimizer offload (``Plan.offload_optimizer``): what it moves to the host, what
+    it frees on the device, what its step costs, and why the search chose it."""
+    f = plan.info.get("offload") or {}
+    text = "optimizer offloaded to the host (ZeRO-Offload): the optimizer state and master weights in host memory"
+    if f:
+        text += (
+            f", {fmt_bytes(f['device_bytes_saved'])} freed per device; host holds {fmt_bytes(f['host_bytes_per_device'])} "
+            f"per device ({fmt_bytes(f['host_bytes_per_node'])} of the node's {fmt_bytes(f['host_memory'])}); the step "
+            f"costs {fmt_time(f['to_host'])} gradients out + {fmt_time(f['host_step'])} update on the host + "
+            f"{fmt_time(f['to_device'])} weights back"
+        )
+    reason = plan.info.get("offload_reason")
+    if reason:
+        text += f"; chosen because {reason}"
+    return text
 
 
 def compression_text(plan: Any) -> str:

@@ -105,6 +105,19 @@ def to_megatron(plan: Plan) -> Export:
             "optimizer splits only the optimizer state and gradients (exported as --use-distributed-optimizer)"
         )
     layout = dataclasses.replace(layout, zero_stage=min(layout.zero_stage, 1))
+    if layout.offload_optimizer and not layout.distributed_optimizer:
+        # Megatron-Core's CPU offload (HybridDeviceOptimizer) runs under the distributed optimizer;
+        # over one data-parallel rank it splits nothing
+        notes.append(
+            "Megatron-Core offloads the optimizer only under its distributed optimizer: exported with "
+            "--use-distributed-optimizer"
+            + (
+                f", which also splits the optimizer state over the {layout.dp} data-parallel ranks"
+                if layout.dp > 1
+                else ""
+            )
+        )
+        layout = dataclasses.replace(layout, distributed_optimizer=True, zero_stage=1)
     return Export(engine="megatron", text=_megatron_command(layout), layout=layout, notes=tuple(notes))
 
 
@@ -138,6 +151,13 @@ def megatron_args(layout: Layout) -> list[str]:
         ]
     if layout.distributed_optimizer:
         a += ["--use-distributed-optimizer", "--overlap-param-gather"]
+    if layout.offload_optimizer:
+        a += [
+            "--optimizer-cpu-offload",
+            "--optimizer-offload-fraction",
+            "1.0",
+            "--use-precision-aware-optimizer",
+        ]
     if layout.dp > 1:
         a.append("--overlap-grad-reduce")
     if layout.dtype in ("bf16", "fp16"):
@@ -183,6 +203,13 @@ def to_torchtitan(plan: Plan) -> Export:
         )
         layout = dataclasses.replace(layout, schedule="1f1b", virtual=1)
     layout = _pipeline_for_equal_layers(layout, notes, "torchtitan")
+    if layout.offload_optimizer:
+        notes.append(
+            "torchtitan offloads only through FSDP2's CPUOffloadPolicy ([training] enable_cpu_offload), which keeps "
+            "the weights and gradients on the host too and steps there: not exported (the optimizer state is on the "
+            "device in this layout, and its prediction plans it so)"
+        )
+        layout = dataclasses.replace(layout, offload_optimizer=False)
     if layout.tp > 1 and not layout.sequence_parallel:
         notes.append(
             "torchtitan's tensor parallelism always splits norms along the sequence (sequence parallel)"
@@ -299,12 +326,31 @@ def to_deepspeed(plan: Plan) -> Export:
             f"autopar recomputes the first {layout.recompute_num_layers} layers of each stage; DeepSpeed "
             f"checkpoints what the model's code wraps: wrap those layers only"
         )
+    if layout.offload_optimizer and stage == 0:
+        notes.append(
+            "DeepSpeed offloads the optimizer (ZeRO-Offload) under ZeRO stage 1 to 3: exported with stage 1"
+            + (
+                f", which also splits the optimizer state over the {layout.dp} data-parallel ranks"
+                if layout.dp > 1
+                else ""
+            )
+        )
+        stage = 1
     layout = dataclasses.replace(layout, zero_stage=stage, distributed_optimizer=stage > 0)
     d: dict[str, Any] = {
         "train_batch_size": layout.batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.microbatches,
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            **(
+                {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+                if layout.offload_optimizer
+                else {}
+            ),
+        },
         "bf16": {"enabled": layout.dtype == "bf16"},
         "fp16": {"enabled": layout.dtype == "fp16"},
     }

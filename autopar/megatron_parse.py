@@ -13,7 +13,13 @@ from typing import Any
 __all__ = ["parse_megatron_args"]
 
 
-_MEGATRON_FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations"}
+_MEGATRON_FLAGS = {
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--recompute-activations",
+    "--optimizer-cpu-offload",
+    "--use-precision-aware-optimizer",
+}
 """Megatron-LM flags that take no value (among those ``parse_megatron_args`` reads)."""
 
 
@@ -30,7 +36,8 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     ``--sequence-parallel``, ``--expert-model-parallel-size``, ``--micro-batch-size``,
     ``--global-batch-size``, ``--recompute-granularity`` / ``--recompute-activations`` (with
     ``--recompute-method`` and ``--recompute-num-layers`` for full: uniform with 1 layer, or block)
-    and ``--use-distributed-optimizer``."""
+    ``--use-distributed-optimizer`` and ``--optimizer-cpu-offload`` (with
+    ``--optimizer-offload-fraction`` 1: autopar offloads all of the state or none)."""
     if isinstance(argv, str):
         text = "\n".join(line for line in argv.splitlines() if not line.lstrip().startswith("#"))
         argv = shlex.split(text.replace("\\\n", " "))
@@ -114,7 +121,19 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
             f"{num_layers} layers, which autopar does not express: give --recompute-num-layers 1, or the "
             f"block method (the first N layers of each stage)"
         )
+    offload = "--optimizer-cpu-offload" in flags
+    fraction = values.get("--optimizer-offload-fraction", "1.0")
+    try:
+        whole = float(fraction) == 1.0
+    except ValueError:
+        raise ValueError(f"--optimizer-offload-fraction takes a number in [0, 1], got {fraction!r}") from None
+    if offload and not whole:
+        raise ValueError(
+            f"--optimizer-offload-fraction {fraction} offloads part of the optimizer state, which autopar does not "
+            "express: give 1.0 (all of it on the host) or leave out --optimizer-cpu-offload"
+        )
     return {
+        **({"offload_optimizer": True} if offload else {}),
         "tp": tp,
         "dp": dp,
         "sequence_parallel": "--sequence-parallel" in flags,

@@ -71,6 +71,9 @@ class Layout:
     """The model's repeated layers (0 where the plan has none)."""
     dtype: str = "bf16"
     """Parameter dtype: ``bf16``, ``fp16`` or ``fp32``."""
+    offload_optimizer: bool = False
+    """Optimizer state and master weights in host memory, the step on the host (ZeRO-Offload;
+    Megatron-Core's ``--optimizer-cpu-offload``)."""
 
     @property
     def world(self) -> int:
@@ -85,7 +88,10 @@ class Layout:
         """The keywords of ``autopar.layouts.megatron`` that plan this layout."""
         knobs = ("tp", "dp", "sequence_parallel", "ep", "pp", "microbatches", "schedule", "virtual",
                  "distributed_optimizer", "recompute", "recompute_num_layers")  # fmt: skip
-        return {k: getattr(self, k) for k in knobs}
+        out = {k: getattr(self, k) for k in knobs}
+        if self.offload_optimizer:
+            out["offload_optimizer"] = True
+        return out
 
     def describe(self) -> str:
         """``tp=2 × dp=4, pp=2 (1f1b, 4 micro-batches of 2), recompute=full``."""
@@ -106,6 +112,8 @@ class Layout:
             parts.append(f"recompute={self.recompute}{per}")
         if self.distributed_optimizer:
             parts.append(f"ZeRO-{self.zero_stage}" if self.zero_stage > 1 else "distributed optimizer")
+        if self.offload_optimizer:
+            parts.append("optimizer on the host")
         return ", ".join(parts)
 
 
@@ -262,5 +270,6 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
         schedule=schedule, virtual=virtual, recompute=plan.recompute,
         recompute_num_layers=_recompute_num_layers(plan, notes), distributed_optimizer=zero_stage > 0,
         zero_stage=zero_stage, batch=batch, seq=seq, layers=layers, dtype=_dtype(plan),
+        offload_optimizer=plan.offload_optimizer,
     )  # fmt: skip
     return layout, notes

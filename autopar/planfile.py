@@ -242,6 +242,10 @@ class Plan:
     compression: GradCompression | None = None
     """How the data-parallel gradient all-reduces are compressed (``PlanConfig.compression``,
     ``autopar.cost.compression``; the runtime's ``passes.compress``); ``None``: reduced exactly."""
+    offload_optimizer: bool = False
+    """The optimizer state and master weights live in host memory and the optimizer step runs on
+    the host (``PlanConfig.offload_optimizer``, ``autopar.cost.offload``); the runtime's
+    ``ParallelModule.optimizer`` builds that optimizer (``autopar.runtime.offload``)."""
 
     @property
     def world_size(self) -> int:
@@ -343,6 +347,7 @@ class Plan:
             ),
             "fusions": [asdict(f) for f in self.fusions],
             "compile": self.compile,
+            **({"offload_optimizer": True} if self.offload_optimizer else {}),
             **({"compression": self.compression.to_dict()} if self.compression is not None else {}),
         }
 
@@ -392,6 +397,7 @@ class Plan:
                 for f in d.get("fusions", [])
             ],
             compile=bool(d.get("compile", False)),
+            offload_optimizer=bool(d.get("offload_optimizer", False)),
             compression=GradCompression.from_dict(d["compression"]) if d.get("compression") else None,
         )
 
@@ -546,8 +552,9 @@ def _validate(d: dict[str, Any]) -> None:
     layers = d.get("recompute_layers")
     if layers is not None and (not isinstance(layers, list) or not all(isinstance(x, str) for x in layers)):
         fail("recompute_layers", "a list of layer instance names", layers)
-    if not isinstance(d.get("compile", False), bool):
-        fail("compile", "true or false", d.get("compile"))
+    for flag in ("compile", "offload_optimizer"):
+        if not isinstance(d.get(flag, False), bool):
+            fail(flag, "true or false", d.get(flag))
     comp = d.get("compression")
     if comp is not None:
         if not isinstance(comp, dict) or "method" not in comp:

@@ -318,6 +318,7 @@ def plan_captured(
             if only is not None and len(only) < len(order):
                 p.recompute_layers = tuple(n for n in order if n in only)
         p.compile = config.compile
+        p.offload_optimizer = config.offload_optimizer is True
         p.fusions = fusion_plan(gm.meta.get(FUSIONS, ()))
         facts = graph_facts(gm)
         p.info.update(

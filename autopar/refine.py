@@ -8,6 +8,12 @@ so a second look wins only where it plays faster.
   synchronization), again with stage 1 offered beside 2 and 3 (``passes.zero_stages``):
   Megatron-LM's distributed optimizer, a reduce-scatter and a gather once a step from the
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
+* **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
+* **optimizer offload** — where the search decides offload (``PlanConfig.offload_optimizer=None``)
+  and the fastest candidate recomputes: its ``(pp, m)`` with the optimizer state on the host
+  (``autopar.cost.offload``) and no recomputation. The state's bytes freed may hold the
+  activations instead, trading the recomputed forward for the host's step; kept where faster and
+  where the node's host memory holds the state.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured
+from autopar.simulate import offload_figures
 from autopar.solver import NotBetter
 
 if TYPE_CHECKING:
@@ -31,6 +38,7 @@ __all__ = [
     "compressed",
     "compression_methods",
     "fewer_layers",
+    "offloaded",
 ]
 
 ZERO1_REACH = 0.02
@@ -219,3 +227,49 @@ def compressed(search: PipelineSearch) -> None:
         search.scored += [c for c in found if c.step_time < best.step_time * (1 - COMPRESSION_GAIN)]
     for c in search.scored:
         c.plan.info["compression_tried"] = tried
+
+
+def offloaded(search: PipelineSearch) -> None:
+    """Where the search decides offload and the fastest candidate recomputes: its ``(pp, m)``
+    planned again with the optimizer state on the host and every activation kept (module
+    docstring); the candidates whose host state fits the node join the others."""
+    config = search.config
+    if config.offload_optimizer is not None or search.cluster.host is None or not search.scored:
+        return
+    best = min(search.scored, key=lambda c: c.step_time)
+    plan = best.plan
+    if plan.recompute == "none" or plan.offload_optimizer:
+        return
+    pipe = plan.pipeline
+    pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
+    cap = search.graphs(m)
+    stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
+    sub = stage_cluster(search.cluster, pp)
+    assert sub is not None
+    score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
+    kept = stage.replace(recompute="none", recompute_layers=None, offload_optimizer=True)
+    try:
+        spmd = plan_captured(cap, sub, kept, score=score, fewer_layers=False)
+    except (InfeasibleError, NotBetter) as e:
+        search.tried.append({"pp": pp, "microbatches": m, "offload_optimizer": True, "failed": str(e)[:200]})
+        return
+    found = score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
+    for c in found:
+        f = offload_figures(c.plan, search.cluster)
+        fits = f["host_bytes_per_node"] <= f["host_memory"]
+        search.tried.append(
+            {
+                "pp": pp,
+                "microbatches": m,
+                "candidate": c.what,
+                "offload_optimizer": True,
+                "step_time": c.step_time,
+                **({} if fits else {"failed": "the host memory does not hold the optimizer state"}),
+            }
+        )
+        if fits:
+            c.plan.info["offload_reason"] = (
+                f"the memory the optimizer state frees holds every activation: {c.step_time * 1e3:.1f} ms a step "
+                f"against {best.step_time * 1e3:.1f} ms recomputing ({plan.recompute}) with the state on the device"
+            )
+            search.scored.append(c)

@@ -98,6 +98,7 @@ from autopar import refine
 from autopar.capture import Captured, batch_size, normalize_inputs
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
+from autopar.cost.offload import host_of
 from autopar.display import fmt_bytes
 from autopar.mesh_pool import Background
 from autopar.microbatch import MicrobatchCaptures
@@ -105,6 +106,7 @@ from autopar.passes.stages import seams
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, plan_captured, plan_recomputing
+from autopar.simulate import offload_figures
 from autopar.solver import NotBetter
 
 __all__ = ["plan_model"]
@@ -509,12 +511,58 @@ def plan_model(
     ``config.pp`` asks for (``PlanConfig.pp``; module docstring); the fastest that fits.
     ``captured``: the model already captured on ``example_inputs``; ``graphs``: its micro-batch
     graphs, shared by several plans of the same workload (``autopar plan --nodes 4,8,16``: the
-    model is exported once, with and without a symbolic batch, for every cluster)."""
+    model is exported once, with and without a symbolic batch, for every cluster).
+
+    Optimizer offload (``PlanConfig.offload_optimizer``): ``None`` plans without it (but for
+    ``refine.offloaded``'s second look) and, where nothing fits so, searches again with it; the
+    plan's host memory must fit the node's."""
     args, kwargs = normalize_inputs(example_inputs)
     config = config.resolved(cluster.device.memory)
-    t0 = time.perf_counter()
+    if config.offload_optimizer is True:
+        host_of(cluster)  # a clear error before any planning
     if graphs is None:
         graphs = MicrobatchCaptures(model, (args, kwargs), whole=captured)
+    try:
+        return _offload_checked(_plan_model(args, kwargs, cluster, config, graphs), cluster)
+    except InfeasibleError as e:
+        if config.offload_optimizer is not None or cluster.host is None:
+            raise
+        log.info("nothing fits with the optimizer state on the device; planning with it offloaded")
+        try:
+            plan = _offload_checked(
+                _plan_model(args, kwargs, cluster, config.replace(offload_optimizer=True), graphs), cluster
+            )
+        except InfeasibleError as off:
+            raise InfeasibleError(
+                f"{e}\nwith the optimizer state offloaded to the host as well: {off}", smallest=e.smallest
+            ) from None
+        head = str(e).splitlines()[0]
+        plan.info["offload_reason"] = f"without it: {head}"
+        return plan
+
+
+def _offload_checked(plan: Plan, cluster: Cluster) -> Plan:
+    """``plan`` with its host figures (``simulate.offload_figures``) where it offloads; an
+    ``InfeasibleError`` with the arithmetic where its host state does not fit the node's memory."""
+    if not plan.offload_optimizer:
+        return plan
+    f = offload_figures(plan, cluster)
+    plan.info["offload"] = f
+    if f["host_bytes_per_node"] > f["host_memory"]:
+        raise InfeasibleError(
+            f"the offloaded optimizer state needs {fmt_bytes(f['host_bytes_per_node'])} of host memory per node "
+            f"({cluster.gpus_per_node} devices × {fmt_bytes(f['host_bytes_per_device'])}), more than the node's "
+            f"{fmt_bytes(f['host_memory'])}; use more devices or nodes"
+        )
+    return plan
+
+
+def _plan_model(
+    args: tuple, kwargs: dict, cluster: Cluster, config: PlanConfig, graphs: MicrobatchCaptures
+) -> Plan:
+    """``plan_model`` for one ``config.offload_optimizer`` (``None``: off but for
+    ``refine.offloaded``)."""
+    t0 = time.perf_counter()
     if config.pp == 1 and config.microbatches in (None, 1) and not config.allow_compression:
         return plan_captured(graphs(1), cluster, config)
     world = cluster.world_size
@@ -551,6 +599,7 @@ def plan_model(
     refine.fewer_layers(search)
     refine.accumulated_zero1(search)
     refine.compressed(search)
+    refine.offloaded(search)
     if not search.scored:
         head = "no layout fits the memory budget"
         if search.least is not None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from torch.fx import GraphModule, Node
 
 from autopar.cluster import Cluster
+from autopar.cost.memory import state_bytes_per_param
+from autopar.cost.offload import host_bytes_per_param, host_of, offload_step_time
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
 from autopar.cost.timeline import GRADIENT_BUCKETS, Event, StageCost, Timeline, play
 from autopar.graph import OpFamily, op_family, tensor_inputs
@@ -214,9 +216,9 @@ def stage_costs(
     return out
 
 
-def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = None) -> float:
-    """One optimizer step over the parameter shards of one device (of pipeline rank holding
-    ``stages``, when given: parameters whose first reader is in them)."""
+def optimizer_shard(plan: Plan, stages: Sequence[int] | None = None) -> tuple[float, int]:
+    """``(elements, tensors)`` of the parameter shards whose optimizer state one device holds (of
+    pipeline rank holding ``stages``, when given: parameters whose first reader is in them)."""
     numel = 0.0
     tensors = 0
     pp_stage = plan.pipeline.stage_of if plan.pipeline is not None else None
@@ -234,9 +236,52 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
         local = math.prod(local_shape(tuple(n.shape), parse_spec(n.outputs[0]), tuple(plan.mesh_shape)))
         numel += local / split.get(n.fqn, 1)  # a flat-sharded state (PlanConfig.state_split)
         tensors += 1
+    return numel, tensors
+
+
+def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = None) -> float:
+    """One optimizer step over the parameter shards of one device (of pipeline rank holding
+    ``stages``, when given); on the host where the plan offloads it (``autopar.cost.offload``)."""
+    numel, tensors = optimizer_shard(plan, stages)
     opt = plan.info.get("optimizer", "adamw")
     pbytes = int(plan.info.get("param_bytes", 4))
-    return optimizer_step_time(numel, tensors, pbytes, cluster.device, plan_settings(opt, pbytes))
+    settings = plan_settings(opt, pbytes)
+    if plan.offload_optimizer:
+        return offload_step_time(
+            numel, tensors, pbytes, host_of(cluster), cluster.gpus_per_node, settings
+        ).total
+    return optimizer_step_time(numel, tensors, pbytes, cluster.device, settings)
+
+
+def offload_figures(plan: Plan, cluster: Cluster) -> dict[str, float]:
+    """An offloading plan's host figures (``autopar.cost.offload``) for its busiest pipeline rank:
+    host bytes per device and per node, the node's host memory, the device memory it frees (the
+    optimizer state and master weight), and the step's three phases."""
+    pp = plan.pipeline.pp if plan.pipeline is not None else 1
+    stages = plan.pipeline.num_stages if plan.pipeline is not None else 1
+    shards = [optimizer_shard(plan, range(r, stages, pp) if pp > 1 else None) for r in range(pp)]
+    numel, tensors = max(shards)
+    opt = plan.info.get("optimizer", "adamw")
+    pbytes = int(plan.info.get("param_bytes", 4))
+    settings = plan_settings(opt, pbytes)
+    host = host_of(cluster)
+    t = offload_step_time(numel, tensors, pbytes, host, cluster.gpus_per_node, settings)
+    per_device = numel * host_bytes_per_param(pbytes, settings)
+    kept = state_bytes_per_param(
+        pbytes,
+        optimizer=settings.optimizer,
+        master_weights=settings.master_weights,
+        state_bytes=settings.state_bytes,
+    ).optimizer
+    return {
+        "device_bytes_saved": numel * kept,
+        "host_bytes_per_device": per_device,
+        "host_bytes_per_node": per_device * cluster.gpus_per_node,
+        "host_memory": float(host.memory),
+        "to_host": t.to_host,
+        "host_step": t.step,
+        "to_device": t.to_device,
+    }
 
 
 def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:

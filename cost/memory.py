@@ -103,17 +103,21 @@ def training_state_bytes(
     param_shards: int = 1,
     grad_shards: int = 1,
     optimizer_shards: int = 1,
+    offload_optimizer: bool = False,
 ) -> float:
     """Bytes one device holds for ``numel`` parameter elements.
 
     ``*_shards``: how many ways each part of the state is split (tensor-parallel sharding times the
     ZeRO sharding of that part). ``mixed_precision``: an fp32 master weight is kept (counted with
-    the optimizer state); ``state_bytes`` as in ``state_bytes_per_param``.
+    the optimizer state); ``state_bytes`` as in ``state_bytes_per_param``. ``offload_optimizer``:
+    the optimizer state and master weight live in host memory (``autopar.cost.offload``), not on
+    the device.
     """
     s = state_bytes_per_param(
         param_bytes, optimizer=optimizer, master_weights=mixed_precision, state_bytes=state_bytes
     )
-    return numel * (s.weight / param_shards + s.grad / grad_shards + s.optimizer / optimizer_shards)
+    on_device = 0.0 if offload_optimizer else s.optimizer / optimizer_shards
+    return numel * (s.weight / param_shards + s.grad / grad_shards + on_device)
 
 
 def zero_bytes_per_param(

@@ -37,6 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
+from autopar.cost.offload import host_of, offload_step_time
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
 from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
@@ -173,6 +174,7 @@ def _cost_strategy(
         if info.kind == "param":
             numel = float(math.prod(local))
             state = ctx.config.optimizer_state_dtype
+            offload = ctx.config.offload_optimizer is True
             # A flat-sharded optimizer state (PlanConfig.state_split) is split over the axes the
             # placement leaves whole.
             flat = math.prod(
@@ -188,6 +190,7 @@ def _cost_strategy(
                     mixed_precision=ctx.mixed_precision,
                     state_bytes=itemsize(state) if state is not None else None,
                     optimizer_shards=flat,
+                    offload_optimizer=offload,
                 )
                 if info.requires_grad
                 else numel * val.element_size()
@@ -198,7 +201,19 @@ def _cost_strategy(
             # twin cost the solver the same where their collectives do, and it kept the slower.
             if info.requires_grad:
                 settings = plan_settings(ctx.config.optimizer, val.element_size())
-                step = optimizer_step_time(numel / flat, 0, val.element_size(), ctx.cluster.device, settings)
+                if offload:  # the step on the host, its copies over the host link (cost.offload)
+                    step = offload_step_time(
+                        numel / flat,
+                        0,
+                        val.element_size(),
+                        host_of(ctx.cluster),
+                        ctx.cluster.gpus_per_node,
+                        settings,
+                    ).total
+                else:
+                    step = optimizer_step_time(
+                        numel / flat, 0, val.element_size(), ctx.cluster.device, settings
+                    )
                 return replace(
                     s, compute_time=step / ctx.config.microbatches_per_sync, comm_time=0.0, memory=mem
                 )

@@ -131,6 +131,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             i += 1
 
 
+def _device_param(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The module parameter an optimizer's parameter stands for: itself, or the device parameter
+    of a host master (``autopar.runtime.offload.HostOffloadOptimizer.device_param``)."""
+    of = getattr(optimizer, "device_param", None)
+    return of(p) if of is not None else p
+
+
 def state_dict(pm: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """``pm``'s parameters, persistent buffers and ``optimizer``'s state as canonical DTensors."""
     out: dict[str, Any] = {}
@@ -144,7 +151,7 @@ def state_dict(pm: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[
             names = {id(p): fqn for fqn, p in pm.named_local_parameters().items()}
             for g in optimizer.param_groups:
                 for p in g["params"]:
-                    fqn = names.get(id(p))
+                    fqn = names.get(id(_device_param(optimizer, p)))
                     if fqn is None:
                         raise ValueError("the optimizer holds a parameter that is not this module's")
                     for k, v in optimizer.state.get(p, {}).items():
@@ -169,7 +176,7 @@ def load_state_dict(pm: Any, sd: dict[str, Any], optimizer: torch.optim.Optimize
             names = {id(p): fqn for fqn, p in pm.named_local_parameters().items()}
             for g in optimizer.param_groups:
                 for p in g["params"]:
-                    fqn = names[id(p)]
+                    fqn = names[id(_device_param(optimizer, p))]
                     state = optimizer.state[p]
                     for k in list(state):
                         v = sd[f"{OPTIM}{fqn}.{k}"]

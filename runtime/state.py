@@ -1,10 +1,11 @@
 """The module's parameters and buffers as state: full state dicts (the original model's keys, full
 tensors), sharded DCP state dicts that load under any plan (``autopar.runtime.checkpoint``), the
-local parameters, and gradient clipping by the global norm over every shard.
+local parameters, the optimizer the plan trains with (``optimizer``: on the host where it
+offloads it), and gradient clipping by the global norm over every shard.
 
 ``ModuleState`` is ``ParallelModule``'s part that does this (a mixin: it reads the module's
 ``_specs``, ``_shapes``, ``_dtypes_of``, ``_mesh``, ``_coord``, ``_aliases``, ``_state_keys``,
-``_param_names``, ``_buffer_names``, ``axes``, ``device``, ``pipeline`` and ``_holds``).
+``_param_names``, ``_buffer_names``, ``axes``, ``device``, ``pipeline``, ``plan`` and ``_holds``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from autopar.placement import Replicate, Shard
 from autopar.program.collectives import run_reshard
+from autopar.runtime.offload import HostOffloadOptimizer
 from autopar.runtime.shards import get_path, local_shard
 
 __all__ = ["ModuleState"]
@@ -119,6 +121,19 @@ class ModuleState:
             checkpoint.load_state_dict(self, state_dict, optimizer)
             return None
         return super().load_state_dict(state_dict, strict, assign)
+
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """The optimizer this rank trains with under its plan: ``optimizer_class(parameters,
+        **kwargs)`` over this rank's shards, or, where the plan offloads the optimizer
+        (``Plan.offload_optimizer``: the memory it predicted leaves the state off the device), the
+        same class over fp32 copies in host memory, stepped there
+        (``autopar.runtime.offload.HostOffloadOptimizer``)."""
+        params = list(self.parameters())  # type: ignore[attr-defined]
+        if self.plan.offload_optimizer:  # type: ignore[attr-defined]
+            return HostOffloadOptimizer(params, optimizer_class, **kwargs)
+        return optimizer_class(params, **kwargs)
 
     def named_local_parameters(self) -> dict[str, nn.Parameter]:
         return {fqn: self._local(fqn) for fqn in self._param_names}  # type: ignore[misc]

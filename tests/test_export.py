@@ -19,7 +19,14 @@ import autopar
 from autopar import layouts, zoo
 from autopar.cli import main
 from autopar.cluster import Cluster
-from autopar.export import export, nearest_layout, to_megatron, weight_differences
+from autopar.export import (
+    export,
+    nearest_layout,
+    to_deepspeed,
+    to_megatron,
+    to_torchtitan,
+    weight_differences,
+)
 from autopar.megatron_parse import parse_megatron_args
 
 CLUSTER = Cluster.preset("H100-SXM", gpus_per_node=8, nodes=1)
@@ -44,6 +51,7 @@ def plans(workload) -> dict[str, autopar.Plan]:
         "auto": auto,
         "tp2": _megatron(workload, tp=2, sequence_parallel=True),
         "pp2": _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full"),
+        "offload": _megatron(workload, tp=2, distributed_optimizer=True, offload_optimizer=True),
     }
 
 
@@ -64,7 +72,7 @@ def test_nearest_layout_reads_the_plans_knobs(plans):
     assert (pp2.schedule, pp2.virtual, pp2.recompute, pp2.sequence_parallel) == ("1f1b", 1, "full", False)
 
 
-@pytest.mark.parametrize("name", ["auto", "tp2", "pp2"])
+@pytest.mark.parametrize("name", ["auto", "tp2", "pp2", "offload"])
 def test_megatron_arguments_round_trip_to_the_same_plan(plans, workload, name):
     plan = plans[name]
     ex = to_megatron(plan)
@@ -222,3 +230,18 @@ def test_recomputing_the_first_layers_of_each_stage_round_trips(workload):
         parse_megatron_args(
             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", 8
         )
+
+
+def test_an_offloaded_optimizer_exports_as_each_engine_offloads_it(plans):
+    plan = plans["offload"]
+    assert plan.offload_optimizer
+    ex = to_megatron(plan)
+    assert "--optimizer-cpu-offload" in ex.text and "--use-distributed-optimizer" in ex.text
+    assert parse_megatron_args(ex.text)["offload_optimizer"] is True
+    with pytest.raises(ValueError, match="offloads part of the optimizer state"):
+        parse_megatron_args(["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"], world_size=8)
+    ds = json.loads(to_deepspeed(plan).text)
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert ds["zero_optimization"]["stage"] >= 1
+    titan = to_torchtitan(plan)
+    assert any("CPUOffloadPolicy" in n for n in titan.notes) and not titan.layout.offload_optimizer

@@ -98,6 +98,7 @@ def plan_config(args: argparse.Namespace) -> Any:
         fixed=fixed or None, pp=getattr(args, "pp", None), microbatches=getattr(args, "microbatches", None),
         schedule=getattr(args, "schedule", None), recompute=getattr(args, "recompute", None),
         allow_compression=getattr(args, "allow_compression", None), compression=getattr(args, "compression", None),
+        offload_optimizer={"on": True, "off": False}.get(getattr(args, "offload_optimizer", None) or "auto"),
     )  # fmt: skip
 
 

@@ -195,6 +195,9 @@ def planning_args(p: argparse.ArgumentParser) -> None:
                         "fp8 or bf16) where that plays faster")  # fmt: skip
     g.add_argument("--compression", choices=METHODS,
                    help="compress every data-parallel gradient all-reduce this way (lossy)")  # fmt: skip
+    g.add_argument("--offload-optimizer", choices=("auto", "on", "off"),
+                   help="optimizer state and master weights in host memory, the step on the host (ZeRO-Offload); "
+                        "default auto: only where nothing fits without it")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -86,7 +86,7 @@ def _train(rank: int, world: int, job: TrainJob) -> dict[str, Any]:
         if job.save_plan:
             pm.plan.save(job.save_plan)
             print(f"wrote {job.save_plan}")
-    opt = torch.optim.AdamW(pm.parameters(), lr=job.lr)
+    opt = pm.optimizer(torch.optim.AdamW, lr=job.lr)  # on the host where the plan offloads it
     losses, times = [], []
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
     for step in range(job.steps):

@@ -1,0 +1,258 @@
+"""Optimizer offload (``PlanConfig.offload_optimizer``): the host in the cluster, the formulas of
+``autopar.cost.offload``, the search planning it where nothing fits without it, and the runtime's
+``HostOffloadOptimizer`` training equal to one process on gloo (dp, ZeRO, tp and pp = 2 plans)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.cost.memory import training_state_bytes
+from autopar.cost.offload import host_bytes_per_param, offload_step_time
+from autopar.cost.optimizer import plan_settings
+from autopar.devices import HostSpec, Link
+from autopar.planfile import Plan
+from autopar.simulate import optimizer_shard, optimizer_time, simulate
+from autopar.solver import InfeasibleError
+
+warnings.filterwarnings("ignore", message="autopar: no sharding rule")
+
+
+# ----------------------------------------------------------------------------------- unit
+
+
+def test_the_host_is_validated_and_travels_with_the_cluster():
+    h100 = Cluster.preset("H100-SXM", nodes=2)
+    assert h100.host is not None and h100.host.link.bandwidth == pytest.approx(0.8 * 63e9)
+    assert Cluster.from_dict(h100.to_dict()) == h100
+    mixed = Cluster.mixed([("A100-80GB", 1), ("H100-SXM", 1)])
+    assert mixed.host.name == "DGX A100 host"  # the slower host plans for both
+    local = Cluster.local(4)
+    # a process's share of its host updates as fast as its device does
+    assert local.host.optimizer_bandwidth(4) == pytest.approx(local.device.optimizer_bandwidth)
+    with pytest.raises(ValueError, match="optimizer_efficiency must be in"):
+        HostSpec(
+            name="x",
+            memory=1,
+            memory_bandwidth=1.0,
+            link=Link(name="l", bandwidth=1.0, latency=0),
+            optimizer_efficiency=2,
+        )
+    with pytest.raises(ValueError, match="host must be a HostSpec"):
+        Cluster(
+            device=h100.device,
+            gpus_per_node=1,
+            intra_node=h100.intra_node,
+            inter_node=h100.inter_node,
+            host="big",
+        )
+
+
+def test_offload_arithmetic():
+    bf16 = plan_settings("adamw", 2)
+    # host: fp32 moments 8 + master 4 + fp32 gradient 4 + a bf16 staging buffer 2
+    assert host_bytes_per_param(2, bf16) == 18
+    assert host_bytes_per_param(4, plan_settings("adamw", 4)) == 16
+    # the device keeps weight and gradient only: 2 + 2 of mixed precision's 16 bytes
+    assert training_state_bytes(1e9, 2, mixed_precision=True, offload_optimizer=True) == 4e9
+    assert training_state_bytes(1e9, 2, mixed_precision=True) == 16e9
+    host = Cluster.preset("H100-SXM").host
+    t = offload_step_time(1e9, 10, 2, host, 8, bf16)
+    # 2 GB over PCIe Gen5 each way; the fused update's 28 bytes + 4 (the fp32 gradient) per
+    # element at 1/8 of half the node's 614.4 GB/s
+    assert t.to_host == pytest.approx(2e9 / (0.8 * 63e9) + 10 * 10e-6)
+    assert t.to_device == t.to_host
+    assert t.step == pytest.approx(1e9 * 32 / (614.4e9 * 0.5 / 8))
+    assert t.total == pytest.approx(t.to_host + t.step + t.to_device)
+
+
+# ------------------------------------------------------------------------------- planning
+
+
+def _gpt(batch: int = 8):
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=64, vocab_size=256))
+    ids = torch.randint(0, 256, (batch, 32))
+    return model, (ids, torch.randint(0, 256, (batch, 32)))
+
+
+def test_the_search_offloads_only_where_nothing_fits_without_it():
+    model, inputs = _gpt()
+    cluster = Cluster.local(2)
+    kw = {"pp": 1, "microbatches": 1}
+    on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
+    off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
+    assert on.offload_optimizer and not off.offload_optimizer
+    # the state left on the device: AdamW's two fp32 moments per element less
+    saved = off.predicted.memory_per_device - on.predicted.memory_per_device
+    numel, _ = optimizer_shard(off)
+    assert saved >= 0.9 * 8 * numel, (saved, numel)
+    # and the optimizer step is the host's: the shard's copies and update (cost.offload)
+    numel, tensors = optimizer_shard(on)
+    host = offload_step_time(numel, tensors, 4, cluster.host, 2, plan_settings("adamw", 4))
+    assert simulate(on, cluster).optimizer_time == pytest.approx(host.total)
+    assert optimizer_time(on, cluster) == pytest.approx(host.total)
+    assert on.info["offload"]["host_bytes_per_device"] == pytest.approx(numel * 16)
+    assert Plan.from_dict(on.to_dict()).offload_optimizer
+
+    # One device, no recomputation (nothing else can free the state): with a budget between the
+    # two, the default (None) plans without, fails, and offloads.
+    cluster = Cluster.local(1)
+    kw["recompute"] = "none"
+    on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
+    off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
+    budget = (on.predicted.memory_per_device + off.predicted.memory_per_device) / 2
+    auto = autopar.plan(model, inputs, cluster, memory_budget=budget, **kw)
+    assert auto.offload_optimizer and auto.predicted.memory_per_device <= budget
+    assert auto.info["offload_reason"].startswith("without it:")
+    text = str(auto)
+    assert "optimizer offloaded to the host" in text and "chosen because without it: no " in text, text
+    # where it fits, nothing is offloaded
+    assert not autopar.plan(model, inputs, cluster, **kw).offload_optimizer
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, inputs, cluster, memory_budget=budget, offload_optimizer=False, **kw)
+
+
+def test_offload_replaces_recomputation_where_that_plays_faster():
+    """The search's second look (``refine.offloaded``): where the fastest plan recomputes to fit,
+    the same ``(pp, m)`` with the optimizer state on the host and every activation kept."""
+    model, inputs = _gpt()
+    cluster = Cluster.local(1)
+    kw = {"pp": 1, "microbatches": 1, "recompute": "none"}
+    on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
+    off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
+    budget = (on.predicted.memory_per_device + off.predicted.memory_per_device) / 2
+    plan = autopar.plan(model, inputs, cluster, memory_budget=budget, microbatches=1)  # pp "auto": the search
+    tried = plan.info["pipeline_candidates"]
+    recomputing = min(c["step_time"] for c in tried if "step_time" in c and not c.get("offload_optimizer"))
+    offloading = [c["step_time"] for c in tried if c.get("offload_optimizer") and "step_time" in c]
+    assert offloading, tried
+    # the faster of the two wins; on this machine the host step costs less than a recomputed forward
+    assert plan.predicted.step_time == pytest.approx(min(recomputing, *offloading))
+    assert plan.offload_optimizer and plan.recompute == "none"
+    assert "holds every activation" in plan.info["offload_reason"]
+    # the user's word holds: never offloaded when told not to
+    assert not autopar.plan(
+        model, inputs, cluster, memory_budget=budget, microbatches=1, offload_optimizer=False
+    ).offload_optimizer
+
+
+def test_offload_needs_a_host_that_holds_the_state():
+    model, inputs = _gpt()
+    cluster = Cluster.local(2)
+    with pytest.raises(ValueError, match="optimizer offload needs the cluster's host"):
+        autopar.plan(model, inputs, Cluster(**{**_fields(cluster), "host": None}), offload_optimizer=True)
+    small = Cluster(
+        **{
+            **_fields(cluster),
+            "host": HostSpec(name="tiny", memory=1024, memory_bandwidth=1e9, link=cluster.host.link),
+        }
+    )
+    with pytest.raises(InfeasibleError, match=r"host memory per node \(2 devices × .*more than the node's"):
+        autopar.plan(model, inputs, small, offload_optimizer=True, pp=1, microbatches=1)
+
+
+def _fields(c: Cluster) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+
+
+def test_a_large_model_on_one_gpu_is_planned_with_its_optimizer_on_the_host():
+    """ZeRO-Offload's case: a 2.7 B-parameter GPT does not fit one A100-40GB with its AdamW state
+    (16 bytes a parameter: 42 GB), and does with it on the host."""
+    from autopar.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=32, n_head=32, n_embd=2560, vocab_size=50304, block_size=2048)).to(
+            torch.bfloat16
+        )
+    ids = torch.empty(8, 2048, dtype=torch.long, device="meta")
+    cluster = Cluster.preset("A100-40GB", gpus_per_node=1)
+    plan = autopar.plan(model, (ids, torch.empty_like(ids)), cluster)
+    assert plan.offload_optimizer
+    f = plan.info["offload"]
+    n = sum(p.numel() for p in model.parameters())
+    assert f["host_bytes_per_device"] == pytest.approx(18 * n, rel=0.01)
+    assert plan.predicted.memory_per_device <= cluster.device.memory
+    # the step pays the host's three phases, and they are what the simulator played as its optimizer
+    assert plan.info["simulated"]["optimizer"] == pytest.approx(
+        f["to_host"] + f["host_step"] + f["to_device"]
+    )
+    assert f["device_bytes_saved"] == pytest.approx(12 * n, rel=0.01)  # fp32 moments and master
+
+
+# -------------------------------------------------------------------------------- runtime
+
+
+def _offload_worker(rank: int, world: int, plans: list) -> list[dict]:
+    from _runtime_helpers import build, call, loss_of, quiet
+
+    from autopar.runtime.offload import HostOffloadOptimizer
+
+    quiet()
+    torch.set_num_threads(1)
+    out = []
+    for what, plan in plans:
+        model, inputs = build(what.split()[0])
+        pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+        opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)
+        losses = []
+        for _ in range(3):
+            loss = loss_of(call(pm, inputs))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        sd = pm.state_dict(optimizer=opt)
+        out.append(
+            {
+                "losses": losses,
+                "state": pm.full_state_dict(),
+                "host": isinstance(opt, HostOffloadOptimizer),
+                "optim_keys": sum(k.startswith("optim.") for k in sd),
+            }
+        )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_offloaded_optimizer_trains_like_one_process():
+    from _runtime_helpers import build, compare_training, reference, sharded_specs
+
+    from autopar.runtime.launch import spawn
+
+    cluster = Cluster.local(2)
+    plans = []
+    for kind, how in (("gpt", "dp"), ("llama", "zero2"), ("gpt2", "tp"), ("gpt", "pp")):
+        model, inputs = build(kind)
+        if how == "dp":
+            fixed = {n: ("R",) for n, _ in model.named_parameters()}
+            p = autopar.plan(model, inputs, cluster, fixed=fixed, mesh_shape=(2,), offload_optimizer=True)
+        elif how == "zero2":
+            p = autopar.plan(
+                model, inputs, cluster, fixed=sharded_specs(model, inputs, 2), mesh_shape=(2,), zero_stage=2,
+                offload_optimizer=True,
+            )  # fmt: skip
+        elif how == "tp":
+            p = autopar.layouts.megatron(model, inputs, cluster, tp=2, offload_optimizer=True)
+        else:
+            p = autopar.plan(model, inputs, cluster, pp=2, microbatches=2, offload_optimizer=True)
+            assert p.pipeline is not None and p.pipeline.pp == 2
+        assert p.offload_optimizer, how
+        plans.append((f"{kind} {how}", p))
+    out = spawn(_offload_worker, 2, plans)
+    for k, (what, _p) in enumerate(plans):
+        ref = reference(what.split()[0], "adamw")
+        for r, got in enumerate(out):
+            assert got[k]["host"], what
+            assert got[k]["optim_keys"] > 0, what  # the checkpoint names the host state by parameter
+            problems = compare_training(ref, (got[k]["losses"], got[k]["state"]), "adamw", f"{what} rank {r}")
+            assert not problems, "\n".join(problems)
