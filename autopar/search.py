@@ -516,6 +516,7 @@ def plan_model(
     Optimizer offload (``PlanConfig.offload_optimizer``): ``None`` plans without it (but for
     ``refine.offloaded``'s second look) and, where nothing fits so, searches again with it; the
     plan's host memory must fit the node's."""
+    t_start = time.perf_counter()
     args, kwargs = normalize_inputs(example_inputs)
     config = config.resolved(cluster.device.memory)
     if config.offload_optimizer is True:
@@ -538,6 +539,7 @@ def plan_model(
             ) from None
         head = str(e).splitlines()[0]
         plan.info["offload_reason"] = f"without it: {head}"
+        plan.info["planning_time"] = time.perf_counter() - t_start  # both searches
         return plan
 
 

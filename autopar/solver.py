@@ -349,7 +349,8 @@ def _infeasible(graph: StrategyGraph, memory_budget: float) -> InfeasibleError:
         f"no plan fits {_fmt_bytes(memory_budget)} per device on mesh {graph.mesh_shape}: the smallest "
         f"reachable is {_fmt_bytes(graph.min_memory())} per device (parameters, gradients and optimizer "
         f"state fully sharded, activations sharded as far as shapes allow). Use more devices, a larger "
-        f"memory_budget, a smaller batch, or a cheaper optimizer.",
+        f"memory_budget, a smaller batch, a cheaper optimizer, or the optimizer state on the host "
+        f"(offload_optimizer=True).",
         smallest=graph.min_memory(),
     )
 

@@ -4,7 +4,10 @@
    shapes, measured as ``reference/h100_training_steps.csv`` was (median of 10 steps after 3
    warm-up, ``torch.cuda.synchronize`` around each phase, ``max_memory_allocated``), beside
    ``autopar.reference.predict_step`` on the device preset named by ``--preset``.
-2. With ``--plan FILE`` (a 1-device plan saved where OR-Tools is installed, by ``--make-plan``):
+2. With ``--offload``: the offloaded optimizer step (``autopar.runtime.offload``) phase by phase
+   against ``autopar.cost.offload``, with the preset's DGX host and with this machine's host
+   measured.
+3. With ``--plan FILE`` (a 1-device plan saved where OR-Tools is installed, by ``--make-plan``):
    the per-rank program run on CUDA against eager PyTorch from the same weights, 3 AdamW steps
    (losses), then its step time against ``plan.predicted.step_time``.
 
@@ -201,6 +204,56 @@ def optimizer_sweep(preset: str) -> None:
         pred = optimizer_step_time(count * numel, count, size, dev, OptimizerSettings(fused=fused))
         print(f"{f'{count} × {numel}':<30} {str(dtype)[6:]:<9} {'fused' if fused else 'foreach':<8} "
               f"{pred * 1e3:>8.2f} {meas * 1e3:>8.2f} {pred / meas:>6.3f}", flush=True)  # fmt: skip
+        del opt, params
+        torch.cuda.empty_cache()
+
+
+OFFLOAD_SIZES = [(64, 4 << 20), (128, 8 << 20)]  # (tensors, elements each): 0.27 and 1.07 B bf16 parameters
+
+
+def offload_check(preset: str) -> None:
+    """The offloaded optimizer step (``autopar.runtime.offload``, bf16 weights, fp32 host state)
+    phase by phase against ``autopar.cost.offload``: with the preset's DGX host, and with this
+    machine's host measured (a pinned copy's bandwidth each way, a large host copy's DRAM rate)."""
+    from autopar.cost.offload import offload_step_time
+    from autopar.cost.optimizer import plan_settings
+    from autopar.devices import HostSpec, Link
+    from autopar.runtime.offload import HostOffloadOptimizer
+
+    preset_host = autopar.Cluster.preset(preset, gpus_per_node=1).host
+    big = torch.empty(256 << 20, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty_like(big, device="cuda")
+    d2h = statistics.median(_timed(lambda: big.copy_(dev, non_blocking=True)) for _ in range(5))
+    h2d = statistics.median(_timed(lambda: dev.copy_(big, non_blocking=True)) for _ in range(5))
+    a, b = torch.empty(512 << 20, dtype=torch.float32), torch.empty(512 << 20, dtype=torch.float32)
+    dram = statistics.median(2 * a.numel() * 4 / _timed(lambda: b.copy_(a)) for _ in range(3))
+    big_bytes = 256 * 2**20 * 2
+    pcie = min(big_bytes / d2h, big_bytes / h2d)
+    print(f"this host: pinned copies {big_bytes / d2h / 1e9:.1f} GB/s out, {big_bytes / h2d / 1e9:.1f} GB/s in; "
+          f"DRAM copy {dram / 1e9:.1f} GB/s; threads {torch.get_num_threads()}")  # fmt: skip
+    here = HostSpec(
+        name="measured", memory=preset_host.memory, memory_bandwidth=dram,
+        link=Link(name="PCIe(measured)", bandwidth=pcie, latency=10e-6),
+        optimizer_efficiency=preset_host.optimizer_efficiency,
+    )  # fmt: skip
+    print(f"{'tensors × elements':<22} {'phase':<10} {'measured':>10} {'pred. DGX':>10} {'pred. here':>10}")
+    for count, numel in OFFLOAD_SIZES:
+        params = [
+            torch.zeros(numel, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(count)
+        ]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = HostOffloadOptimizer(params, torch.optim.AdamW, lr=1e-5, synchronize=True)
+        runs = []
+        for _ in range(4):
+            opt.step()
+            runs.append(dict(opt.last))
+        settings = plan_settings("adamw", 2)
+        preds = [offload_step_time(count * numel, count, 2, h, 1, settings) for h in (preset_host, here)]
+        for phase, field in (("to_host", "to_host"), ("host_step", "step"), ("to_device", "to_device")):
+            meas = statistics.median(r[phase] for r in runs[1:])
+            print(f"{f'{count} × {numel}':<22} {phase:<10} {meas * 1e3:>8.1f}ms "
+                  + " ".join(f"{getattr(p, field) * 1e3:>8.1f}ms" for p in preds), flush=True)  # fmt: skip
         del opt, params
         torch.cuda.empty_cache()
 
@@ -448,6 +501,11 @@ def main() -> None:
         "--mcore", action="store_true", help="also the published rows' shapes: steps, GEMMs, attention"
     )
     ap.add_argument("--cpu", action="store_true", help="with --plan: a dry run on the CPU (losses only)")
+    ap.add_argument(
+        "--offload",
+        action="store_true",
+        help="also the offloaded optimizer step against autopar.cost.offload",
+    )
     ap.add_argument("--make-llama", metavar="PREFIX", help="plan the 1B LLaMA step check here (two plans)")
     ap.add_argument(
         "--llama", metavar="PREFIX", help="run the 1B LLaMA step check on the GPU from those plans"
@@ -475,6 +533,8 @@ def main() -> None:
         kernels(args.preset)
     if args.optimizer:
         optimizer_sweep(args.preset)
+    if args.offload:
+        offload_check(args.preset)
     if not args.skip_steps:
         steps(args.preset, SHAPES + (MCORE_SHAPES if args.mcore else []))
 

@@ -15,7 +15,10 @@ running at once as they will in training); then five plans are made on that clus
 * ``tp`` — Megatron-LM's tensor parallelism over all processes (``layouts.megatron(tp=world)``);
 * ``zero3`` — ZeRO-3 as FSDP runs it (``layouts.fsdp``): weights stored sharded, gathered for use;
 * ``pp`` — two pipeline stages, 1F1B over four micro-batches (the rest data-parallel);
-* ``auto`` — ``autopar.plan``'s own choice —
+* ``auto`` — ``autopar.plan``'s own choice;
+* ``offload`` — ``dp`` with the optimizer state on the host (``offload_optimizer=True``,
+  ``autopar.runtime.offload``: the gradients copied out, AdamW on the host's copies, the weights
+  copied back; each phase's median is printed beside ``autopar.cost.offload``'s) —
 
 With ``--slow-link B`` the processes stand for two nodes of ``world / 2`` each, joined by one NIC
 per node of ``B`` bytes/s (``autopar.runtime.link_emulation``: a collective that crosses the nodes
@@ -49,7 +52,7 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("dp", "tp", "zero3", "pp", "auto")
+LAYOUTS = ("dp", "tp", "zero3", "pp", "auto", "offload")
 NODE_LAYOUTS = ("dp", "tp", "tp2", "zero3", "hsdp", "auto")
 """With ``--slow-link``: the pipeline's sends are not emulated (``emulate_nodes``), so no ``pp``."""
 TIE = 0.05
@@ -71,9 +74,17 @@ def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
 
     world = cluster.world_size
     batch_split = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)}
-    if layout == "dp":
+    if layout in ("dp", "offload"):
         fixed = {n: ("R",) for n, _ in model.named_parameters()} | batch_split
-        return autopar.plan(model, inputs, cluster, mesh_shape=(world,), fixed=fixed, pp=1)
+        return autopar.plan(
+            model,
+            inputs,
+            cluster,
+            mesh_shape=(world,),
+            fixed=fixed,
+            pp=1,
+            offload_optimizer=layout == "offload",
+        )
     if layout == "tp":
         return autopar.layouts.megatron(model, inputs, cluster, tp=world)
     if layout == "tp2":
@@ -180,8 +191,8 @@ def worker(
         pm = autopar.parallelize(model, autopar.Cluster.from_dict(cluster), inputs, plan=plan)
         if link is not None:
             emulate_nodes(pm, link)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-        times = []
+        opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)  # on the host where the plan offloads it
+        times, phases = [], []
         for i in range(steps + 3):
             torch.distributed.barrier()
             t0 = time.perf_counter()
@@ -193,7 +204,11 @@ def worker(
                 opt.step()
             if i >= 3:  # warm-up
                 times.append(time.perf_counter() - t0)
+                if getattr(opt, "last", None):
+                    phases.append(dict(opt.last))
         out[name] = times
+        if phases:
+            out[f"{name}:phases"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     return out
 
 
@@ -268,6 +283,20 @@ def run(
         per_step = [max(r[name][i] for r in res[name]) for i in range(steps)]
         pred = json.loads(plans[name])["predicted"]["step_time"]
         rows.append((name, pred, statistics.median(per_step), what[name]))
+        figures = json.loads(plans[name])["info"].get("offload")
+        if figures:  # the offloaded step's phases, rank 0's medians against autopar.cost.offload
+            got = res[name][0][f"{name}:phases"]
+            print(
+                f"  {name}: "
+                + ", ".join(
+                    f"{k} predicted {figures[f] * 1e3:.2f} ms, measured {got[k] * 1e3:.2f} ms"
+                    for k, f in (
+                        ("to_host", "to_host"),
+                        ("host_step", "host_step"),
+                        ("to_device", "to_device"),
+                    )
+                )
+            )
     return rows
 
 

@@ -19,12 +19,15 @@ One ``step()``, in three phases one after another, as ``autopar.cost.offload`` p
 
 ``param_groups`` and ``state`` are the wrapped optimizer's (learning-rate schedulers work);
 ``state_dict()``/``load_state_dict()`` are its too. ``device_param`` maps a master back to its
-device parameter (``autopar.runtime.checkpoint`` names optimizer state by it).
+device parameter (``autopar.runtime.checkpoint`` names optimizer state by it). ``last`` holds the
+seconds of the last step's three phases (the weights' copy back waited for only with
+``synchronize=True``: on CUDA it otherwise runs beside the next forward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,8 +43,14 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor],
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        synchronize: bool = False,
         **kwargs: Any,
     ) -> None:
+        self.synchronize = synchronize
+        """Wait for the weights' copy back at the end of ``step`` (to time it: ``last``)."""
+        self.last: dict[str, float] = {}
+        """Seconds of the last step's phases: ``to_host``, ``host_step``, ``to_device``."""
         self.device_params = [p for p in params if p.requires_grad]
         if not self.device_params:
             raise ValueError("HostOffloadOptimizer needs at least one parameter that requires a gradient")
@@ -118,6 +127,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("HostOffloadOptimizer.step takes no closure: the loss is computed on the device")
         stream = self._stream
+        t0 = time.perf_counter()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         # 1. gradients to the host
@@ -136,8 +146,10 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
                 if stage is not None:
                     buf.copy_(stage)
                 m.grad = buf
+        t1 = time.perf_counter()
         # 2. the step on the host
         self.inner.step()
+        t2 = time.perf_counter()
         for m, has in zip(self.masters, given):
             if has:
                 m.grad = None
@@ -151,4 +163,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
                     p.copy_(m, non_blocking=stream is not None)
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)
+            if self.synchronize:
+                stream.synchronize()
+        self.last = {"to_host": t1 - t0, "host_step": t2 - t1, "to_device": time.perf_counter() - t2}
         return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -393,9 +393,11 @@ def best_megatron(
     ]  # fmt: skip
 
     def state(nbytes: int) -> StateBytes:
-        return state_bytes_per_param(
+        s = state_bytes_per_param(
             nbytes, optimizer=config.optimizer, master_weights=mixed, state_bytes=moments
         )
+        # with the optimizer offloaded, its state is on the host (autopar.cost.offload)
+        return replace(s, optimizer=0.0) if config.offload_optimizer is True else s
 
     seq = sequence_length(whole)
 
@@ -496,9 +498,32 @@ def best_megatron(
             previous, previous_ep = step, ep
     if s.best is None:
         planned = [t for t in s.tried if not t.get("skipped")]
-        raise InfeasibleError(
+        err = InfeasibleError(
             "no Megatron-LM layout fits:\n  " + "\n  ".join(f"{t}" for t in (planned or s.tried)[:20])
         )
+        # As an expert would next: Megatron-Core's --optimizer-cpu-offload (under its distributed
+        # optimizer), where the search may decide offload and the cluster's host is described.
+        if (
+            config.offload_optimizer is not None
+            or cluster.host is None
+            or fixed.get("distributed_optimizer") is False
+        ):
+            raise err
+        try:
+            plan = best_megatron(
+                model,
+                example_inputs,
+                cluster,
+                config=config.replace(offload_optimizer=True),
+                **{**fixed, "distributed_optimizer": True},
+            )
+        except InfeasibleError as off:
+            raise InfeasibleError(f"{err}\nwith --optimizer-cpu-offload as well: {off}") from None
+        plan.info["offload_reason"] = (
+            "no Megatron-LM layout fits with the optimizer state on the device (Megatron-Core's --optimizer-cpu-offload)"
+        )
+        plan.info["megatron_search_time"] = time.perf_counter() - t_start
+        return plan
     s.best.info["megatron_candidates"] = s.tried
     s.best.info["megatron_search_time"] = time.perf_counter() - t_start
     return s.best
