@@ -186,6 +186,9 @@ def load_state_dict(pm: Any, sd: dict[str, Any], optimizer: torch.optim.Optimize
                             state[k] = v.to(state[k].device) if isinstance(state[k], torch.Tensor) else v
                         else:
                             state[k] = v
+            refresh = getattr(optimizer, "masters_from_device", None)
+            if refresh is not None:  # host copies of the weights just loaded (runtime.offload)
+                refresh()
 
 
 def save(pm: Any, checkpoint_id: str, optimizer: torch.optim.Optimizer | None = None) -> None:

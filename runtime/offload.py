@@ -107,6 +107,15 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         """The device parameter ``master`` is the host copy of."""
         return self._device_of[id(master)]
 
+    @torch.no_grad()
+    def masters_from_device(self) -> None:
+        """Set every master to its device parameter (after weights were loaded into the module:
+        ``autopar.runtime.checkpoint.load_state_dict`` calls it). A checkpoint holds the device
+        weights and the optimizer's moments, not the fp32 masters: with bf16 weights the masters
+        restart from the bf16 values."""
+        for p, m in zip(self.device_params, self.masters):
+            m.copy_(p.detach())
+
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 

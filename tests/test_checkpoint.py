@@ -50,6 +50,7 @@ def _plans() -> dict[str, Any]:
         "megatron 2": autopar.layouts.megatron(model, inputs, two, tp=2, dp=1),
         "megatron 4": autopar.layouts.megatron(model, inputs, four, tp=2, dp=2),
         "dp 2": autopar.plan(model, inputs, two, fixed=replicated, mesh_shape=(2,)),
+        "dp 2 offload": autopar.plan(model, inputs, two, fixed=replicated, mesh_shape=(2,), offload_optimizer=True),
         "pp2xdp2": autopar.plan(
             pp_model, pp_inputs, four, pp=2, microbatches=2, schedule="1f1b", fixed={**batch, **pp_replicated},
         ),
@@ -70,11 +71,12 @@ def save(rank: int, world: int, path: str, plan: Any) -> list[float]:
 
 def resume(rank: int, world: int, kind: str, path: str, plan: Any, with_optimizer: bool = True) -> Any:
     """``kind`` built with other weights (everything must come from the checkpoint), loaded from
-    ``path`` under ``plan`` and trained 2 more steps on the reference's batch."""
+    ``path`` under ``plan`` and trained 2 more steps on the reference's batch; the optimizer the
+    plan trains with (``pm.optimizer``: on the host where it offloads it)."""
     model, _ = H.build(kind, seed=1)
     _, inputs = H.build(kind)
     pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
-    opt = H.make_optimizer("adamw", pm.parameters())
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)  # H.make_optimizer's AdamW
     checkpoint.load(pm, path, optimizer=opt if with_optimizer else None)
     losses = H.train(pm, inputs, opt, steps=2)
     return losses, pm.full_state_dict(), tuple(pm.plan.mesh_shape)
@@ -132,6 +134,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     two = [
         ("dp 2", "resume", (KIND, step2, plans["dp 2"])),
         ("dp 2 without the optimizer", "resume", (KIND, step2, plans["dp 2"], False)),
+        ("dp 2 offload", "resume", (KIND, step2, plans["dp 2 offload"])),
         ("pp dp2", "resume", (PP_KIND, pp, plans["pp dp2"])),
         ("pp2", "resume", (PP_KIND, pp, plans["pp2"])),
     ]
@@ -150,16 +153,16 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("layout", "world"), [("dp", 2), ("megatron", 4)])
-def test_resume_under_another_plan_continues_exactly(runs, reference, layout, world):
+@pytest.mark.parametrize(
+    ("name", "mesh"), [("dp 2", (2,)), ("megatron 4", (2, 2)), ("dp 2 offload", (2,))]
+)  # the last with the optimizer on the host (runtime.offload): its moments loaded into the host state
+def test_resume_under_another_plan_continues_exactly(runs, reference, name, mesh):
     first = runs["save"][0]
     ref_losses, ref_sd = reference
     assert all(abs(a - b) <= H.LOSS_RTOL * abs(b) for a, b in zip(first, ref_losses[:2])), (first, ref_losses)
-    losses, sd, mesh = runs[f"{layout} {world}"][0]
-    assert mesh == ((world,) if layout == "dp" else (2, 2))
-    problems = H.compare_training(
-        (ref_losses[2:], ref_sd), (losses, sd), "adamw", f"resumed under {layout} on {world}"
-    )
+    losses, sd, got_mesh = runs[name][0]
+    assert got_mesh == mesh
+    problems = H.compare_training((ref_losses[2:], ref_sd), (losses, sd), "adamw", f"resumed under {name}")
     assert not problems, "\n".join(problems)
 
 
