@@ -166,6 +166,12 @@ class PlanConfig:
     each step copies the gradients out and the weights back over the host link. ``None``: the 3D
     search plans it where nothing fits without it (``autopar.search``); ``True``: every candidate;
     ``False``: never. Needs a cluster whose ``host`` is described (the presets' are)."""
+    offload_activations: int | None = None
+    """Copy the saved activations of the first this many repeated layers to host memory as the
+    forward makes them and fetch them back, a layer ahead, for their backward (Megatron-Core's
+    ``--cpu-offloading-num-layers``; ``autopar.cost.offload``): the device holds a window of two
+    such layers instead of all, each micro-batch's copies run on the host link beside the compute.
+    ``None``: the 3D search tries it where its fastest plan recomputes (``autopar.refine``); 0: never."""
     float32_matmul_precision: str | None = None
     """What float32 matmuls run at, as ``torch.set_float32_matmul_precision`` names it:
     ``"highest"`` (PyTorch's default: the device's plain FP32 rate), ``"high"`` or ``"medium"``
@@ -305,6 +311,11 @@ class PlanConfig:
             fail(
                 f"float32_matmul_precision is one of 'highest', 'high', 'medium' (torch's names) or None, "
                 f"got {self.float32_matmul_precision!r}"
+            )
+        a = self.offload_activations
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 0):
+            fail(
+                f"offload_activations is a number of repeated layers (≥ 0) or None (the search decides), got {a!r}"
             )
         if self.offload_optimizer not in (None, True, False):
             fail(

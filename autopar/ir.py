@@ -152,6 +152,9 @@ class Strategy:
     """Seconds of collectives inside the op (forward + backward)."""
     memory: float = field(default=0.0, compare=False)
     """Bytes one device holds for this node: saved activations, or parameter training state."""
+    offloaded: float = field(default=0.0, compare=False)
+    """Bytes of saved activations this node sends to host memory each micro-batch and fetches back
+    for its backward (activation offload, ``PlanConfig.offload_activations``); not in ``memory``."""
     zero_stage: int = 0
     """For a trainable parameter stored sharded: how users that need it whole gather it (ZeRO
     stage 1, 2 or 3, ``autopar.cost.memory``); 0 for every other node."""
@@ -225,6 +228,9 @@ class RankInfo:
     recompute_sources: frozenset[str] = frozenset()
     """Captured nodes the plan recomputes (``passes.strategies.recomputed``: the rule the plan
     was costed with)."""
+    offload_layers: tuple[str, ...] = ()
+    """Repeated-layer instances whose saved activations go to host memory and back
+    (``Plan.offload_layers``; ``passes.offload_activations``), in forward order."""
     compression: Any = None
     """The plan's gradient compression (``Plan.compression``, an
     ``autopar.cost.compression.GradCompression``; ``passes.compress``); ``None``: exact."""

@@ -200,6 +200,7 @@ def pipelined_candidates(
             boundary_bytes=boundary,
             send_time=lambda b: link.latency + b / link.bandwidth,
             scale=by,
+            host_link=cluster.host.link if cluster.host is not None else None,
         )
         return costs
 

@@ -118,6 +118,7 @@ def build_plan(
                 comm_time=s.comm_time,
                 memory=s.memory,
                 zero_stage=s.zero_stage,
+                offloaded=s.offloaded,
             )
         )
     reshards: list[ReshardPlan] = []

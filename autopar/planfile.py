@@ -55,6 +55,9 @@ class NodePlan:
     memory: float
     zero_stage: int = 0
     """ZeRO stage (1, 2, 3) of a trainable parameter stored sharded; 0 otherwise."""
+    offloaded: float = 0.0
+    """Bytes of saved activations sent to host memory and back each micro-batch (activation
+    offload: ``Plan.offload_layers``); not in ``memory``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +245,14 @@ class Plan:
     compression: GradCompression | None = None
     """How the data-parallel gradient all-reduces are compressed (``PlanConfig.compression``,
     ``autopar.cost.compression``; the runtime's ``passes.compress``); ``None``: reduced exactly."""
+    offload_layers: tuple[str, ...] = ()
+    """Repeated-layer instances whose saved activations are copied to host memory as the forward
+    makes them and fetched back, a layer ahead, for their backward (``PlanConfig.offload_activations``,
+    ``autopar.cost.offload``; the runtime's ``passes.offload_activations``)."""
     offload_optimizer: bool = False
     """The optimizer state and master weights live in host memory and the optimizer step runs on
     the host (``PlanConfig.offload_optimizer``, ``autopar.cost.offload``); the runtime's
-    ``ParallelModule.optimizer`` builds that optimizer (``autopar.runtime.offload``)."""
+    ``ParallelModule.optimizer`` builds that optimizer (``autopar.runtime.host_optimizer``)."""
 
     @property
     def world_size(self) -> int:
@@ -348,6 +355,7 @@ class Plan:
             "fusions": [asdict(f) for f in self.fusions],
             "compile": self.compile,
             **({"offload_optimizer": True} if self.offload_optimizer else {}),
+            **({"offload_layers": list(self.offload_layers)} if self.offload_layers else {}),
             **({"compression": self.compression.to_dict()} if self.compression is not None else {}),
         }
 
@@ -398,6 +406,7 @@ class Plan:
             ],
             compile=bool(d.get("compile", False)),
             offload_optimizer=bool(d.get("offload_optimizer", False)),
+            offload_layers=tuple(d.get("offload_layers", ())),
             compression=GradCompression.from_dict(d["compression"]) if d.get("compression") else None,
         )
 
@@ -552,6 +561,9 @@ def _validate(d: dict[str, Any]) -> None:
     layers = d.get("recompute_layers")
     if layers is not None and (not isinstance(layers, list) or not all(isinstance(x, str) for x in layers)):
         fail("recompute_layers", "a list of layer instance names", layers)
+    off = d.get("offload_layers", [])
+    if not isinstance(off, list) or not all(isinstance(x, str) for x in off):
+        fail("offload_layers", "a list of layer instance names", off)
     for flag in ("compile", "offload_optimizer"):
         if not isinstance(d.get(flag, False), bool):
             fail(flag, "true or false", d.get(flag))

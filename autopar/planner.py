@@ -51,6 +51,7 @@ from autopar.passes.fusion import FUSIONS, annotate_fusions, fusion_plan
 from autopar.passes.strategies import (
     annotate_strategies,
     getitem_strategies,
+    offloaded_layers,
     recomputed_layers,
     repeated_layers,
     unruled_ops,
@@ -319,6 +320,9 @@ def plan_captured(
                 p.recompute_layers = tuple(n for n in order if n in only)
         p.compile = config.compile
         p.offload_optimizer = config.offload_optimizer is True
+        off = offloaded_layers(gm.graph, config.offload_activations)
+        if off:
+            p.offload_layers = tuple(n for n in repeated_layers(gm.graph) if n in off)
         p.fusions = fusion_plan(gm.meta.get(FUSIONS, ()))
         facts = graph_facts(gm)
         p.info.update(

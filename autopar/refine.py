@@ -249,7 +249,10 @@ def offloaded(search: PipelineSearch) -> None:
     score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
     kept = stage.replace(recompute="none", recompute_layers=None, offload_optimizer=True)
     try:
-        spmd = plan_captured(cap, sub, kept, score=score, fewer_layers=False)
+        # its compute path bounded by the best step (a rank is busy at least m/pp of it)
+        spmd = plan_captured(
+            cap, sub, kept, score=score, fewer_layers=False, path_cutoff=search.best() * pp / m
+        )
     except (InfeasibleError, NotBetter) as e:
         search.tried.append({"pp": pp, "microbatches": m, "offload_optimizer": True, "failed": str(e)[:200]})
         return

@@ -32,9 +32,15 @@ from torch.fx import GraphModule, Node
 
 from autopar.cluster import Cluster
 from autopar.cost.memory import state_bytes_per_param
-from autopar.cost.offload import host_bytes_per_param, host_of, offload_step_time
+from autopar.cost.offload import (
+    activation_offload_exposed,
+    host_bytes_per_param,
+    host_of,
+    offload_step_time,
+)
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
 from autopar.cost.timeline import GRADIENT_BUCKETS, Event, StageCost, Timeline, play
+from autopar.devices import Link
 from autopar.graph import OpFamily, op_family, tensor_inputs
 from autopar.ir import COST, TENSOR
 from autopar.placement import local_shape, parse_spec
@@ -120,6 +126,7 @@ def stage_costs(
     boundary_bytes: Sequence[float] = (),
     send_time: Callable[[float], float] | None = None,
     scale: Callable[[str, int], tuple[float, float]] | None = None,
+    host_link: Link | None = None,
 ) -> list[StageCost]:
     """Per stage, the costs of one micro-batch under ``plan`` (its nodes and reshards, made for one
     micro-batch on one stage's mesh). ``stage_of``: captured node -> stage (all in stage 0 when
@@ -130,7 +137,11 @@ def stage_costs(
     ``scale(node, s)``: the factors ``(compute, communication)`` by which a node's times on stage
     ``s``'s devices differ from the plan's (a mixed cluster's pipeline ranks, ``autopar.pipelined``):
     its compute and in-op collectives, and the activation reshards it consumes; a weight's
-    gradient reduction and ZeRO gathers keep the plan's (the network they cross is shared)."""
+    gradient reduction and ZeRO gathers keep the plan's (the network they cross is shared).
+    ``host_link``: the devices' link to host memory, over which an activation-offloading plan
+    (``Plan.offload_layers``) copies each micro-batch's saved activations out beside the forward
+    and back beside the backward (``autopar.cost.offload.activation_offload_exposed``: what does
+    not fit under the compute is added to it)."""
     one = (1.0, 1.0)
     stage_of = stage_of or {}
     first_reader = first_reader or {}
@@ -155,12 +166,14 @@ def stage_costs(
             s = stage_of.get(first_reader.get(name, ""), 0)
         return s
 
+    off = [0.0] * num_stages
     for n in plan.nodes:
         s = where(n.name)
         if n.kind == "param":
             static[s] += n.memory
             continue
         act[s] += n.memory
+        off[s] += n.offloaded
         nf, nb, nw = _node_split(n, fwd_share, tm, scale(n.name, s) if scale is not None else one)
         f[s] += nf
         b[s] += nb
@@ -194,6 +207,15 @@ def stage_costs(
             t = r.time * (scale(r.consumer, s)[1] if scale is not None else 1.0)
             f[s] += t / 3
             b[s] += 2 * t / 3
+    for s in range(num_stages):
+        if off[s]:
+            if host_link is None:
+                raise ValueError(
+                    "the plan offloads activations (Plan.offload_layers) but no host link was given: "
+                    "simulate it on a cluster whose host is described"
+                )
+            f[s] += activation_offload_exposed(off[s], f[s], host_link)
+            b[s] += activation_offload_exposed(off[s], b[s] + w[s], host_link)
     out = []
     for s in range(num_stages):
         nbytes = boundary_bytes[s] if s < len(boundary_bytes) else 0.0
@@ -289,7 +311,7 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
     cluster = cluster or Cluster.from_dict(plan.cluster)
     p = plan.pipeline
     if p is None:
-        stages = stage_costs(plan)
+        stages = stage_costs(plan, host_link=cluster.host.link if cluster.host is not None else None)
         actions = make_schedule("1f1b", 1, 1)
         tl = play(actions, stages, overlap=cluster.overlap_comm)
         return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
@@ -383,6 +405,7 @@ def simulate_captured(plan: Plan, gm: GraphModule, cluster: Cluster) -> StepSimu
         first_reader=facts.first_reader,
         fwd_share=facts.fwd_share.get,
         trainable_matmul=facts.trainable_matmul,
+        host_link=cluster.host.link if cluster.host is not None else None,
     )
     tl = play(make_schedule("1f1b", 1, 1), stages, overlap=cluster.overlap_comm)
     return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)

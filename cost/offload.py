@@ -25,10 +25,24 @@ states on the CPU"). With AdamW in mixed precision: ``2 + 2`` bytes per element 
    copied one (``4`` bytes);
 3. the updated low-precision weights copied host → device: ``numel · param_bytes / link.bandwidth``.
 
+**Activation offload** (``Plan.offload_layers``; vDNN, Rhu et al., MICRO'16, arXiv 1602.08124;
+Megatron-Core's ``--cpu-offloading-num-layers`` through Transformer Engine): the saved activations
+of the first ``k`` repeated layers are copied to host memory as the forward makes them, and back,
+one layer ahead, before their backward needs them. The device's peak is where the backward
+begins, every activation made: the offloaded layers' are on the host then but for the last one's,
+whose copy may still run (``ACTIVATION_WINDOW`` = 1 layer counted; each offloaded value is charged
+``1/k`` of its bytes). In the backward, an offloaded layer and the one fetched ahead of it are on
+the device while every later layer's activations are already freed: under that peak where at
+least two layers keep theirs. The copies of a micro-batch run on the host link beside its
+forward (out) and its backward (in), a stream of their own, so a pass is longer only by what does
+not fit under its compute (``activation_offload_exposed``: ``max(0, α + bytes / β − compute)``,
+the pass's compute as one span: the offloaded layers are the first, their copies overlap the
+layers after them). The host keeps the bytes of the micro-batches in flight.
+
 Each copy pays the link's latency once per tensor. DeepSpeed overlaps parts of this — gradients
 copied while the backward still runs, the step pipelined over sub-groups of parameters, and the
 one-step delayed parameter update (§4.2) that hides the CPU step behind the next forward — and
-autopar's runtime (``autopar.runtime.offload``) does not: the three phases run in turn after the
+autopar's runtime (``autopar.runtime.host_optimizer``) does not: the three phases run in turn after the
 gradients are reduced, as this module charges them.
 """
 
@@ -39,14 +53,21 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.memory import OPTIMIZER_MOMENTS
 from autopar.cost.optimizer import OptimizerSettings, optimizer_bytes_per_param
-from autopar.devices import HostSpec
+from autopar.devices import HostSpec, Link
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
 
 _DEFAULT = OptimizerSettings()
 
-__all__ = ["OffloadTime", "host_bytes_per_param", "host_of", "offload_step_time"]
+__all__ = [
+    "ACTIVATION_WINDOW",
+    "OffloadTime",
+    "activation_offload_exposed",
+    "host_bytes_per_param",
+    "host_of",
+    "offload_step_time",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +86,20 @@ class OffloadTime:
         return self.to_host + self.step + self.to_device
 
 
+ACTIVATION_WINDOW = 1
+"""Offloaded layers' worth of saved activations counted on the device at the step's peak (module
+docstring): the last offloaded layer's, whose copy out may still run when the forward ends."""
+
+
+def activation_offload_exposed(nbytes: float, compute: float, link: Link) -> float:
+    """Seconds one micro-batch's activation copies in one direction — ``nbytes`` over the host
+    ``link`` — add to the ``compute`` seconds of the pass they run beside (module docstring):
+    what does not fit under it."""
+    if nbytes <= 0:
+        return 0.0
+    return max(0.0, link.latency + nbytes / link.bandwidth - compute)
+
+
 def host_of(cluster: Cluster) -> HostSpec:
     """``cluster``'s host; ``ValueError`` saying what to give where it is not described."""
     if cluster.host is None:
@@ -79,7 +114,7 @@ def host_of(cluster: Cluster) -> HostSpec:
 def host_bytes_per_param(param_bytes: int, settings: OptimizerSettings) -> float:
     """Host bytes per shard element (module docstring): the moments, an fp32 master weight, an
     fp32 gradient, and, for weights narrower than fp32, a staging buffer of their own dtype the
-    copies go through (``autopar.runtime.offload``: the link carries the narrow bytes)."""
+    copies go through (``autopar.runtime.host_optimizer``: the link carries the narrow bytes)."""
     moments = OPTIMIZER_MOMENTS[settings.optimizer] * settings.moment_bytes(param_bytes)
     return moments + 4 + 4 + (param_bytes if param_bytes != 4 else 0)
 

@@ -4,7 +4,7 @@
    shapes, measured as ``reference/h100_training_steps.csv`` was (median of 10 steps after 3
    warm-up, ``torch.cuda.synchronize`` around each phase, ``max_memory_allocated``), beside
    ``autopar.reference.predict_step`` on the device preset named by ``--preset``.
-2. With ``--offload``: the offloaded optimizer step (``autopar.runtime.offload``) phase by phase
+2. With ``--offload``: the offloaded optimizer step (``autopar.runtime.host_optimizer``) phase by phase
    against ``autopar.cost.offload``, with the preset's DGX host and with this machine's host
    measured.
 3. With ``--plan FILE`` (a 1-device plan saved where OR-Tools is installed, by ``--make-plan``):
@@ -212,13 +212,13 @@ OFFLOAD_SIZES = [(64, 4 << 20), (128, 8 << 20)]  # (tensors, elements each): 0.2
 
 
 def offload_check(preset: str) -> None:
-    """The offloaded optimizer step (``autopar.runtime.offload``, bf16 weights, fp32 host state)
+    """The offloaded optimizer step (``autopar.runtime.host_optimizer``, bf16 weights, fp32 host state)
     phase by phase against ``autopar.cost.offload``: with the preset's DGX host, and with this
     machine's host measured (a pinned copy's bandwidth each way, a large host copy's DRAM rate)."""
     from autopar.cost.offload import offload_step_time
     from autopar.cost.optimizer import plan_settings
     from autopar.devices import HostSpec, Link
-    from autopar.runtime.offload import HostOffloadOptimizer
+    from autopar.runtime.host_optimizer import HostOffloadOptimizer
 
     preset_host = autopar.Cluster.preset(preset, gpus_per_node=1).host
     big = torch.empty(256 << 20, dtype=torch.bfloat16, pin_memory=True)

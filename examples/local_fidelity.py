@@ -17,7 +17,7 @@ running at once as they will in training); then five plans are made on that clus
 * ``pp`` — two pipeline stages, 1F1B over four micro-batches (the rest data-parallel);
 * ``auto`` — ``autopar.plan``'s own choice;
 * ``offload`` — ``dp`` with the optimizer state on the host (``offload_optimizer=True``,
-  ``autopar.runtime.offload``: the gradients copied out, AdamW on the host's copies, the weights
+  ``autopar.runtime.host_optimizer``: the gradients copied out, AdamW on the host's copies, the weights
   copied back; each phase's median is printed beside ``autopar.cost.offload``'s) —
 
 With ``--slow-link B`` the processes stand for two nodes of ``world / 2`` each, joined by one NIC

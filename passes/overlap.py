@@ -8,23 +8,26 @@ per-rank compiler, ``passes.rank_compiler``, runs it after tracing the step):
    again in backward instead of keeping the gathered copy from forward: only the shard is saved
    (Rajbhandari et al., arXiv 1910.02054 §5.3). The copies are recomputation
    (``passes.recompute.recompute_in_backward``) of the nodes computed from that parameter alone.
-2. ``bucket_gradients`` — gradient all-reduces whose result is only returned as a gradient
+2. ``offload_activations`` (``passes.offload_activations``) — the saved activations of the
+   plan's offloaded layers copied to host memory as the forward makes them and fetched back, a
+   layer ahead, for their backward (``Plan.offload_layers``; nothing without).
+3. ``bucket_gradients`` — gradient all-reduces whose result is only returned as a gradient
    (data-parallel weights) are merged into flat buckets of up to 25 MiB, in the order backward
    produces them, each issued as soon as its last gradient is ready (PyTorch DDP's bucketing,
    Li et al., VLDB 2020); and of at most ``1/GRADIENT_BUCKETS`` of the gradients they reduce
    (``cost.timeline.GRADIENT_BUCKETS``, what the simulator plays), so that a small model's
    reduction does not wait whole for the end of the backward.
-3. ``prefetch_params`` — each ZeRO-3 gather is issued while the previous gathered layer
+4. ``prefetch_params`` — each ZeRO-3 gather is issued while the previous gathered layer
    computes (one layer ahead), in forward and in backward (FSDP's prefetch), rather than just
    before its first use.
-4. ``sink_waits`` — every collective is issued as early as its input allows (except parameter
+5. ``sink_waits`` — every collective is issued as early as its input allows (except parameter
    gathers, which ``prefetch_params`` places to bound memory) and waited for as late as its first
    use allows (lightning-thunder's ``sort_waits``), so communication overlaps whatever compute
    lies between.
-5. ``gather_into_buffers`` (``passes.gather_buffers``) — on gloo only, every all-gather writes
+6. ``gather_into_buffers`` (``passes.gather_buffers``) — on gloo only, every all-gather writes
    into a buffer the program allocates (the functional op's ``out=`` form), the workaround for a
    heap fault of torch's gloo backend with several gathers in flight on one group.
-6. ``compress_gradients`` (``passes.compress``) — the plan's gradient compression written around
+7. ``compress_gradients`` (``passes.compress``) — the plan's gradient compression written around
    the gradient all-reduces (``Plan.compression``; nothing without one).
 
 Words: a collective is an *issue* node (``_c10d_functional.all_reduce`` …) and a *wait* node
@@ -54,6 +57,7 @@ from autopar.passes.collective_nodes import (
 )
 from autopar.passes.compress import compress_gradients
 from autopar.passes.gather_buffers import gather_into_buffers
+from autopar.passes.offload_activations import offload_activations
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
 
 __all__ = [
@@ -370,6 +374,7 @@ def sink_waits(gm: GraphModule, ctx: PassContext) -> GraphModule:
 RANK_PASSES = (
     recompute_layers,
     regather_zero3_params,
+    offload_activations,
     bucket_gradients,
     prefetch_params,
     sink_waits,

@@ -21,9 +21,9 @@ and its time; at INFO its time — and timed in ``PassContext.timings``.
    (``passes.joint``). Where a program without pipeline stages cannot be traced (data-dependent
    Python), one warning says why and no step is built: the forward program runs under autograd.
 6. the rank-program passes over each joint program (``passes.overlap.RANK_PASSES``):
-   ``recompute_layers`` (``passes.recompute``), ``regather_zero3_params``, ``bucket_gradients``,
-   ``prefetch_params``, ``sink_waits``, ``gather_into_buffers`` (``passes.gather_buffers``),
-   ``compress_gradients`` (``passes.compress``).
+   ``recompute_layers`` (``passes.recompute``), ``regather_zero3_params``, ``offload_activations``,
+   ``bucket_gradients``, ``prefetch_params``, ``sink_waits``, ``gather_into_buffers``
+   (``passes.gather_buffers``), ``compress_gradients`` (``passes.compress``).
 7. ``split_step`` (required) — each joint program split into the programs the runtime runs: the
    step's forward and backward (``StepProgram``), or a stage's forward, input-gradient and
    weight-gradient programs (``StageStep``).
@@ -212,15 +212,21 @@ def rank_info(target: RankTarget, ctx: PassContext) -> RankInfo:
         axis_names=group_names(target.axes),
         recompute=plan.recompute,
         compression=plan.compression,
-        **(recompute_info(ctx, plan.recompute, plan.recompute_layers) if plan.recompute != "none" else {}),
+        offload_layers=tuple(plan.offload_layers),
+        **(
+            recompute_info(ctx, plan.recompute, plan.recompute_layers)
+            if plan.recompute != "none" or plan.offload_layers
+            else {}
+        ),
     )
 
 
 def recompute_info(ctx: PassContext, mode: str, layers: tuple[str, ...] | None = None) -> dict[str, Any]:
     """``RankInfo``'s recomputation fields: captured node name -> the repeated-layer instance it
-    runs in (``transformer.h.3``, from the tensor annotations' module paths), and the captured
-    nodes ``mode`` recomputes in the instances ``layers`` (``Plan.recompute_layers``; ``None``:
-    every one) — ``passes.strategies.recomputed``, the rule the plan was costed by."""
+    runs in (``transformer.h.3``, from the tensor annotations' module paths; activation offload
+    reads it too), and the captured nodes ``mode`` recomputes in the instances ``layers``
+    (``Plan.recompute_layers``; ``None``: every one) — ``passes.strategies.recomputed``, the rule
+    the plan was costed by."""
     from autopar.graph import outer_instance
     from autopar.ir import TENSOR
     from autopar.passes import run_passes

@@ -37,7 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
-from autopar.cost.offload import host_of, offload_step_time
+from autopar.cost.offload import ACTIVATION_WINDOW, host_of, offload_step_time
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
 from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
@@ -52,6 +52,7 @@ from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
 __all__ = [
     "annotate_strategies",
     "getitem_strategies",
+    "offloaded_layers",
     "recomputed",
     "recomputed_layers",
     "repeated_layers",
@@ -163,7 +164,11 @@ def _splits_queries(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool:
 
 
 def _cost_strategy(
-    node: Node, s: Strategy, ctx: PassContext, layers: frozenset[str] | None = None
+    node: Node,
+    s: Strategy,
+    ctx: PassContext,
+    layers: frozenset[str] | None = None,
+    offload: frozenset[str] | None = None,
 ) -> Strategy:
     mesh = ctx.mesh.shape
     info = node.meta[TENSOR]
@@ -278,6 +283,10 @@ def _cost_strategy(
     mem += extra_saved_bytes(node, fused) / divisor
     if recomputed(node, ctx.config.recompute, layers):  # its forward runs again in backward; nothing saved
         return replace(s, compute_time=2 * fwd + bwd, comm_time=2 * comm, memory=0.0)
+    if offload and mem > 0 and outer_instance(info.module) in offload:
+        # saved on the host; one offloaded layer's worth counted on the device (cost.offload)
+        share = ACTIVATION_WINDOW / len(offload)
+        return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem * share, offloaded=mem)
     return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem)
 
 
@@ -352,6 +361,14 @@ def recomputed_layers(graph: Graph, layers: int | tuple[int, ...] | None) -> fro
     return frozenset(names[i] for i in picks)
 
 
+def offloaded_layers(graph: Graph, count: int | None) -> frozenset[str] | None:
+    """The instances ``PlanConfig.offload_activations`` offloads: the model's first ``count``
+    repeated layers (all where it has fewer); ``None`` for none."""
+    if not count:
+        return None
+    return frozenset(repeated_layers(graph)[:count])
+
+
 def recomputed(node: Node, mode: str, layers: frozenset[str] | None = None) -> bool:
     """Whether recomputation ``mode`` recomputes ``node`` in backward instead of saving it — the
     rule ``autopar.passes.recompute.recompute_layers`` applies to the per-rank program: inside a
@@ -414,6 +431,8 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     layers = None
     if ctx.config.recompute in ("selective", "full"):
         layers = recomputed_layers(gm.graph, ctx.config.recompute_layers)
+    # Layers whose saved activations go to the host tie only among themselves, too.
+    offload = offloaded_layers(gm.graph, ctx.config.offload_activations)
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
@@ -423,11 +442,13 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.meta[STRATEGIES] = getitem_strategies(node)
             continue
         if node in region_of:
-            _region_member(node, region_of[node], ordinal, cache, ctx, layers)
+            _region_member(node, region_of[node], ordinal, cache, ctx, layers, offload)
             continue
         key = tie_key(node, ordinal)
         if key is not None and layers is not None and info.module:
             key = (*key, outer_instance(info.module) in layers)
+        if key is not None and offload and info.module:
+            key = (*key, "offloaded", outer_instance(info.module) in offload)
         if key is not None and fused and FUSION in node.meta:  # tied only to members of like groups
             key = (*key, fusion_role(node))
         if key is not None and CHAIN in node.meta:  # tied only to members of like chains
@@ -440,7 +461,7 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             axis_cache[node] = axis
             combos = _combine(node, [axis] * len(mesh), mesh)
             strategies = [
-                _cost_strategy(node, s, ctx, layers)
+                _cost_strategy(node, s, ctx, layers, offload)
                 for _, s in _zero_variants(node, [s for _, s in combos], ctx)
             ]
             if len(strategies) > ctx.config.max_strategies:
@@ -465,6 +486,7 @@ def _region_member(
     cache: dict[tuple, NodeStrategies],
     ctx: PassContext,
     layers: frozenset[str] | None = None,
+    offload: frozenset[str] | None = None,
 ) -> None:
     """A mixture-of-experts region's member: its strategies are one per assignment of modes to the
     mesh axes (``autopar.rules.routing``), in the same order for every member, which follows the
@@ -473,10 +495,12 @@ def _region_member(
     info = node.meta.get(TENSOR)
     if layers is not None and info is not None and info.module:
         key = (*key, outer_instance(info.module) in layers)
+    if offload and info is not None and info.module:
+        key = (*key, "offloaded", outer_instance(info.module) in offload)
     ns = cache.get(key) if key[1] is not None else None
     if ns is None:
         built = region_strategies(region, ctx.mesh.shape)[node]
-        ns = NodeStrategies(tuple(_cost_strategy(node, s, ctx, layers) for s in built))
+        ns = NodeStrategies(tuple(_cost_strategy(node, s, ctx, layers, offload) for s in built))
         if key[1] is not None:
             cache[key] = ns
     if node is region.leader:

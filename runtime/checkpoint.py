@@ -133,7 +133,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _device_param(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
     """The module parameter an optimizer's parameter stands for: itself, or the device parameter
-    of a host master (``autopar.runtime.offload.HostOffloadOptimizer.device_param``)."""
+    of a host master (``autopar.runtime.host_optimizer.HostOffloadOptimizer.device_param``)."""
     of = getattr(optimizer, "device_param", None)
     return of(p) if of is not None else p
 
@@ -187,7 +187,7 @@ def load_state_dict(pm: Any, sd: dict[str, Any], optimizer: torch.optim.Optimize
                         else:
                             state[k] = v
             refresh = getattr(optimizer, "masters_from_device", None)
-            if refresh is not None:  # host copies of the weights just loaded (runtime.offload)
+            if refresh is not None:  # host copies of the weights just loaded (runtime.host_optimizer)
                 refresh()
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from autopar.placement import Replicate, Shard
 from autopar.program.collectives import run_reshard
-from autopar.runtime.offload import HostOffloadOptimizer
+from autopar.runtime.host_optimizer import HostOffloadOptimizer
 from autopar.runtime.shards import get_path, local_shard
 
 __all__ = ["ModuleState"]
@@ -129,7 +129,7 @@ class ModuleState:
         **kwargs)`` over this rank's shards, or, where the plan offloads the optimizer
         (``Plan.offload_optimizer``: the memory it predicted leaves the state off the device), the
         same class over fp32 copies in host memory, stepped there
-        (``autopar.runtime.offload.HostOffloadOptimizer``)."""
+        (``autopar.runtime.host_optimizer.HostOffloadOptimizer``)."""
         params = list(self.parameters())  # type: ignore[attr-defined]
         if self.plan.offload_optimizer:  # type: ignore[attr-defined]
             return HostOffloadOptimizer(params, optimizer_class, **kwargs)

@@ -155,7 +155,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("name", "mesh"), [("dp 2", (2,)), ("megatron 4", (2, 2)), ("dp 2 offload", (2,))]
-)  # the last with the optimizer on the host (runtime.offload): its moments loaded into the host state
+)  # the last with the optimizer on the host (runtime.host_optimizer): its moments loaded into the host state
 def test_resume_under_another_plan_continues_exactly(runs, reference, name, mesh):
     first = runs["save"][0]
     ref_losses, ref_sd = reference

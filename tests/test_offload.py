@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar.cluster import Cluster
 from autopar.cost.memory import training_state_bytes
-from autopar.cost.offload import host_bytes_per_param, offload_step_time
+from autopar.cost.offload import activation_offload_exposed, host_bytes_per_param, offload_step_time
 from autopar.cost.optimizer import plan_settings
 from autopar.devices import HostSpec, Link
 from autopar.planfile import Plan
@@ -68,6 +68,13 @@ def test_offload_arithmetic():
     assert t.to_device == t.to_host
     assert t.step == pytest.approx(1e9 * 32 / (614.4e9 * 0.5 / 8))
     assert t.total == pytest.approx(t.to_host + t.step + t.to_device)
+
+
+def test_activation_copies_cost_what_does_not_fit_under_the_compute():
+    link = Link(name="pcie", bandwidth=50e9, latency=10e-6)
+    assert activation_offload_exposed(0.0, 1.0, link) == 0.0
+    assert activation_offload_exposed(1e9, 1.0, link) == 0.0  # 20 ms of copies under 1 s of compute
+    assert activation_offload_exposed(1e9, 5e-3, link) == pytest.approx(10e-6 + 1e9 / 50e9 - 5e-3)
 
 
 # ------------------------------------------------------------------------------- planning
@@ -143,6 +150,33 @@ def test_offload_replaces_recomputation_where_that_plays_faster():
     ).offload_optimizer
 
 
+def test_offloaded_activations_leave_the_device_and_cost_the_host_link():
+    """``offload_activations=k``: the first ``k`` layers' saved activations are charged to the host
+    link, one layer's worth stays counted on the device (``cost.offload.ACTIVATION_WINDOW``)."""
+    from autopar.simulate import stage_costs
+
+    model, inputs = _gpt(32)
+    cluster = Cluster.local(1)
+    kw = {"pp": 1, "microbatches": 1, "recompute": "none", "offload_optimizer": False}
+    base = autopar.plan(model, inputs, cluster, offload_activations=0, **kw)
+    two = autopar.plan(model, inputs, cluster, offload_activations=2, **kw)
+    assert base.offload_layers == () and two.offload_layers == ("blocks.0", "blocks.1")
+    sent = sum(n.offloaded for n in two.nodes)
+    per_layer = sent / 2
+    assert sent > 0 and all(n.offloaded == 0 for n in base.nodes)
+    # the two layers' activations leave the device but for one layer's worth
+    assert base.predicted.memory_per_device - two.predicted.memory_per_device == pytest.approx(
+        per_layer, rel=0.02
+    )
+    assert Plan.from_dict(two.to_dict()).offload_layers == two.offload_layers
+    # over a slow host link, the copies the compute does not hide lengthen forward and backward
+    slow = Link(name="slow", bandwidth=1e6, latency=0.0)
+    fast, crawl = stage_costs(two, host_link=cluster.host.link)[0], stage_costs(two, host_link=slow)[0]
+    assert crawl.forward == pytest.approx(max(fast.forward, sent / 1e6), rel=1e-6)
+    with pytest.raises(ValueError, match="no host link was given"):
+        stage_costs(two)
+
+
 def test_offload_needs_a_host_that_holds_the_state():
     model, inputs = _gpt()
     cluster = Cluster.local(2)
@@ -194,7 +228,8 @@ def test_a_large_model_on_one_gpu_is_planned_with_its_optimizer_on_the_host():
 def _offload_worker(rank: int, world: int, plans: list) -> list[dict]:
     from _runtime_helpers import build, call, loss_of, quiet
 
-    from autopar.runtime.offload import HostOffloadOptimizer
+    from autopar.program.host_copies import to_host
+    from autopar.runtime.host_optimizer import HostOffloadOptimizer
 
     quiet()
     torch.set_num_threads(1)
@@ -211,12 +246,19 @@ def _offload_worker(rank: int, world: int, plans: list) -> list[dict]:
             opt.step()
             losses.append(loss.item())
         sd = pm.state_dict(optimizer=opt)
+        programs = (
+            [s.joint for s in pm.pipeline.steps.values()] if pm.pipeline is not None else [pm.step.joint]
+        )
         out.append(
             {
                 "losses": losses,
                 "state": pm.full_state_dict(),
                 "host": isinstance(opt, HostOffloadOptimizer),
                 "optim_keys": sum(k.startswith("optim.") for k in sd),
+                # the activations sent to the host and fetched back (passes.offload_activations)
+                "offloaded": sum(
+                    n.target is to_host for g in programs for n in g.graph.nodes if n.op == "call_function"
+                ),
             }
         )
     return out
@@ -231,7 +273,14 @@ def test_offloaded_optimizer_trains_like_one_process():
 
     cluster = Cluster.local(2)
     plans = []
-    for kind, how in (("gpt", "dp"), ("llama", "zero2"), ("gpt2", "tp"), ("gpt", "pp")):
+    for kind, how in (
+        ("gpt", "dp"),
+        ("llama", "zero2"),
+        ("gpt2", "tp"),
+        ("gpt", "pp"),
+        ("llama", "act"),
+        ("gpt2", "actpp"),
+    ):
         model, inputs = build(kind)
         if how == "dp":
             fixed = {n: ("R",) for n, _ in model.named_parameters()}
@@ -243,10 +292,27 @@ def test_offloaded_optimizer_trains_like_one_process():
             )  # fmt: skip
         elif how == "tp":
             p = autopar.layouts.megatron(model, inputs, cluster, tp=2, offload_optimizer=True)
-        else:
+        elif how == "pp":
             p = autopar.plan(model, inputs, cluster, pp=2, microbatches=2, offload_optimizer=True)
             assert p.pipeline is not None and p.pipeline.pp == 2
+        elif how == "act":  # activation offload of both layers, the optimizer on the host too
+            fixed = {n: ("R",) for n, _ in model.named_parameters()}
+            p = autopar.plan(
+                model,
+                inputs,
+                cluster,
+                fixed=fixed,
+                mesh_shape=(2,),
+                offload_activations=2,
+                offload_optimizer=True,
+            )
+        else:  # the first stage's layer offloaded under a pipeline
+            p = autopar.plan(
+                model, inputs, cluster, pp=2, microbatches=2, offload_activations=1, offload_optimizer=True
+            )
+            assert p.pipeline is not None and p.pipeline.pp == 2
         assert p.offload_optimizer, how
+        assert bool(p.offload_layers) == how.startswith("act"), (how, p.offload_layers)
         plans.append((f"{kind} {how}", p))
     out = spawn(_offload_worker, 2, plans)
     for k, (what, _p) in enumerate(plans):
@@ -254,5 +320,8 @@ def test_offloaded_optimizer_trains_like_one_process():
         for r, got in enumerate(out):
             assert got[k]["host"], what
             assert got[k]["optim_keys"] > 0, what  # the checkpoint names the host state by parameter
+            # every rank of the dp plan offloads; under the pipeline, the first stage's ranks
+            expect = what.endswith("act") or (what.endswith("actpp") and r == 0)
+            assert (got[k]["offloaded"] > 0) == expect, (what, r, got[k]["offloaded"])
             problems = compare_training(ref, (got[k]["losses"], got[k]["state"]), "adamw", f"{what} rank {r}")
             assert not problems, "\n".join(problems)

@@ -11,6 +11,7 @@ runs it. Both import this package, neither imports the other:
 * ``experts`` — expert parallelism: the grouped matmul, the dispatch and combine all-to-alls;
 * ``rng`` — random ops that recomputation runs twice: the generator's state recorded before the
   forward draw and replayed in backward;
+* ``host_copies`` — activation offload's copies to host memory and back;
 * ``kernels`` — the fused Triton kernels the fusion pass calls;
 * ``records`` — ``StepProgram`` and ``StageStep``, the records the rank-program passes build.
 
