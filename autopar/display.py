@@ -407,7 +407,7 @@ def plan_summary(plan: PlanRecord) -> str:
         )
     if getattr(plan, "compression", None) is not None or info.get("compression_tried"):
         lines.append("  " + compression_text(plan))
-    if getattr(plan, "offload_optimizer", False):
+    if getattr(plan, "offload_optimizer", False) or getattr(plan, "offload_layers", ()):
         lines.append("  " + offload_text(plan))
     if plan.compile:
         lines.append("  compiled by Inductor: the step's memory-bound chains costed as one kernel each")
@@ -635,16 +635,33 @@ def pipeline_devices(plan: Any) -> str:
 
 
 def offload_text(plan: Any) -> str:
-    """The plan's optimizer offload (``Plan.offload_optimizer``): what it moves to the host, what
-    it frees on the device, what its step costs, and why the search chose it."""
+    """The plan's offload (``Plan.offload_optimizer``, ``Plan.offload_layers``): what it moves to
+    the host, what it frees on the device, what it costs, and why the search chose it."""
     f = plan.info.get("offload") or {}
-    text = "optimizer offloaded to the host (ZeRO-Offload): the optimizer state and master weights in host memory"
-    if f:
+    parts = []
+    if plan.offload_optimizer:
+        text = "optimizer offloaded to the host (ZeRO-Offload): the optimizer state and master weights in host memory"
+        if "to_host" in f:
+            text += (
+                f", {fmt_bytes(f['device_bytes_saved'])} freed per device; the step costs {fmt_time(f['to_host'])} "
+                f"gradients out + {fmt_time(f['host_step'])} update on the host + {fmt_time(f['to_device'])} weights back"
+            )
+        parts.append(text)
+    if plan.offload_layers:
+        layers = plan.offload_layers
+        text = (
+            f"activations of {len(layers)} layer{'s' if len(layers) > 1 else ''} ({layers[0]}"
+            f"{' … ' + layers[-1] if len(layers) > 1 else ''}) copied to the host as the forward makes them and "
+            "fetched back a layer ahead"
+        )
+        if "activation_bytes_per_microbatch" in f:
+            text += f", {fmt_bytes(f['activation_bytes_per_microbatch'])} each way a micro-batch"
+        parts.append(text)
+    text = "; ".join(parts)
+    if "host_bytes_per_device" in f:
         text += (
-            f", {fmt_bytes(f['device_bytes_saved'])} freed per device; host holds {fmt_bytes(f['host_bytes_per_device'])} "
-            f"per device ({fmt_bytes(f['host_bytes_per_node'])} of the node's {fmt_bytes(f['host_memory'])}); the step "
-            f"costs {fmt_time(f['to_host'])} gradients out + {fmt_time(f['host_step'])} update on the host + "
-            f"{fmt_time(f['to_device'])} weights back"
+            f"; host holds {fmt_bytes(f['host_bytes_per_device'])} per device ({fmt_bytes(f['host_bytes_per_node'])} "
+            f"of the node's {fmt_bytes(f['host_memory'])})"
         )
     reason = plan.info.get("offload_reason")
     if reason:

@@ -105,6 +105,12 @@ def to_megatron(plan: Plan) -> Export:
             "optimizer splits only the optimizer state and gradients (exported as --use-distributed-optimizer)"
         )
     layout = dataclasses.replace(layout, zero_stage=min(layout.zero_stage, 1))
+    if layout.offload_layers and layout.pp > 1:
+        notes.append(
+            f"autopar offloads the activations of the first {layout.offload_layers} layers under a pipeline; "
+            "Megatron-Core's CPU offloading runs without one: not exported"
+        )
+        layout = dataclasses.replace(layout, offload_layers=0)
     if layout.offload_optimizer and not layout.distributed_optimizer:
         # Megatron-Core's CPU offload (HybridDeviceOptimizer) runs under the distributed optimizer;
         # over one data-parallel rank it splits nothing
@@ -158,6 +164,8 @@ def megatron_args(layout: Layout) -> list[str]:
             "1.0",
             "--use-precision-aware-optimizer",
         ]
+    if layout.offload_layers:
+        a += ["--cpu-offloading", "--cpu-offloading-num-layers", str(layout.offload_layers)]
     if layout.dp > 1:
         a.append("--overlap-grad-reduce")
     if layout.dtype in ("bf16", "fp16"):
@@ -203,6 +211,12 @@ def to_torchtitan(plan: Plan) -> Export:
         )
         layout = dataclasses.replace(layout, schedule="1f1b", virtual=1)
     layout = _pipeline_for_equal_layers(layout, notes, "torchtitan")
+    if layout.offload_layers:
+        notes.append(
+            f"autopar offloads the activations of the first {layout.offload_layers} layers to the host; torchtitan "
+            "has no activation offload: not exported"
+        )
+        layout = dataclasses.replace(layout, offload_layers=0)
     if layout.offload_optimizer:
         notes.append(
             "torchtitan offloads only through FSDP2's CPUOffloadPolicy ([training] enable_cpu_offload), which keeps "
@@ -326,6 +340,13 @@ def to_deepspeed(plan: Plan) -> Export:
             f"autopar recomputes the first {layout.recompute_num_layers} layers of each stage; DeepSpeed "
             f"checkpoints what the model's code wraps: wrap those layers only"
         )
+    if layout.offload_layers:
+        notes.append(
+            f"autopar offloads the activations of the first {layout.offload_layers} layers to the host; DeepSpeed "
+            "offloads only the checkpoints of recomputed layers (activation_checkpointing.cpu_checkpointing): not "
+            "exported"
+        )
+        layout = dataclasses.replace(layout, offload_layers=0)
     if layout.offload_optimizer and stage == 0:
         notes.append(
             "DeepSpeed offloads the optimizer (ZeRO-Offload) under ZeRO stage 1 to 3: exported with stage 1"

@@ -19,6 +19,7 @@ _MEGATRON_FLAGS = {
     "--recompute-activations",
     "--optimizer-cpu-offload",
     "--use-precision-aware-optimizer",
+    "--cpu-offloading",
 }
 """Megatron-LM flags that take no value (among those ``parse_megatron_args`` reads)."""
 
@@ -36,8 +37,9 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     ``--sequence-parallel``, ``--expert-model-parallel-size``, ``--micro-batch-size``,
     ``--global-batch-size``, ``--recompute-granularity`` / ``--recompute-activations`` (with
     ``--recompute-method`` and ``--recompute-num-layers`` for full: uniform with 1 layer, or block)
-    ``--use-distributed-optimizer`` and ``--optimizer-cpu-offload`` (with
-    ``--optimizer-offload-fraction`` 1: autopar offloads all of the state or none)."""
+    ``--use-distributed-optimizer``, ``--optimizer-cpu-offload`` (with
+    ``--optimizer-offload-fraction`` 1: autopar offloads all of the state or none) and
+    ``--cpu-offloading-num-layers`` (activation offload)."""
     if isinstance(argv, str):
         text = "\n".join(line for line in argv.splitlines() if not line.lstrip().startswith("#"))
         argv = shlex.split(text.replace("\\\n", " "))
@@ -132,8 +134,14 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
             f"--optimizer-offload-fraction {fraction} offloads part of the optimizer state, which autopar does not "
             "express: give 1.0 (all of it on the host) or leave out --optimizer-cpu-offload"
         )
+    offload_layers = (
+        number("--cpu-offloading-num-layers")
+        if "--cpu-offloading" in flags or ("--cpu-offloading-num-layers" in values)
+        else None
+    )
     return {
         **({"offload_optimizer": True} if offload else {}),
+        **({"offload_activations": offload_layers} if offload_layers else {}),
         "tp": tp,
         "dp": dp,
         "sequence_parallel": "--sequence-parallel" in flags,

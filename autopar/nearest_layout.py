@@ -74,6 +74,9 @@ class Layout:
     offload_optimizer: bool = False
     """Optimizer state and master weights in host memory, the step on the host (ZeRO-Offload;
     Megatron-Core's ``--optimizer-cpu-offload``)."""
+    offload_layers: int = 0
+    """The first this many repeated layers' saved activations go to host memory and back
+    (Megatron-Core's ``--cpu-offloading-num-layers``)."""
 
     @property
     def world(self) -> int:
@@ -91,6 +94,8 @@ class Layout:
         out = {k: getattr(self, k) for k in knobs}
         if self.offload_optimizer:
             out["offload_optimizer"] = True
+        if self.offload_layers:
+            out["offload_activations"] = self.offload_layers
         return out
 
     def describe(self) -> str:
@@ -114,6 +119,8 @@ class Layout:
             parts.append(f"ZeRO-{self.zero_stage}" if self.zero_stage > 1 else "distributed optimizer")
         if self.offload_optimizer:
             parts.append("optimizer on the host")
+        if self.offload_layers:
+            parts.append(f"activations of the first {self.offload_layers} layers on the host")
         return ", ".join(parts)
 
 
@@ -270,6 +277,6 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
         schedule=schedule, virtual=virtual, recompute=plan.recompute,
         recompute_num_layers=_recompute_num_layers(plan, notes), distributed_optimizer=zero_stage > 0,
         zero_stage=zero_stage, batch=batch, seq=seq, layers=layers, dtype=_dtype(plan),
-        offload_optimizer=plan.offload_optimizer,
+        offload_optimizer=plan.offload_optimizer, offload_layers=len(plan.offload_layers),
     )  # fmt: skip
     return layout, notes

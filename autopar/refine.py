@@ -9,11 +9,13 @@ so a second look wins only where it plays faster.
   Megatron-LM's distributed optimizer, a reduce-scatter and a gather once a step from the
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
 * **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
-* **optimizer offload** — where the search decides offload (``PlanConfig.offload_optimizer=None``)
-  and the fastest candidate recomputes: its ``(pp, m)`` with the optimizer state on the host
-  (``autopar.cost.offload``) and no recomputation. The state's bytes freed may hold the
-  activations instead, trading the recomputed forward for the host's step; kept where faster and
-  where the node's host memory holds the state.
+* **offload** — where the search decides offload (``PlanConfig.offload_optimizer`` or
+  ``offload_activations`` left ``None``) and the fastest candidate recomputes: its ``(pp, m)``
+  with no recomputation, once with the optimizer state on the host and once with the saved
+  activations of every repeated layer but the last on the host (``autopar.cost.offload``). The
+  bytes freed may hold the activations instead, trading the recomputed forward for the host's
+  step or the copies the compute does not hide; kept where faster and where the node's host
+  memory holds what is offloaded.
 """
 
 from __future__ import annotations
@@ -231,14 +233,15 @@ def compressed(search: PipelineSearch) -> None:
 
 def offloaded(search: PipelineSearch) -> None:
     """Where the search decides offload and the fastest candidate recomputes: its ``(pp, m)``
-    planned again with the optimizer state on the host and every activation kept (module
+    planned again keeping every activation, once with the optimizer state on the host and once
+    with the saved activations of every repeated layer but the last on the host (module
     docstring); the candidates whose host state fits the node join the others."""
     config = search.config
-    if config.offload_optimizer is not None or search.cluster.host is None or not search.scored:
+    if search.cluster.host is None or not search.scored:
         return
     best = min(search.scored, key=lambda c: c.step_time)
     plan = best.plan
-    if plan.recompute == "none" or plan.offload_optimizer:
+    if plan.recompute == "none" or plan.offload_optimizer or plan.offload_layers:
         return
     pipe = plan.pipeline
     pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
@@ -246,33 +249,41 @@ def offloaded(search: PipelineSearch) -> None:
     stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
     sub = stage_cluster(search.cluster, pp)
     assert sub is not None
-    score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
-    kept = stage.replace(recompute="none", recompute_layers=None, offload_optimizer=True)
-    try:
-        # its compute path bounded by the best step (a rank is busy at least m/pp of it)
-        spmd = plan_captured(
-            cap, sub, kept, score=score, fewer_layers=False, path_cutoff=search.best() * pp / m
-        )
-    except (InfeasibleError, NotBetter) as e:
-        search.tried.append({"pp": pp, "microbatches": m, "offload_optimizer": True, "failed": str(e)[:200]})
-        return
-    found = score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
-    for c in found:
-        f = offload_figures(c.plan, search.cluster)
-        fits = f["host_bytes_per_node"] <= f["host_memory"]
-        search.tried.append(
-            {
-                "pp": pp,
-                "microbatches": m,
-                "candidate": c.what,
-                "offload_optimizer": True,
-                "step_time": c.step_time,
-                **({} if fits else {"failed": "the host memory does not hold the optimizer state"}),
-            }
-        )
-        if fits:
-            c.plan.info["offload_reason"] = (
-                f"the memory the optimizer state frees holds every activation: {c.step_time * 1e3:.1f} ms a step "
-                f"against {best.step_time * 1e3:.1f} ms recomputing ({plan.recompute}) with the state on the device"
+    layers = len(repeated_layers(cap.gm.graph))
+    kinds = []
+    if config.offload_optimizer is None:
+        kinds.append(("the optimizer state", {"offload_optimizer": True, "offload_activations": 0}))
+    if config.offload_activations is None and layers >= 3:  # one layer's worth stays counted
+        kinds.append((f"the activations of {layers - 1} layers", {"offload_activations": layers - 1}))
+    for what, knobs in kinds:
+        score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
+        kept = stage.replace(recompute="none", recompute_layers=None, **knobs)
+        record = {"pp": pp, "microbatches": m, **knobs}
+        try:
+            # its compute path bounded by the best step (a rank is busy at least m/pp of it)
+            spmd = plan_captured(
+                cap, sub, kept, score=score, fewer_layers=False, path_cutoff=search.best() * pp / m
             )
-            search.scored.append(c)
+        except (InfeasibleError, NotBetter) as e:
+            search.tried.append({**record, "failed": str(e)[:200]})
+            continue
+        found = (
+            score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
+        )
+        for c in found:
+            f = offload_figures(c.plan, search.cluster)
+            fits = f["host_bytes_per_node"] <= f["host_memory"]
+            search.tried.append(
+                {
+                    **record,
+                    "candidate": c.what,
+                    "step_time": c.step_time,
+                    **({} if fits else {"failed": "the host memory does not hold what is offloaded"}),
+                }
+            )
+            if fits:
+                c.plan.info["offload_reason"] = (
+                    f"with {what} on the host every activation fits: {c.step_time * 1e3:.1f} ms a step against "
+                    f"{best.step_time * 1e3:.1f} ms recomputing ({plan.recompute})"
+                )
+                search.scored.append(c)

@@ -546,13 +546,13 @@ def plan_model(
 def _offload_checked(plan: Plan, cluster: Cluster) -> Plan:
     """``plan`` with its host figures (``simulate.offload_figures``) where it offloads; an
     ``InfeasibleError`` with the arithmetic where its host state does not fit the node's memory."""
-    if not plan.offload_optimizer:
+    if not plan.offload_optimizer and not plan.offload_layers:
         return plan
     f = offload_figures(plan, cluster)
     plan.info["offload"] = f
     if f["host_bytes_per_node"] > f["host_memory"]:
         raise InfeasibleError(
-            f"the offloaded optimizer state needs {fmt_bytes(f['host_bytes_per_node'])} of host memory per node "
+            f"the offloaded state needs {fmt_bytes(f['host_bytes_per_node'])} of host memory per node "
             f"({cluster.gpus_per_node} devices × {fmt_bytes(f['host_bytes_per_device'])}), more than the node's "
             f"{fmt_bytes(f['host_memory'])}; use more devices or nodes"
         )

@@ -276,34 +276,46 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
 
 
 def offload_figures(plan: Plan, cluster: Cluster) -> dict[str, float]:
-    """An offloading plan's host figures (``autopar.cost.offload``) for its busiest pipeline rank:
-    host bytes per device and per node, the node's host memory, the device memory it frees (the
-    optimizer state and master weight), and the step's three phases."""
-    pp = plan.pipeline.pp if plan.pipeline is not None else 1
-    stages = plan.pipeline.num_stages if plan.pipeline is not None else 1
-    shards = [optimizer_shard(plan, range(r, stages, pp) if pp > 1 else None) for r in range(pp)]
-    numel, tensors = max(shards)
-    opt = plan.info.get("optimizer", "adamw")
-    pbytes = int(plan.info.get("param_bytes", 4))
-    settings = plan_settings(opt, pbytes)
+    """An offloading plan's host figures (``autopar.cost.offload``), for its busiest pipeline rank:
+    what the host holds per device and per node against the node's host memory; with the
+    optimizer offloaded, the device memory that frees (the optimizer state and master weight) and
+    the step's three phases; with activations offloaded, the bytes a micro-batch sends each way
+    and what the micro-batches in flight keep on the host (1F1B's first rank: ``pp`` of them)."""
     host = host_of(cluster)
-    t = offload_step_time(numel, tensors, pbytes, host, cluster.gpus_per_node, settings)
-    per_device = numel * host_bytes_per_param(pbytes, settings)
-    kept = state_bytes_per_param(
-        pbytes,
-        optimizer=settings.optimizer,
-        master_weights=settings.master_weights,
-        state_bytes=settings.state_bytes,
-    ).optimizer
-    return {
-        "device_bytes_saved": numel * kept,
-        "host_bytes_per_device": per_device,
-        "host_bytes_per_node": per_device * cluster.gpus_per_node,
-        "host_memory": float(host.memory),
-        "to_host": t.to_host,
-        "host_step": t.step,
-        "to_device": t.to_device,
-    }
+    out: dict[str, float] = {"host_memory": float(host.memory)}
+    per_device = 0.0
+    pipe = plan.pipeline
+    if plan.offload_optimizer:
+        pp = pipe.pp if pipe is not None else 1
+        stages = pipe.num_stages if pipe is not None else 1
+        shards = [optimizer_shard(plan, range(r, stages, pp) if pp > 1 else None) for r in range(pp)]
+        numel, tensors = max(shards)
+        opt = plan.info.get("optimizer", "adamw")
+        pbytes = int(plan.info.get("param_bytes", 4))
+        settings = plan_settings(opt, pbytes)
+        t = offload_step_time(numel, tensors, pbytes, host, cluster.gpus_per_node, settings)
+        kept = state_bytes_per_param(
+            pbytes,
+            optimizer=settings.optimizer,
+            master_weights=settings.master_weights,
+            state_bytes=settings.state_bytes,
+        ).optimizer
+        per_device += numel * host_bytes_per_param(pbytes, settings)
+        out |= {
+            "device_bytes_saved": numel * kept,
+            "optimizer_host_bytes": numel * host_bytes_per_param(pbytes, settings),
+            "to_host": t.to_host,
+            "host_step": t.step,
+            "to_device": t.to_device,
+        }
+    if plan.offload_layers:
+        sent = sum(n.offloaded for n in plan.nodes)
+        in_flight = 1 if pipe is None else pipe.microbatches if pipe.schedule == "gpipe" else pipe.pp
+        per_device += sent * in_flight
+        out |= {"activation_bytes_per_microbatch": sent, "activation_host_bytes": sent * in_flight}
+    out["host_bytes_per_device"] = per_device
+    out["host_bytes_per_node"] = per_device * cluster.gpus_per_node
+    return out
 
 
 def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:

@@ -58,14 +58,16 @@ def _line(label: str, plan: autopar.Plan, seconds: float) -> str:
         layout += f", recompute {plan.recompute}"
     if plan.offload_optimizer:
         layout += ", optimizer on the host"
+    if plan.offload_layers:
+        layout += f", activations of {len(plan.offload_layers)} layers on the host"
     out = (
         f"  {label:<22} {fmt_time(plan.predicted.step_time):>10}  {layout}; memory {fmt_bytes(plan.predicted.memory_per_device)}"
         f" (planned in {seconds:.0f} s)\n"
         f"  {'':<22} compute and collectives {fmt_time(sim.get('compute_and_comm', 0.0))}, exposed gradient reduction "
         f"{fmt_time(sim.get('exposed_grad_sync', 0.0))}, optimizer {fmt_time(sim.get('optimizer', 0.0))}"
     )
-    f = plan.info.get("offload")
-    if f:
+    f = plan.info.get("offload") or {}
+    if "to_host" in f:
         out += (
             f"\n  {'':<22} host: {fmt_time(f['to_host'])} gradients out + {fmt_time(f['host_step'])} update + "
             f"{fmt_time(f['to_device'])} weights back; {fmt_bytes(f['host_bytes_per_device'])} of host memory per device, "

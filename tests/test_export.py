@@ -52,6 +52,7 @@ def plans(workload) -> dict[str, autopar.Plan]:
         "tp2": _megatron(workload, tp=2, sequence_parallel=True),
         "pp2": _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full"),
         "offload": _megatron(workload, tp=2, distributed_optimizer=True, offload_optimizer=True),
+        "activations": _megatron(workload, tp=2, offload_activations=2),
     }
 
 
@@ -72,7 +73,7 @@ def test_nearest_layout_reads_the_plans_knobs(plans):
     assert (pp2.schedule, pp2.virtual, pp2.recompute, pp2.sequence_parallel) == ("1f1b", 1, "full", False)
 
 
-@pytest.mark.parametrize("name", ["auto", "tp2", "pp2", "offload"])
+@pytest.mark.parametrize("name", ["auto", "tp2", "pp2", "offload", "activations"])
 def test_megatron_arguments_round_trip_to_the_same_plan(plans, workload, name):
     plan = plans[name]
     ex = to_megatron(plan)
@@ -245,3 +246,14 @@ def test_an_offloaded_optimizer_exports_as_each_engine_offloads_it(plans):
     assert ds["zero_optimization"]["stage"] >= 1
     titan = to_torchtitan(plan)
     assert any("CPUOffloadPolicy" in n for n in titan.notes) and not titan.layout.offload_optimizer
+
+
+def test_offloaded_activations_export_to_megatron_and_are_noted_elsewhere(plans):
+    plan = plans["activations"]
+    assert len(plan.offload_layers) == 2
+    ex = to_megatron(plan)
+    assert "--cpu-offloading-num-layers 2" in ex.text and "--cpu-offloading " in ex.text
+    assert parse_megatron_args(ex.text)["offload_activations"] == 2
+    for ex in (to_deepspeed(plan), to_torchtitan(plan)):
+        assert any("activations of the first 2 layers" in n for n in ex.notes), ex.notes
+        assert ex.layout.offload_layers == 0

@@ -80,11 +80,11 @@ def test_activation_copies_cost_what_does_not_fit_under_the_compute():
 # ------------------------------------------------------------------------------- planning
 
 
-def _gpt(batch: int = 8):
+def _gpt(batch: int = 8, layers: int = 2):
     from autopar.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=64, vocab_size=256))
+    model = GPT(GPTConfig.tiny(n_layer=layers, n_head=4, n_embd=64, vocab_size=256))
     ids = torch.randint(0, 256, (batch, 32))
     return model, (ids, torch.randint(0, 256, (batch, 32)))
 
@@ -128,26 +128,38 @@ def test_the_search_offloads_only_where_nothing_fits_without_it():
 
 def test_offload_replaces_recomputation_where_that_plays_faster():
     """The search's second look (``refine.offloaded``): where the fastest plan recomputes to fit,
-    the same ``(pp, m)`` with the optimizer state on the host and every activation kept."""
-    model, inputs = _gpt()
+    the same ``(pp, m)`` keeping every activation, with the optimizer state on the host and with
+    the activations of every layer but the last on the host; the fastest wins."""
+    model, inputs = _gpt(32, layers=4)
     cluster = Cluster.local(1)
-    kw = {"pp": 1, "microbatches": 1, "recompute": "none"}
+    kw = {"pp": 1, "microbatches": 1, "recompute": "none", "offload_activations": 0}
     on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
     off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
     budget = (on.predicted.memory_per_device + off.predicted.memory_per_device) / 2
     plan = autopar.plan(model, inputs, cluster, memory_budget=budget, microbatches=1)  # pp "auto": the search
     tried = plan.info["pipeline_candidates"]
-    recomputing = min(c["step_time"] for c in tried if "step_time" in c and not c.get("offload_optimizer"))
-    offloading = [c["step_time"] for c in tried if c.get("offload_optimizer") and "step_time" in c]
-    assert offloading, tried
-    # the faster of the two wins; on this machine the host step costs less than a recomputed forward
-    assert plan.predicted.step_time == pytest.approx(min(recomputing, *offloading))
-    assert plan.offload_optimizer and plan.recompute == "none"
-    assert "holds every activation" in plan.info["offload_reason"]
+    recomputing = [c["step_time"] for c in tried if "step_time" in c and "offload_optimizer" not in c]
+    optimizer = [c for c in tried if c.get("offload_optimizer")]
+    activations = [c for c in tried if c.get("offload_activations")]
+    assert recomputing and optimizer and activations, tried
+    assert activations[0]["offload_activations"] == 3  # every layer but the last
+    steps = recomputing + [
+        c["step_time"] for c in optimizer + activations if "step_time" in c and "failed" not in c
+    ]
+    assert plan.predicted.step_time == pytest.approx(min(steps))
+    assert plan.recompute == "none" and (plan.offload_optimizer or plan.offload_layers), plan
+    assert "every activation fits" in plan.info["offload_reason"]
     # the user's word holds: never offloaded when told not to
-    assert not autopar.plan(
-        model, inputs, cluster, memory_budget=budget, microbatches=1, offload_optimizer=False
-    ).offload_optimizer
+    never = autopar.plan(
+        model,
+        inputs,
+        cluster,
+        memory_budget=budget,
+        microbatches=1,
+        offload_optimizer=False,
+        offload_activations=0,
+    )
+    assert not never.offload_optimizer and not never.offload_layers and never.recompute != "none"
 
 
 def test_offloaded_activations_leave_the_device_and_cost_the_host_link():
