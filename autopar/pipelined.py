@@ -201,6 +201,7 @@ def pipelined_candidates(
             send_time=lambda b: link.latency + b / link.bandwidth,
             scale=by,
             host_link=cluster.host.link if cluster.host is not None else None,
+            host_overlap=cluster.overlap_comm,
         )
         return costs
 

@@ -127,6 +127,7 @@ def stage_costs(
     send_time: Callable[[float], float] | None = None,
     scale: Callable[[str, int], tuple[float, float]] | None = None,
     host_link: Link | None = None,
+    host_overlap: bool = True,
 ) -> list[StageCost]:
     """Per stage, the costs of one micro-batch under ``plan`` (its nodes and reshards, made for one
     micro-batch on one stage's mesh). ``stage_of``: captured node -> stage (all in stage 0 when
@@ -141,7 +142,8 @@ def stage_costs(
     ``host_link``: the devices' link to host memory, over which an activation-offloading plan
     (``Plan.offload_layers``) copies each micro-batch's saved activations out beside the forward
     and back beside the backward (``autopar.cost.offload.activation_offload_exposed``: what does
-    not fit under the compute is added to it)."""
+    not fit under the compute is added to it; ``host_overlap=False``: all of it, the copies taking
+    the compute's own cores as on CPU processes, ``Cluster.overlap_comm``)."""
     one = (1.0, 1.0)
     stage_of = stage_of or {}
     first_reader = first_reader or {}
@@ -214,8 +216,8 @@ def stage_costs(
                     "the plan offloads activations (Plan.offload_layers) but no host link was given: "
                     "simulate it on a cluster whose host is described"
                 )
-            f[s] += activation_offload_exposed(off[s], f[s], host_link)
-            b[s] += activation_offload_exposed(off[s], b[s] + w[s], host_link)
+            f[s] += activation_offload_exposed(off[s], f[s] if host_overlap else 0.0, host_link)
+            b[s] += activation_offload_exposed(off[s], b[s] + w[s] if host_overlap else 0.0, host_link)
     out = []
     for s in range(num_stages):
         nbytes = boundary_bytes[s] if s < len(boundary_bytes) else 0.0
@@ -323,7 +325,11 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> StepSimulation:
     cluster = cluster or Cluster.from_dict(plan.cluster)
     p = plan.pipeline
     if p is None:
-        stages = stage_costs(plan, host_link=cluster.host.link if cluster.host is not None else None)
+        stages = stage_costs(
+            plan,
+            host_link=cluster.host.link if cluster.host is not None else None,
+            host_overlap=cluster.overlap_comm,
+        )
         actions = make_schedule("1f1b", 1, 1)
         tl = play(actions, stages, overlap=cluster.overlap_comm)
         return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)
@@ -418,6 +424,7 @@ def simulate_captured(plan: Plan, gm: GraphModule, cluster: Cluster) -> StepSimu
         fwd_share=facts.fwd_share.get,
         trainable_matmul=facts.trainable_matmul,
         host_link=cluster.host.link if cluster.host is not None else None,
+        host_overlap=cluster.overlap_comm,
     )
     tl = play(make_schedule("1f1b", 1, 1), stages, overlap=cluster.overlap_comm)
     return StepSimulation(tl, optimizer_time(plan, cluster), "none", 1)

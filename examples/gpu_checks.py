@@ -12,6 +12,7 @@
    (losses), then its step time against ``plan.predicted.step_time``.
 
     python examples/gpu_checks.py --make-plan gpt_full.plan.json --recompute full   # here (OR-Tools)
+    python examples/gpu_checks.py --make-plan gpt_off.plan.json --recompute none --offload-activations 3
     python examples/gpu_checks.py --plan gpt_full.plan.json --cpu                   # a dry run here
     python examples/gpu_checks.py --preset H100-SXM [--plan gpt_full.plan.json]     # on the GPU
 
@@ -353,9 +354,16 @@ def runtime(path: str, device: str = "cuda") -> None:
 
         for _ in range(3):
             one()
+        torch.cuda.reset_peak_memory_stats()
         ts = [_timed(one) for _ in range(10)]
-        print(f"{name}: median step {statistics.median(ts) * 1e3:.2f} ms", flush=True)
-    print(f"predicted step (plan, {plan.recompute}): {plan.predicted.step_time * 1e3:.2f} ms")
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        print(
+            f"{name}: median step {statistics.median(ts) * 1e3:.2f} ms, peak memory {peak:.0f} MiB",
+            flush=True,
+        )
+    off = f", activations of {len(plan.offload_layers)} layers offloaded" if plan.offload_layers else ""
+    print(f"predicted step (plan, {plan.recompute}{off}): {plan.predicted.step_time * 1e3:.2f} ms, "
+          f"memory {plan.predicted.memory_per_device / 2**20:.0f} MiB")  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -363,15 +371,19 @@ PLAN_MODEL = {"n_layer": 4, "n_head": 8, "n_embd": 512, "block_size": 512, "voca
 PLAN_BATCH, PLAN_SEQ = 8, 512
 
 
-def make_plan(path: str, preset: str, recompute: str) -> None:
-    """The 1-device plan ``--plan`` runs, made from the model on the meta device."""
+def make_plan(path: str, preset: str, recompute: str, offload_activations: int = 0) -> None:
+    """The 1-device plan ``--plan`` runs, made from the model on the meta device;
+    ``offload_activations``: its first this many layers' activations on the host."""
     from autopar.models import GPT, GPTConfig
 
     with torch.device("meta"):
         model = GPT(GPTConfig(**PLAN_MODEL))
         ids = torch.empty(PLAN_BATCH, PLAN_SEQ, dtype=torch.long)
     cluster = autopar.Cluster.preset(preset, gpus_per_node=1)
-    plan = autopar.plan(model, (ids, ids), cluster, recompute=recompute, mesh_shape=(1,))
+    plan = autopar.plan(
+        model, (ids, ids), cluster, recompute=recompute, mesh_shape=(1,),
+        offload_activations=offload_activations, offload_optimizer=False,
+    )  # fmt: skip
     plan.info["gpu_check"] = {"config": PLAN_MODEL, "batch": PLAN_BATCH, "seq": PLAN_SEQ}
     plan.save(path)
     print(f"{path}: {plan.recompute} recomputation, predicted step {plan.predicted.step_time * 1e3:.2f} ms "
@@ -492,6 +504,10 @@ def main() -> None:
     ap.add_argument("--plan", help="a 1-device plan JSON to run on CUDA against eager")
     ap.add_argument("--make-plan", metavar="FILE", help="plan the --plan check's model here and save it")
     ap.add_argument("--recompute", default="full", help="with --make-plan: none, selective, full")
+    ap.add_argument(
+        "--offload-activations", type=int, default=0, metavar="K",
+        help="with --make-plan: the first K layers' activations offloaded to the host",
+    )  # fmt: skip
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--precision", help="torch.set_float32_matmul_precision first (highest, high, medium)")
     ap.add_argument(
@@ -515,7 +531,7 @@ def main() -> None:
     if args.precision:
         torch.set_float32_matmul_precision(args.precision)
     if args.make_plan:
-        make_plan(args.make_plan, args.preset, args.recompute)
+        make_plan(args.make_plan, args.preset, args.recompute, args.offload_activations)
         return
     if args.make_llama:
         make_llama_plans(args.make_llama, args.preset)

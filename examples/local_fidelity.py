@@ -18,7 +18,9 @@ running at once as they will in training); then five plans are made on that clus
 * ``auto`` — ``autopar.plan``'s own choice;
 * ``offload`` — ``dp`` with the optimizer state on the host (``offload_optimizer=True``,
   ``autopar.runtime.host_optimizer``: the gradients copied out, AdamW on the host's copies, the weights
-  copied back; each phase's median is printed beside ``autopar.cost.offload``'s) —
+  copied back; each phase's median is printed beside ``autopar.cost.offload``'s);
+* ``activations`` — ``dp`` with the saved activations of every layer but the last copied to the
+  host and back (``offload_activations``, ``passes.offload_activations``) —
 
 With ``--slow-link B`` the processes stand for two nodes of ``world / 2`` each, joined by one NIC
 per node of ``B`` bytes/s (``autopar.runtime.link_emulation``: a collective that crosses the nodes
@@ -52,7 +54,7 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("dp", "tp", "zero3", "pp", "auto", "offload")
+LAYOUTS = ("dp", "tp", "zero3", "pp", "auto", "offload", "activations")
 NODE_LAYOUTS = ("dp", "tp", "tp2", "zero3", "hsdp", "auto")
 """With ``--slow-link``: the pipeline's sends are not emulated (``emulate_nodes``), so no ``pp``."""
 TIE = 0.05
@@ -74,17 +76,13 @@ def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
 
     world = cluster.world_size
     batch_split = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)}
-    if layout in ("dp", "offload"):
+    if layout in ("dp", "offload", "activations"):
         fixed = {n: ("R",) for n, _ in model.named_parameters()} | batch_split
+        layers = len(model.blocks) if layout == "activations" else 0
         return autopar.plan(
-            model,
-            inputs,
-            cluster,
-            mesh_shape=(world,),
-            fixed=fixed,
-            pp=1,
-            offload_optimizer=layout == "offload",
-        )
+            model, inputs, cluster, mesh_shape=(world,), fixed=fixed, pp=1, offload_optimizer=layout == "offload",
+            offload_activations=max(layers - 1, 0), recompute="none",
+        )  # fmt: skip
     if layout == "tp":
         return autopar.layouts.megatron(model, inputs, cluster, tp=world)
     if layout == "tp2":
@@ -284,7 +282,7 @@ def run(
         pred = json.loads(plans[name])["predicted"]["step_time"]
         rows.append((name, pred, statistics.median(per_step), what[name]))
         figures = json.loads(plans[name])["info"].get("offload")
-        if figures:  # the offloaded step's phases, rank 0's medians against autopar.cost.offload
+        if figures and "to_host" in figures:  # the offloaded step's phases, rank 0's medians (cost.offload)
             got = res[name][0][f"{name}:phases"]
             print(
                 f"  {name}: "
