@@ -422,6 +422,7 @@ class Cluster:
         link_latency: float = 60e-6,
         memory: int = 4 * GiB,
         overlap_comm: bool | None = None,
+        host: bool = False,
     ) -> Cluster:
         """``world_size`` processes on this machine, talking through gloo over shared memory/loopback.
 
@@ -429,6 +430,9 @@ class Cluster:
         measures them (matmul throughput, gloo all-reduce α and β) and returns a Cluster built
         with the measured numbers. ``overlap_comm`` (default: when the machine has a spare core for
         each process's gloo thread, ``2 · world_size <= os.cpu_count()``): see ``Cluster``.
+        ``host``: describe this machine's memory as the processes' host (``local_host``), so plans
+        may offload to it — copies within one memory, which free none of it: for running and
+        measuring offload's mechanics, never chosen unasked (without it, ``host`` is ``None``).
         """
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
             raise ValueError(
@@ -453,7 +457,7 @@ class Cluster:
             inter_node=link,
             backend="gloo",
             overlap_comm=overlap_comm,
-            host=local_host(dev, world_size),
+            host=local_host(dev, world_size) if host else None,
         )
 
     def with_device(self, **changes: Any) -> Cluster:

@@ -10,7 +10,8 @@ so a second look wins only where it plays faster.
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
 * **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
 * **offload** — where the search decides offload (``PlanConfig.offload_optimizer`` or
-  ``offload_activations`` left ``None``) and the fastest candidate recomputes: its ``(pp, m)``
+  ``offload_activations`` left ``None``) and recomputation (``recompute="auto"``), and the
+  fastest candidate recomputes: its ``(pp, m)``
   with no recomputation, once with the optimizer state on the host and once with the saved
   activations of every repeated layer but the last on the host (``autopar.cost.offload``). The
   bytes freed may hold the activations instead, trading the recomputed forward for the host's
@@ -237,7 +238,8 @@ def offloaded(search: PipelineSearch) -> None:
     with the saved activations of every repeated layer but the last on the host (module
     docstring); the candidates whose host state fits the node join the others."""
     config = search.config
-    if search.cluster.host is None or not search.scored:
+    # only where the search chooses recomputation too: recompute="full" given is held
+    if config.recompute != "auto" or search.cluster.host is None or not search.scored:
         return
     best = min(search.scored, key=lambda c: c.step_time)
     plan = best.plan

@@ -534,8 +534,11 @@ def plan_model(
                 _plan_model(args, kwargs, cluster, config.replace(offload_optimizer=True), graphs), cluster
             )
         except InfeasibleError as off:
+            # the offloaded attempt first: its smallest memory is the lower bound now
+            known = [x for x in (off.smallest, e.smallest) if x is not None]
             raise InfeasibleError(
-                f"{e}\nwith the optimizer state offloaded to the host as well: {off}", smallest=e.smallest
+                f"with the optimizer state offloaded to the host: {off}\nwith it on the device: {e}",
+                smallest=min(known) if known else None,
             ) from None
         head = str(e).splitlines()[0]
         plan.info["offload_reason"] = f"without it: {head}"

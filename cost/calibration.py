@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from autopar.cluster import Cluster, local_host
+from autopar.cluster import Cluster
 from autopar.cost.compute import KernelKind, TensorArg, kernel_time, op_kernels
 from autopar.cost.fit import fit_alpha_beta
 from autopar.cost.optimizer import optimizer_step_time
@@ -77,7 +77,6 @@ def fit_local(results: Sequence[dict[str, Any]]) -> Cluster:
         inter_node=link,
         backend="gloo",
         overlap_comm=base.overlap_comm,
-        host=local_host(base.device, world_size),
         extra={
             "measured": {k: {"alpha_s": a, "beta_s_per_byte": b} for k, (a, b) in fits.items()},
             "kernel_probes_s": probes,

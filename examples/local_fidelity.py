@@ -78,6 +78,12 @@ def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
     batch_split = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)}
     if layout in ("dp", "offload", "activations"):
         fixed = {n: ("R",) for n, _ in model.named_parameters()} | batch_split
+        if layout != "dp":  # this machine's memory as the processes' host (Cluster.local's host=True)
+            from dataclasses import replace
+
+            from autopar.cluster import local_host
+
+            cluster = replace(cluster, host=local_host(cluster.device, world))
         layers = len(model.blocks) if layout == "activations" else 0
         return autopar.plan(
             model, inputs, cluster, mesh_shape=(world,), fixed=fixed, pp=1, offload_optimizer=layout == "offload",

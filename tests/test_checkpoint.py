@@ -50,7 +50,9 @@ def _plans() -> dict[str, Any]:
         "megatron 2": autopar.layouts.megatron(model, inputs, two, tp=2, dp=1),
         "megatron 4": autopar.layouts.megatron(model, inputs, four, tp=2, dp=2),
         "dp 2": autopar.plan(model, inputs, two, fixed=replicated, mesh_shape=(2,)),
-        "dp 2 offload": autopar.plan(model, inputs, two, fixed=replicated, mesh_shape=(2,), offload_optimizer=True),
+        "dp 2 offload": autopar.plan(
+            model, inputs, autopar.Cluster.local(2, host=True), fixed=replicated, mesh_shape=(2,), offload_optimizer=True
+        ),
         "pp2xdp2": autopar.plan(
             pp_model, pp_inputs, four, pp=2, microbatches=2, schedule="1f1b", fixed={**batch, **pp_replicated},
         ),

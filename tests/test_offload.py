@@ -31,7 +31,8 @@ def test_the_host_is_validated_and_travels_with_the_cluster():
     assert Cluster.from_dict(h100.to_dict()) == h100
     mixed = Cluster.mixed([("A100-80GB", 1), ("H100-SXM", 1)])
     assert mixed.host.name == "DGX A100 host"  # the slower host plans for both
-    local = Cluster.local(4)
+    assert Cluster.local(4).host is None  # CPU processes: offload frees no memory, never chosen unasked
+    local = Cluster.local(4, host=True)
     # a process's share of its host updates as fast as its device does
     assert local.host.optimizer_bandwidth(4) == pytest.approx(local.device.optimizer_bandwidth)
     with pytest.raises(ValueError, match="optimizer_efficiency must be in"):
@@ -91,7 +92,7 @@ def _gpt(batch: int = 8, layers: int = 2):
 
 def test_the_search_offloads_only_where_nothing_fits_without_it():
     model, inputs = _gpt()
-    cluster = Cluster.local(2)
+    cluster = Cluster.local(2, host=True)
     kw = {"pp": 1, "microbatches": 1}
     on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
     off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
@@ -110,7 +111,7 @@ def test_the_search_offloads_only_where_nothing_fits_without_it():
 
     # One device, no recomputation (nothing else can free the state): with a budget between the
     # two, the default (None) plans without, fails, and offloads.
-    cluster = Cluster.local(1)
+    cluster = Cluster.local(1, host=True)
     kw["recompute"] = "none"
     on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
     off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
@@ -131,7 +132,7 @@ def test_offload_replaces_recomputation_where_that_plays_faster():
     the same ``(pp, m)`` keeping every activation, with the optimizer state on the host and with
     the activations of every layer but the last on the host; the fastest wins."""
     model, inputs = _gpt(32, layers=4)
-    cluster = Cluster.local(1)
+    cluster = Cluster.local(1, host=True)
     kw = {"pp": 1, "microbatches": 1, "recompute": "none", "offload_activations": 0}
     on = autopar.plan(model, inputs, cluster, offload_optimizer=True, **kw)
     off = autopar.plan(model, inputs, cluster, offload_optimizer=False, **kw)
@@ -168,7 +169,7 @@ def test_offloaded_activations_leave_the_device_and_cost_the_host_link():
     from autopar.simulate import stage_costs
 
     model, inputs = _gpt(32)
-    cluster = Cluster.local(1)
+    cluster = Cluster.local(1, host=True)
     kw = {"pp": 1, "microbatches": 1, "recompute": "none", "offload_optimizer": False}
     base = autopar.plan(model, inputs, cluster, offload_activations=0, **kw)
     two = autopar.plan(model, inputs, cluster, offload_activations=2, **kw)
@@ -191,7 +192,7 @@ def test_offloaded_activations_leave_the_device_and_cost_the_host_link():
 
 def test_offload_needs_a_host_that_holds_the_state():
     model, inputs = _gpt()
-    cluster = Cluster.local(2)
+    cluster = Cluster.local(2, host=True)
     with pytest.raises(ValueError, match="optimizer offload needs the cluster's host"):
         autopar.plan(model, inputs, Cluster(**{**_fields(cluster), "host": None}), offload_optimizer=True)
     small = Cluster(
@@ -283,7 +284,7 @@ def test_offloaded_optimizer_trains_like_one_process():
 
     from autopar.runtime.launch import spawn
 
-    cluster = Cluster.local(2)
+    cluster = Cluster.local(2, host=True)
     plans = []
     for kind, how in (
         ("gpt", "dp"),
