@@ -4,11 +4,12 @@ state on them, planned with it on the host (ZeRO-Offload, ``autopar.cost.offload
     python examples/offload.py [--workloads gpt-2.7b@A100-40GB:1 llama3-8b@H100-SXM:1]
                                [--no-baseline]
 
-Each workload is ``model@preset:gpus`` on one node (bf16, meta device):
+Each workload is ``model[:batch:seq]@preset:gpus`` on one node (bf16, meta device):
 
 * ``gpt-2.7b`` — ``autopar.models.GPT`` at GPT-3's 2.7B shape (32 layers, width 2560, 32 heads),
   8 × 2048 tokens a step;
-* ``llama3-8b`` — ``autopar.zoo``'s LLaMA-3-8B (``LlamaForCausalLM``), 8 × 4096 tokens a step.
+* ``llama3-8b`` (or any other ``autopar.zoo`` name) — the zoo's model (LLaMA-3-8B:
+  ``LlamaForCausalLM``), 8 × 4096 tokens a step.
 
 For each it prints autopar's plan (``autopar.plan``, offload left to the search), whether any plan
 fits with the optimizer state on the device (``offload_optimizer=False``), and the best
@@ -32,21 +33,22 @@ from autopar.display import fmt_bytes, fmt_time
 from autopar.solver import InfeasibleError
 
 
-def _workload(name: str) -> tuple[torch.nn.Module, Any]:
+def _workload(spec: str) -> tuple[torch.nn.Module, Any]:
+    """``name`` or ``name:batch:seq`` (sequences a step and tokens each; default the docstring's)."""
+    name, _, rest = spec.partition(":")
+    b, _, q = rest.partition(":")
     if name == "gpt-2.7b":
         from autopar.models import GPT, GPTConfig
 
         with torch.device("meta"):
             model = GPT(GPTConfig(n_layer=32, n_head=32, n_embd=2560, vocab_size=50304, block_size=2048))
             model = model.to(torch.bfloat16)
-        ids = torch.empty(8, 2048, dtype=torch.long, device="meta")
+        ids = torch.empty(int(b or 8), int(q or 2048), dtype=torch.long, device="meta")
         return model, (ids, ids.clone())
-    if name == "llama3-8b":
-        from autopar import zoo
+    from autopar import zoo  # any other name: the zoo's model (``autopar models`` lists them)
 
-        w = zoo.load("llama3-8b", batch=8, seq=4096)
-        return w.model, w.example_inputs
-    raise SystemExit(f"unknown model {name!r}; known: gpt-2.7b, llama3-8b")
+    w = zoo.load(name, batch=int(b or 8), seq=int(q or 4096))
+    return w.model, w.example_inputs
 
 
 def _line(label: str, plan: autopar.Plan, seconds: float) -> str:
