@@ -38,7 +38,7 @@ from autopar.cost.offload import (
     host_of,
     offload_step_time,
 )
-from autopar.cost.optimizer import optimizer_step_time, plan_settings
+from autopar.cost.optimizer import OptimizerSettings, optimizer_step_time, plan_settings
 from autopar.cost.timeline import GRADIENT_BUCKETS, Event, StageCost, Timeline, play
 from autopar.devices import Link
 from autopar.graph import OpFamily, op_family, tensor_inputs
@@ -263,13 +263,17 @@ def optimizer_shard(plan: Plan, stages: Sequence[int] | None = None) -> tuple[fl
     return numel, tensors
 
 
+def _optimizer_settings(plan: Plan) -> tuple[int, OptimizerSettings]:
+    """The plan's parameter bytes and the optimizer its step runs (``cost.optimizer.plan_settings``)."""
+    pbytes = int(plan.info.get("param_bytes", 4))
+    return pbytes, plan_settings(plan.info.get("optimizer", "adamw"), pbytes)
+
+
 def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = None) -> float:
     """One optimizer step over the parameter shards of one device (of pipeline rank holding
     ``stages``, when given); on the host where the plan offloads it (``autopar.cost.offload``)."""
     numel, tensors = optimizer_shard(plan, stages)
-    opt = plan.info.get("optimizer", "adamw")
-    pbytes = int(plan.info.get("param_bytes", 4))
-    settings = plan_settings(opt, pbytes)
+    pbytes, settings = _optimizer_settings(plan)
     if plan.offload_optimizer:
         return offload_step_time(
             numel, tensors, pbytes, host_of(cluster), cluster.gpus_per_node, settings
@@ -292,9 +296,7 @@ def offload_figures(plan: Plan, cluster: Cluster) -> dict[str, float]:
         stages = pipe.num_stages if pipe is not None else 1
         shards = [optimizer_shard(plan, range(r, stages, pp) if pp > 1 else None) for r in range(pp)]
         numel, tensors = max(shards)
-        opt = plan.info.get("optimizer", "adamw")
-        pbytes = int(plan.info.get("param_bytes", 4))
-        settings = plan_settings(opt, pbytes)
+        pbytes, settings = _optimizer_settings(plan)
         t = offload_step_time(numel, tensors, pbytes, host, cluster.gpus_per_node, settings)
         kept = state_bytes_per_param(
             pbytes,
@@ -302,10 +304,11 @@ def offload_figures(plan: Plan, cluster: Cluster) -> dict[str, float]:
             master_weights=settings.master_weights,
             state_bytes=settings.state_bytes,
         ).optimizer
-        per_device += numel * host_bytes_per_param(pbytes, settings)
+        held = numel * host_bytes_per_param(pbytes, settings)
+        per_device += held
         out |= {
             "device_bytes_saved": numel * kept,
-            "optimizer_host_bytes": numel * host_bytes_per_param(pbytes, settings),
+            "optimizer_host_bytes": held,
             "to_host": t.to_host,
             "host_step": t.step,
             "to_device": t.to_device,

@@ -97,7 +97,7 @@ def offload_activations(gm: GraphModule, ctx: PassContext) -> GraphModule:
             first = min(readers, key=order.__getitem__)
             with g.inserting_before(first):
                 r = g.call_function(ready, (f,))
-            r.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
+            r.meta.update({key: v for key, v in n.meta.items() if key in ("val", "tensor_meta")})
             r.meta[PHASE] = Phase.BWD
             for u in readers:
                 u.replace_input_with(n, r)
