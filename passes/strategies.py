@@ -179,7 +179,7 @@ def _cost_strategy(
         if info.kind == "param":
             numel = float(math.prod(local))
             state = ctx.config.optimizer_state_dtype
-            offload = ctx.config.offload_optimizer is True
+            state_on_host = ctx.config.offload_optimizer is True
             # A flat-sharded optimizer state (PlanConfig.state_split) is split over the axes the
             # placement leaves whole.
             flat = math.prod(
@@ -195,7 +195,7 @@ def _cost_strategy(
                     mixed_precision=ctx.mixed_precision,
                     state_bytes=itemsize(state) if state is not None else None,
                     optimizer_shards=flat,
-                    offload_optimizer=offload,
+                    offload_optimizer=state_on_host,
                 )
                 if info.requires_grad
                 else numel * val.element_size()
@@ -206,7 +206,7 @@ def _cost_strategy(
             # twin cost the solver the same where their collectives do, and it kept the slower.
             if info.requires_grad:
                 settings = plan_settings(ctx.config.optimizer, val.element_size())
-                if offload:  # the step on the host, its copies over the host link (cost.offload)
+                if state_on_host:  # the step on the host, its copies over the host link (cost.offload)
                     step = offload_step_time(
                         numel / flat,
                         0,
