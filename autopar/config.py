@@ -58,9 +58,12 @@ class PlanConfig:
     with ``pp``, ``2·pp`` and ``4·pp`` micro-batches (planning time grows with each candidate)."""
     recompute: str = "auto"
     """Activation recomputation in every repeated layer (``Plan.recompute``): ``"none"``,
-    ``"selective"`` or ``"full"``; ``"auto"`` (the default): the lightest of the three that fits a
-    candidate (``none`` wherever a plan fits without), the 3D search then keeping the fastest
-    candidate. Under ``"none"`` a layout that fits only with recomputation is not a candidate:
+    ``"selective"``, ``"full"``, or ``"ops"`` — per activation: the solver chooses, beside each
+    node's sharding, which of a layer's saved activations to keep and which to compute again in
+    backward, the fewest seconds that fit the memory (``passes.strategies.recompute_candidate``);
+    ``"auto"`` (the default): the lightest of none, selective and full that fits a candidate
+    (``none`` wherever a plan fits without), then ``"ops"`` for the fastest where it recomputes,
+    kept where it plays faster, the 3D search then keeping the fastest candidate. Under ``"none"`` a layout that fits only with recomputation is not a candidate:
     Table 1's row 7 (GPT 145.6B on 1536 A100) then plans 24 stages, 1.64× slower than ``"auto"``'s
     one stage recomputing selectively."""
     recompute_layers: int | tuple[int, ...] | None = None
@@ -124,7 +127,8 @@ class PlanConfig:
     max_strategies: int = 64
     """Cap on strategies per node (the cheapest kept; replicated always kept)."""
     disable: tuple[str, ...] = ()
-    """Names of passes to skip (planning passes and rank-program passes alike)."""
+    """Names of passes to skip (planning passes and rank-program passes alike), and of the 3D
+    search's second looks (``"per_activation"``: ``autopar.refine``)."""
     interpret_kernels: bool = False
     """Fuse a CPU rank's program too, its Triton kernels run by Triton's interpreter (slow: for
     tests; ``TRITON_INTERPRET=1`` must be set before triton is imported). Off: on the CPU the
@@ -258,8 +262,8 @@ class PlanConfig:
             not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1
         ):
             fail(f"pp must be a positive integer, 'auto' or 'search', got {self.pp!r}")
-        if self.recompute not in ("none", "selective", "full", "auto"):
-            fail(f"recompute must be 'none', 'selective', 'full' or 'auto', got {self.recompute!r}")
+        if self.recompute not in ("none", "selective", "full", "ops", "auto"):
+            fail(f"recompute must be 'none', 'selective', 'full', 'ops' or 'auto', got {self.recompute!r}")
         layers = self.recompute_layers
         if layers is not None:
             ordinals = layers if isinstance(layers, tuple) else (layers,)
@@ -275,7 +279,7 @@ class PlanConfig:
             if self.recompute == "none":
                 fail(
                     f"recompute_layers={layers!r} names layers to recompute, but recompute='none': give "
-                    f"recompute='selective', 'full' or 'auto'"
+                    f"recompute='selective', 'full', 'ops' or 'auto'"
                 )
         f = self.activations_in_flight
         if isinstance(f, bool) or not isinstance(f, int) or f < 1:

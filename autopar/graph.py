@@ -116,10 +116,8 @@ def _table() -> dict[str, OpInfo]:
     put("batch_norm native_batch_norm instance_norm", OpInfo(F.BATCH_NORM, saves_inputs=True, writes=(3, 4)))
     # Pointwise ops whose derivative reads their input (and follow their producer when unary).
     put("gelu silu relu erf abs", OpInfo(F.POINTWISE, saves_inputs=True, cheap=True))
-    put(
-        "rsqrt sqrt exp tanh sigmoid",
-        OpInfo(F.POINTWISE, saves_inputs=True, saves_output=True, cheap=True),
-    )
+    # Their derivatives read their output only (autograd's TanhBackward0 and the like save ``result``).
+    put("rsqrt sqrt exp tanh sigmoid", OpInfo(F.POINTWISE, saves_output=True, cheap=True))
     put("pow", OpInfo(F.POINTWISE, saves_inputs=True, cheap=True))
     put(
         "mul div log sin cos where masked_fill maximum minimum softplus hardswish mish elu "

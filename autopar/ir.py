@@ -158,6 +158,9 @@ class Strategy:
     zero_stage: int = 0
     """For a trainable parameter stored sharded: how users that need it whole gather it (ZeRO
     stage 1, 2 or 3, ``autopar.cost.memory``); 0 for every other node."""
+    recomputed: bool = False
+    """Per-activation recomputation (``PlanConfig.recompute="ops"``): the node's forward runs again
+    in backward instead of its output being saved (``passes.strategies.recompute_candidate``)."""
 
 
 @dataclass(frozen=True, slots=True)

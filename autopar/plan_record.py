@@ -119,6 +119,7 @@ def build_plan(
                 memory=s.memory,
                 zero_stage=s.zero_stage,
                 offloaded=s.offloaded,
+                recomputed=s.recomputed,
             )
         )
     reshards: list[ReshardPlan] = []

@@ -58,6 +58,9 @@ class NodePlan:
     offloaded: float = 0.0
     """Bytes of saved activations sent to host memory and back each micro-batch (activation
     offload: ``Plan.offload_layers``); not in ``memory``."""
+    recomputed: bool = False
+    """Computed again in backward instead of saved (``Plan.recompute == "ops"``: the solver's
+    per-activation choice)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +235,8 @@ class Plan:
     """Pipeline stages, micro-batches and schedule; ``None``: one stage (the mesh is the world)."""
     recompute: str = "none"
     """Activation recomputation in every repeated layer: ``"none"``, ``"selective"`` (attention
-    scores) or ``"full"`` (keep each layer's input; ``autopar.passes.recompute``)."""
+    scores), ``"full"`` (keep each layer's input; ``autopar.passes.recompute``) or ``"ops"`` (the
+    activations the solver chose, per activation: ``NodePlan.recomputed``)."""
     recompute_layers: tuple[str, ...] | None = None
     """The repeated-layer instances ``recompute`` applies to (``transformer.h.0``, in the order the
     forward runs them); the others keep their activations. ``None``: every repeated layer."""
@@ -556,8 +560,8 @@ def _validate(d: dict[str, Any]) -> None:
         v = pred.get(f)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not _m.isfinite(v) or v < 0:
             fail(f"predicted.{f}", "a finite number >= 0", v)
-    if d.get("recompute", "none") not in ("none", "selective", "full"):
-        fail("recompute", "'none', 'selective' or 'full'", d.get("recompute"))
+    if d.get("recompute", "none") not in ("none", "selective", "full", "ops"):
+        fail("recompute", "'none', 'selective', 'full' or 'ops'", d.get("recompute"))
     layers = d.get("recompute_layers")
     if layers is not None and (not isinstance(layers, list) or not all(isinstance(x, str) for x in layers)):
         fail("recompute_layers", "a list of layer instance names", layers)

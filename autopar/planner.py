@@ -48,6 +48,7 @@ from autopar.passes.annotate import annotate_cost, annotate_tensors
 from autopar.passes.chains import annotate_chains
 from autopar.passes.formulate import STRATEGY_GRAPH, formulate, parse_fixed
 from autopar.passes.fusion import FUSIONS, annotate_fusions, fusion_plan
+from autopar.passes.recompute_ops import recompute_summary
 from autopar.passes.strategies import (
     annotate_strategies,
     getitem_strategies,
@@ -68,6 +69,8 @@ __all__ = [
     "candidate_meshes",
     "constrain_strategies",
     "fewer_layers_count",
+    "memory_bound",
+    "per_activation",
     "plan_captured",
     "plan_recomputing",
 ]
@@ -196,7 +199,7 @@ def plan_captured(
     if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
         common = dict(node_constraint=node_constraint, layout=layout, path_cutoff=path_cutoff, score=score)
         try:
-            return plan_captured(
+            p = plan_captured(
                 cap,
                 cluster,
                 config.replace(recompute="none", recompute_layers=None),
@@ -204,11 +207,12 @@ def plan_captured(
                 **common,
             )
         except NotBetter as e:  # none may fit at all: a lighter footprint may still beat the cutoff
-            return plan_recomputing(cap, cluster, config, kept=None, pruned=e, **common)
+            p = plan_recomputing(cap, cluster, config, kept=None, pruned=e, **common)
         except InfeasibleError as e:
-            return plan_recomputing(
-                cap, cluster, config, kept=e.smallest, fewer_layers=fewer_layers, **common
-            )
+            p = plan_recomputing(cap, cluster, config, kept=e.smallest, fewer_layers=fewer_layers, **common)
+        if fewer_layers:  # second looks are the 3D search's own otherwise (``autopar.refine``)
+            p = per_activation(p, config, cluster, lambda c: plan_captured(cap, cluster, c, **common), score)
+        return p
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
     config = config.resolved(cluster.device.memory)
@@ -313,6 +317,8 @@ def plan_captured(
             annotate(mesh, [p for p in mesh_passes if p is not formulate])
         p = build_plan(gm, cap, Mesh(mesh, cluster), sol, config.grad_compression)
         p.recompute = config.recompute
+        if config.recompute == "ops":
+            p.info["per_activation"] = recompute_summary(gm.graph, sol.choice)
         if config.recompute != "none":
             order = repeated_layers(gm.graph)
             only = recomputed_layers(gm.graph, config.recompute_layers)
@@ -413,6 +419,50 @@ def plan_recomputing(
         return p
     assert pruned is not None
     raise pruned
+
+
+MEMORY_BOUND = 0.9
+"""A plan whose solver memory reaches this fraction of its budget was shaped by the memory
+constraint (``memory_bound``): per-activation recomputation may free the bytes a faster layout
+needs."""
+
+
+def memory_bound(plan: Plan, budget: float) -> bool:
+    """Whether memory shaped ``plan``: it recomputes, or the memory the solver reached lies within
+    ``MEMORY_BOUND`` of ``budget`` (bytes, as the solver counts them)."""
+    reached = plan.info.get("solver", {}).get("memory")
+    return plan.recompute != "none" or (reached is not None and reached >= MEMORY_BOUND * budget)
+
+
+def per_activation(
+    plan: Plan,
+    config: PlanConfig,
+    cluster: Cluster,
+    attempt: Callable[[PlanConfig], Plan],
+    score: Callable[[Plan], float] | None,
+) -> Plan:
+    """Under ``recompute="auto"``, where memory shaped ``plan`` (``memory_bound``): planned once
+    more with ``recompute="ops"`` (the solver chooses, per activation, what to recompute:
+    ``passes.recompute_ops``), kept where it runs faster. ``plan.info["per_activation_tried"]``
+    says what it gave. ``disable=("per_activation",)`` turns the second look off."""
+    budget = config.resolved(cluster.device.memory).memory_budget
+    if config.recompute != "auto" or "per_activation" in config.disable:
+        return plan
+    if budget is None or not memory_bound(plan, budget):
+        return plan
+    try:
+        ops = attempt(config.replace(recompute="ops", recompute_layers=None))
+    except (InfeasibleError, NotBetter) as e:
+        plan.info["per_activation_tried"] = {"failed": str(e).splitlines()[0][:200]}
+        return plan
+    steps = [score(p) if score is not None else p.predicted.step_time for p in (plan, ops)]
+    best = ops if steps[1] < steps[0] else plan
+    best.info["per_activation_tried"] = {
+        "step": steps[1],
+        "without_step": steps[0],
+        "without": plan.recompute,
+    }
+    return best
 
 
 def fewer_layers_count(plan: Plan, cap: Captured, budget: float) -> int | None:

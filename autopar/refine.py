@@ -8,6 +8,10 @@ so a second look wins only where it plays faster.
   synchronization), again with stage 1 offered beside 2 and 3 (``passes.zero_stages``):
   Megatron-LM's distributed optimizer, a reduce-scatter and a gather once a step from the
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
+* **per activation** — under ``recompute="auto"``, where memory shaped the fastest candidate (it
+  recomputes, or its memory reaches ``planner.MEMORY_BOUND`` of its budget): its ``(pp, m)`` with
+  ``recompute="ops"``, the solver choosing which activations to recompute, node by node
+  (``passes.recompute_ops``).
 * **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
 * **offload** — where the search decides offload (``PlanConfig.offload_optimizer`` or
   ``offload_activations`` left ``None``) and recomputation (``recompute="auto"``), and the
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING
 from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
-from autopar.planner import InfeasibleError, fewer_layers_count, plan_captured
+from autopar.planner import InfeasibleError, fewer_layers_count, memory_bound, plan_captured
 from autopar.simulate import offload_figures
 from autopar.solver import NotBetter
 
@@ -42,6 +46,7 @@ __all__ = [
     "compression_methods",
     "fewer_layers",
     "offloaded",
+    "per_activation",
 ]
 
 ZERO1_REACH = 0.02
@@ -107,6 +112,49 @@ def fewer_layers(search: PipelineSearch) -> None:
                 "step_time": c.step_time,
             }
         )
+    search.scored += found
+
+
+def per_activation(search: PipelineSearch) -> None:
+    """Under ``recompute="auto"``, where memory shaped the fastest candidate
+    (``planner.memory_bound``): its ``(pp, m)`` planned again with ``recompute="ops"``; the
+    candidates join the others (module docstring)."""
+    config = search.config
+    if config.recompute != "auto" or "per_activation" in config.disable or not search.scored:
+        return
+    best = min(search.scored, key=lambda c: c.step_time)
+    pipe = best.plan.pipeline
+    pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
+    stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
+    budget = stage.resolved(search.cluster.device.memory).memory_budget
+    if budget is None or not memory_bound(best.plan, budget):
+        return
+    cap = search.graphs(m)
+    sub = stage_cluster(search.cluster, pp)
+    assert sub is not None
+    score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
+    record = {"pp": pp, "microbatches": m, "recompute": "ops"}
+    try:
+        # its compute path bounded by the best step (a rank is busy at least m/pp of it)
+        spmd = plan_captured(
+            cap,
+            sub,
+            stage.replace(recompute="ops", recompute_layers=None),
+            score=score,
+            fewer_layers=False,
+            path_cutoff=search.best() * pp / m,
+        )
+    except (InfeasibleError, NotBetter) as e:
+        search.tried.append({**record, "failed": str(e)[:200]})
+        return
+    found = score.candidates(spmd) if (pp, m) != (1, 1) else [Scored(spmd, spmd.predicted.step_time, "pp=1")]
+    for c in found:
+        c.plan.info["per_activation_tried"] = {
+            "step": c.step_time,
+            "without_step": best.step_time,
+            "without": best.plan.recompute,
+        }
+        search.tried.append({**record, "candidate": c.what, "step_time": c.step_time})
     search.scored += found
 
 

@@ -602,6 +602,7 @@ def _plan_model(
         search.ascending(pps)
     search.recomputing_whole()
     refine.fewer_layers(search)
+    refine.per_activation(search)
     refine.accumulated_zero1(search)
     refine.compressed(search)
     refine.offloaded(search)

@@ -208,7 +208,16 @@ def is_alias(node: Node) -> bool:
         return isinstance(src, Node) and op_info(src).family is OpFamily.VIEW and is_alias(src)
     if name in _MULTI_VIEWS:
         return True  # its parts are views (read through getitem)
+    if name == "dropout" and (_given(node, 1, "p", 0.5) == 0 or _given(node, 2, "train", True) is False):
+        return True  # returns its input (ATen's dropout with p = 0 or in eval)
     return name in ("contiguous", "reshape") and _attention_layout_view(node)
+
+
+def _given(node: Node, pos: int, name: str, default: object) -> object:
+    """Argument ``name`` of ``node``, given at ``pos`` or by keyword."""
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
 
 
 def storage_views(owner: Node) -> list[Node]:
@@ -249,6 +258,8 @@ def saved_inputs(node: Node) -> list[Node]:
     if name in ("div", "div_") and len(args) == 2:
         a, b = args
         return list(dict.fromkeys([*([a] if grad_flows(b) else []), b]))
+    if name in ("mul", "mul_", "div", "div_") and len(args) == 1:
+        return []  # by a number: the derivative reads only the number (autograd's MulBackward1)
     if name in ("where", "masked_fill", "masked_fill_"):
         return [i for i in args if not i.meta["val"].is_floating_point()]
     if fam in (OpFamily.EMBEDDING, OpFamily.ROUTING) and saves_inputs(node):

@@ -214,23 +214,32 @@ def rank_info(target: RankTarget, ctx: PassContext) -> RankInfo:
         compression=plan.compression,
         offload_layers=tuple(plan.offload_layers),
         **(
-            recompute_info(ctx, plan.recompute, plan.recompute_layers)
+            recompute_info(
+                ctx,
+                plan.recompute,
+                plan.recompute_layers,
+                frozenset(n.name for n in plan.nodes if n.recomputed),
+            )
             if plan.recompute != "none" or plan.offload_layers
             else {}
         ),
     )
 
 
-def recompute_info(ctx: PassContext, mode: str, layers: tuple[str, ...] | None = None) -> dict[str, Any]:
+def recompute_info(
+    ctx: PassContext, mode: str, layers: tuple[str, ...] | None = None, chosen: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """``RankInfo``'s recomputation fields: captured node name -> the repeated-layer instance it
     runs in (``transformer.h.3``, from the tensor annotations' module paths; activation offload
     reads it too), and the captured nodes ``mode`` recomputes in the instances ``layers``
     (``Plan.recompute_layers``; ``None``: every one) — ``passes.strategies.recomputed``, the rule
-    the plan was costed by."""
+    the plan was costed by; under ``"ops"`` the nodes the solver chose (``chosen``:
+    ``NodePlan.recomputed``) with the views of their outputs (``passes.recompute_ops``)."""
     from autopar.graph import outer_instance
     from autopar.ir import TENSOR
     from autopar.passes import run_passes
     from autopar.passes.annotate import annotate_tensors
+    from autopar.passes.recompute_ops import recomputed_closure
     from autopar.passes.strategies import recomputed
 
     cap = ctx.captured
@@ -247,6 +256,8 @@ def recompute_info(ctx: PassContext, mode: str, layers: tuple[str, ...] | None =
         layer_of[n.name] = outer_instance(info.module)
         if recomputed(n, mode, only):
             sources.add(n.name)
+    if mode == "ops":
+        sources |= recomputed_closure(cap.gm.graph, chosen)
     return {"layer_of": layer_of, "recompute_sources": frozenset(sources)}
 
 

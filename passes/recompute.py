@@ -22,6 +22,8 @@ through the joint trace), grouped by repeated-layer instance (``transformer.h.3`
 * ``full`` — every forward node of a layer is recomputed in that layer's backward except the
   layer's outputs (values read by another layer or outside layers: the checkpoints); the layer's
   inputs are the only activations it keeps (Chen et al.).
+* ``ops`` — the nodes the solver chose to recompute, one by one (``NodePlan.recomputed``), with
+  the views of their outputs (``passes.recompute_ops``).
 * ``selective`` — only the nodes producing attention-score tensors (the ``s × s`` product of
   queries and keys, masking, softmax) are recomputed; the matmul inputs are kept (Korthikanti et
   al. §5).
@@ -54,7 +56,7 @@ from autopar.program.rng import run_and_save_rng_state, run_with_rng_state
 
 __all__ = ["RECOMPUTE_MODES", "recompute_in_backward", "recompute_layers", "source_of"]
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "ops")
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,43 @@ def _writes_fresh(n: Node, chosen: set[Node]) -> bool:
     return bool(written) and all(v in chosen and set(v.users) == {n} for v in written)
 
 
+def _storage_of(n: Node) -> int | None:
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return v.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _add_forward_views(gm: GraphModule, by_layer: dict[str, set[Node]], end: Node | None) -> None:
+    """Per-activation recomputation (``"ops"``): each chosen node's forward views join it. The
+    lowering writes views of its own (a linear's input flattened for its matmul, under the linear's
+    source); one kept in forward would keep the recomputed storage alive for the backward reading
+    it. A view is a forward node sharing the chosen node's storage (its fake value's)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    stop = order[end] if end is not None else len(order)
+    for nodes in by_layer.values():
+        stack = list(nodes)
+        while stack:
+            n = stack.pop()
+            st = _storage_of(n)
+            if st is None:
+                continue
+            for u in n.users:
+                if (
+                    u not in nodes
+                    and u.op == "call_function"
+                    and u.meta.get(PHASE) == Phase.FWD
+                    and order[u] < stop
+                    and not mutates(u)
+                    and _storage_of(u) == st
+                ):
+                    nodes.add(u)
+                    stack.append(u)
+
+
 def recompute_layers(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Apply the plan's recomputation to the whole-step program (module docstring)."""
     info = gm.meta.get(RANK)
@@ -222,6 +261,8 @@ def recompute_layers(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if mutates(n) and not _writes_fresh(n, by_layer.get(layer, set())):
             continue
         by_layer[layer].add(n)
+    if mode == "ops":
+        _add_forward_views(gm, by_layer, end)
     copied = 0
     for nodes in by_layer.values():  # one layer at a time: its copies go before its own backward
         copied += recompute_in_backward(gm, nodes)

@@ -45,6 +45,7 @@ from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
 from autopar.passes.chain_records import CHAIN, compile_assumed
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
+from autopar.passes.recompute_ops import recompute_candidate, recompute_twins
 from autopar.placement import Partial, Shard, Spec, divides, local_shape
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
@@ -429,8 +430,9 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     region_of = {m: r for r in moe_regions(gm.graph) for m in r.members}
     # Some layers recomputed, the others not: the two kinds tie only among themselves.
     layers = None
-    if ctx.config.recompute in ("selective", "full"):
+    if ctx.config.recompute in ("selective", "full", "ops"):
         layers = recomputed_layers(gm.graph, ctx.config.recompute_layers)
+    per_op = ctx.config.recompute == "ops"  # candidates get recomputed twins (passes.recompute_ops)
     # Layers whose saved activations go to the host tie only among themselves, too.
     offload = offloaded_layers(gm.graph, ctx.config.offload_activations)
     for node in gm.graph.nodes:
@@ -453,6 +455,9 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             key = (*key, fusion_role(node))
         if key is not None and CHAIN in node.meta:  # tied only to members of like chains
             key = (*key, node.meta[CHAIN].key())
+        twins = per_op and recompute_candidate(node, layers)
+        if key is not None and per_op:
+            key = (*key, "candidate", twins)
         hkey = tuple(sorted(hints.get(node, ())))
         if key is not None and (key, hkey) in cache:
             ns = cache[(key, hkey)]
@@ -470,6 +475,8 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time),
                 )
                 strategies = head + rest[: ctx.config.max_strategies - 1]
+            if twins:
+                strategies = recompute_twins(node, strategies)
             ns = NodeStrategies(tuple(strategies))
             if key is not None:
                 cache[(key, hkey)] = ns
@@ -563,6 +570,9 @@ def with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
     as it is (no reshard on that edge); when some producer strategy has no such match the node
     keeps its own variables. Alpa's "follow" heuristic; other inputs keep ordinary edges.
 
+    A recomputation candidate (``passes.recompute_ops``) keeps its own variables: following, it
+    would take the cheapest strategy, never its recomputed twin.
+
     Only an op with one user whose output is no larger than its input follows: a reshard moved
     past a follower is then paid once on the same bytes. With several users it would be paid on
     each of their edges (a residual stream cast once and read by a norm and an add), and past a
@@ -570,6 +580,8 @@ def with_follow(node: Node, ns: NodeStrategies) -> NodeStrategies:
     own variables. Following regardless cost 8–27 % on LLaMA-8B's plans.
     """
     if node.op != "call_function" or len(ns.strategies) <= 1 or len(node.users) != 1:
+        return ns
+    if ns.strategies[-1].recomputed:  # a recomputation candidate decides for itself
         return ns
     name = op_name(node)
     if not op_info(name).cheap:
