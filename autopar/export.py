@@ -143,6 +143,8 @@ def megatron_args(layout: Layout) -> list[str]:
     a += ["--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(layout.batch)]
     if layout.recompute == "selective":
         a += ["--recompute-granularity", "selective"]
+        if layout.recompute_modules and layout.recompute_modules != ("core_attn",):
+            a += ["--recompute-modules", *layout.recompute_modules]
     elif layout.recompute == "full" and layout.recompute_num_layers:
         a += ["--recompute-granularity", "full", "--recompute-method", "block"]
         a += ["--recompute-num-layers", str(layout.recompute_num_layers)]

@@ -36,7 +36,8 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     ``--num-virtual-stages-per-pipeline-rank`` / ``--virtual-pipeline-model-parallel-size``,
     ``--sequence-parallel``, ``--expert-model-parallel-size``, ``--micro-batch-size``,
     ``--global-batch-size``, ``--recompute-granularity`` / ``--recompute-activations`` (with
-    ``--recompute-method`` and ``--recompute-num-layers`` for full: uniform with 1 layer, or block)
+    ``--recompute-method`` and ``--recompute-num-layers`` for full: uniform with 1 layer, or block;
+    for selective ``--recompute-modules core_attn``, Megatron's default, and no other module)
     ``--use-distributed-optimizer``, ``--optimizer-cpu-offload`` (with
     ``--optimizer-offload-fraction`` 1: autopar offloads all of the state or none) and
     ``--cpu-offloading-num-layers`` (activation offload)."""
@@ -61,6 +62,10 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         else:
             values[key] = items[i]
             i += 1
+            if key == "--recompute-modules":  # a list: every value up to the next flag
+                while i < len(items) and not items[i].startswith("--"):
+                    values[key] += " " + items[i]
+                    i += 1
 
     def number(key: str, default: int | None = None) -> int | None:
         if key not in values:
@@ -112,6 +117,13 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     )
     if granularity not in ("none", "selective", "full"):
         raise ValueError(f"--recompute-granularity takes selective or full, got {granularity!r}")
+    modules = values.get("--recompute-modules", "core_attn").replace(",", " ").split()
+    if granularity == "selective" and set(modules) != {"core_attn"}:
+        raise ValueError(
+            f"--recompute-modules {' '.join(modules)}: autopar.layouts.megatron plans Megatron's selective "
+            f"recomputation of the attention core (core_attn) only; plan the run with autopar.plan(recompute='ops'), "
+            f"which chooses per activation"
+        )
     full = granularity == "full"  # Megatron-LM reads the method and layer count for full only
     method = values.get("--recompute-method", "uniform") if full else None
     num_layers = number("--recompute-num-layers", 1) if full else None

@@ -55,6 +55,10 @@ class Layout:
     """Pipeline stages per pipeline rank (> 1 with the interleaved schedule)."""
     recompute: str = "none"
     """``none``, ``selective`` (attention scores) or ``full`` (each layer's input kept)."""
+    recompute_modules: tuple[str, ...] = ()
+    """With ``selective``: Megatron-Core's ``--recompute-modules`` (``core_attn``, ``layernorm``,
+    ``moe_act``): a per-activation plan's choices as module kinds (``_recompute_modules``); empty:
+    Megatron's default, the attention core."""
     recompute_num_layers: int | None = None
     """With ``full``: the first N repeated layers of every pipeline stage recompute, the others keep
     their activations (Megatron-LM's ``--recompute-method block --recompute-num-layers N``);
@@ -96,6 +100,12 @@ class Layout:
             out["offload_optimizer"] = True
         if self.offload_layers:
             out["offload_activations"] = self.offload_layers
+        if self.recompute_modules and set(self.recompute_modules) != {"core_attn"}:
+            raise ValueError(
+                f"autopar.layouts.megatron plans Megatron's selective recomputation of the attention core "
+                f"only, not --recompute-modules {' '.join(self.recompute_modules)}: plan the layout with "
+                f"autopar.plan(recompute='ops') instead"
+            )
         return out
 
     def describe(self) -> str:
@@ -114,7 +124,8 @@ class Layout:
             per = (
                 f" (first {self.recompute_num_layers} layers per stage)" if self.recompute_num_layers else ""
             )
-            parts.append(f"recompute={self.recompute}{per}")
+            mods = f" ({', '.join(self.recompute_modules)})" if self.recompute_modules else ""
+            parts.append(f"recompute={self.recompute}{mods}{per}")
         if self.distributed_optimizer:
             parts.append(f"ZeRO-{self.zero_stage}" if self.zero_stage > 1 else "distributed optimizer")
         if self.offload_optimizer:
@@ -150,6 +161,41 @@ def _layers_per_stage(plan: Plan, only: tuple[str, ...] | None = None) -> list[i
     for c in votes.values():
         counts[c.most_common(1)[0][0]] += 1
     return counts
+
+
+def _recompute_modules(plan: Plan, notes: list[str]) -> tuple[str, tuple[str, ...]]:
+    """A per-activation plan (``Plan.recompute == "ops"``) as Megatron-Core's selective
+    recomputation: ``(recompute, modules)``. A recomputed attention op or softmax is
+    ``core_attn``, a norm ``layernorm``, a pointwise op of an expert layer (its module path names
+    ``experts``) ``moe_act``; the others (a dense MLP's activation, a projection's output) have no
+    module of their own: a note names them (the exported run keeps them). Other plans: theirs."""
+    if plan.recompute != "ops":
+        return plan.recompute, ()
+    from autopar.graph import OpFamily, op_info
+
+    modules: dict[str, None] = {}
+    left: Counter = Counter()
+    for n in plan.nodes:
+        if not n.recomputed:
+            continue
+        family = op_info(n.op).family
+        if family is OpFamily.ATTENTION or n.op in ("softmax", "_softmax"):
+            modules["core_attn"] = None
+        elif family is OpFamily.NORM:
+            modules["layernorm"] = None
+        elif family is OpFamily.POINTWISE and "experts" in n.module:
+            modules["moe_act"] = None
+        else:
+            left[n.op] += 1
+    if left:
+        ops = ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in left.most_common())
+        notes.append(
+            f"autopar recomputes activations Megatron-Core has no --recompute-modules entry for ({ops}, over "
+            f"all layers): the exported run keeps them, and holds more memory than the plan"
+        )
+    if not modules:
+        return "none", ()
+    return "selective", tuple(m for m in ("core_attn", "layernorm", "moe_act") if m in modules)
 
 
 def _recompute_num_layers(plan: Plan, notes: list[str]) -> int | None:
@@ -271,10 +317,11 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
     zero_stage = max(stage_counts) if stage_counts else (1 if plan.info.get("state_split") else 0)
     if zero_stage == 0 and plan.info.get("state_split"):
         zero_stage = 1
+    recompute, modules = _recompute_modules(plan, notes)
     layout = Layout(
         nodes=int(cluster.get("nodes", 1)), gpus_per_node=int(cluster.get("gpus_per_node", world)),
         tp=tp, dp=dp, ep=ep, sequence_parallel=_sequence_parallel(plan), pp=pp, microbatches=m,
-        schedule=schedule, virtual=virtual, recompute=plan.recompute,
+        schedule=schedule, virtual=virtual, recompute=recompute, recompute_modules=modules,
         recompute_num_layers=_recompute_num_layers(plan, notes), distributed_optimizer=zero_stage > 0,
         zero_stage=zero_stage, batch=batch, seq=seq, layers=layers, dtype=_dtype(plan),
         offload_optimizer=plan.offload_optimizer, offload_layers=len(plan.offload_layers),

@@ -319,7 +319,9 @@ def plan_captured(
         p.recompute = config.recompute
         if config.recompute == "ops":
             p.info["per_activation"] = recompute_summary(gm.graph, sol.choice)
-        if config.recompute != "none":
+            if not any(n.recomputed for n in p.nodes):  # the solver kept every activation
+                p.recompute = "none"
+        if p.recompute != "none":
             order = repeated_layers(gm.graph)
             only = recomputed_layers(gm.graph, config.recompute_layers)
             if only is not None and len(only) < len(order):

@@ -257,3 +257,35 @@ def test_offloaded_activations_export_to_megatron_and_are_noted_elsewhere(plans)
     for ex in (to_deepspeed(plan), to_torchtitan(plan)):
         assert any("activations of the first 2 layers" in n for n in ex.notes), ex.notes
         assert ex.layout.offload_layers == 0
+
+
+def test_per_activation_recomputation_exports_as_megatron_core_modules(plans):
+    """A per-activation plan (``recompute="ops"``) as Megatron-Core's ``--recompute-modules``: the
+    recomputed attention and norms by module kind, the others noted (the exported run keeps them);
+    parsed back, a module other than the attention core is refused with what to do."""
+    base = plans["tp2"]
+
+    def recomputing(*kinds: str) -> autopar.Plan:
+        def pick(n):
+            family = {"scaled_dot_product_attention": "attn", "layer_norm": "norm", "linear": "linear"}
+            return family.get(n.op) in kinds and n.module.startswith("blocks.")
+
+        nodes = [dataclasses.replace(n, recomputed=True) if pick(n) else n for n in base.nodes]
+        plan = dataclasses.replace(base, nodes=nodes, recompute="ops", info=dict(base.info))
+        assert any(n.recomputed for n in plan.nodes), kinds
+        return plan
+
+    ex = to_megatron(recomputing("attn", "norm", "linear"))
+    assert (
+        "--recompute-granularity selective" in ex.text
+        and "--recompute-modules core_attn layernorm" in ex.text
+    )
+    assert any("no --recompute-modules entry for (linear" in n for n in ex.notes), ex.notes
+    with pytest.raises(ValueError, match="--recompute-modules core_attn layernorm: .*recompute='ops'"):
+        parse_megatron_args(ex.text)
+    attention_only = to_megatron(recomputing("attn"))
+    assert "--recompute-granularity selective" in attention_only.text
+    assert "--recompute-modules" not in attention_only.text
+    assert parse_megatron_args(attention_only.text)["recompute"] == "selective"
+    nothing = to_megatron(recomputing("linear"))
+    assert "--recompute-granularity" not in nothing.text and nothing.layout.recompute == "none"

@@ -383,7 +383,7 @@ def test_the_default_recomputes_where_a_plan_fits_only_so(make_gpt):
     with pytest.raises(InfeasibleError):
         autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, recompute="none", **common)
     tight = autopar.plan(model, (ids, ids.clone()), cluster, memory_budget=budget, **common)
-    assert tight.recompute in ("selective", "full") and tight.predicted.memory_per_device <= budget
+    assert tight.recompute in ("selective", "full", "ops") and tight.predicted.memory_per_device <= budget
     assert tight.predicted.step_time > ample.predicted.step_time
 
 

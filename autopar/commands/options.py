@@ -188,8 +188,9 @@ def planning_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="pipeline schedule (default searched)")  # fmt: skip
-    g.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
-                   help="activation recomputation (default auto: the lightest that fits)")  # fmt: skip
+    g.add_argument("--recompute", choices=("none", "selective", "full", "ops", "auto"),
+                   help="activation recomputation: ops = the solver picks which activations, one by one "
+                        "(default auto: the lightest that fits, then per activation where memory binds)")  # fmt: skip
     g.add_argument("--allow-compression", action="store_true", default=None,
                    help="let the plan compress the data-parallel gradient all-reduces (lossy: PowerSGD, top-k, "
                         "fp8 or bf16) where that plays faster")  # fmt: skip
