@@ -281,7 +281,7 @@ def test_per_activation_recomputation_exports_as_megatron_core_modules(plans):
         and "--recompute-modules core_attn layernorm" in ex.text
     )
     assert any("no --recompute-modules entry for (linear" in n for n in ex.notes), ex.notes
-    with pytest.raises(ValueError, match="--recompute-modules core_attn layernorm: .*recompute='ops'"):
+    with pytest.raises(ValueError, match=r"--recompute-modules core_attn layernorm: .*recompute='ops'"):
         parse_megatron_args(ex.text)
     attention_only = to_megatron(recomputing("attn"))
     assert "--recompute-granularity selective" in attention_only.text
