@@ -445,7 +445,8 @@ def per_activation(
 ) -> Plan:
     """Under ``recompute="auto"``, where memory shaped ``plan`` (``memory_bound``): planned once
     more with ``recompute="ops"`` (the solver chooses, per activation, what to recompute:
-    ``passes.recompute_ops``), kept where it runs faster. ``plan.info["per_activation_tried"]``
+    ``passes.recompute_ops``; the bytes it frees may let another mesh fit), kept where it runs
+    faster. ``plan.info["per_activation_tried"]``
     says what it gave. ``disable=("per_activation",)`` turns the second look off."""
     budget = config.resolved(cluster.device.memory).memory_budget
     if config.recompute != "auto" or "per_activation" in config.disable:

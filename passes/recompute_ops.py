@@ -12,7 +12,7 @@ Words:
   from values backward keeps anyway (parameters, the step's inputs, values some backward reads:
   ``passes.annotate.value_is_saved``) — directly, or through a chain of unsaved values inside its
   layer that it computes again first (``_needed``: the scaling and masking before a softmax, as
-  Korthikanti et al.'s selective recomputation runs them). That condition makes the choice local:
+  Korthikanti et al.'s selective recomputation runs them; no fused kernel's member among them). That condition makes the choice local:
   recomputing the node frees its own saved bytes and keeps nothing else alive, whatever the solver
   picks for its neighbours (an input that is itself recomputed is computed again once, before
   both; an unsaved producer two chosen nodes share is charged to each, a slight overestimate).
@@ -95,6 +95,8 @@ def _needed(node: Node, inst: str, depth: int = 0, acc: dict[Node, None] | None 
         info = i.meta.get(TENSOR)
         if depth >= 8 or i.op != "call_function" or info is None or outer_instance(info.module) != inst:
             return None
+        if FUSION in i.meta:  # a fused kernel's value: not run again by parts
+            return None
         if op_info(i).writes or op_name(i).endswith("_"):
             return None
         acc[i] = None
@@ -119,6 +121,8 @@ def recompute_candidate(node: Node, layers: frozenset[str] | None = None) -> boo
     if op_info(node).writes or op_name(node).endswith("_"):
         return False
     if not (value_is_saved(node) or extra_saved_bytes(node) > 0):
+        return False
+    if _forward_time(node)[0] <= 0:  # no cost known: a twin would tie with the kept strategy
         return False
     for u in _readers(node):
         ui = u.meta.get(TENSOR)

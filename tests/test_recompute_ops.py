@@ -59,12 +59,12 @@ def _plans(kind: str) -> dict[str, autopar.Plan]:
 def _candidates(kind: str) -> tuple[set[str], Any]:
     from autopar.capture import capture
     from autopar.passes import PassContext, run_passes
-    from autopar.passes.annotate import annotate_tensors
     from autopar.passes.recompute_ops import recompute_candidate
+    from autopar.planner import GRAPH_PASSES
 
     model, inputs = build(kind)
     cap = capture(model, inputs)
-    run_passes(cap.gm, PassContext(captured=cap, cluster=autopar.Cluster.local(2)), [annotate_tensors])
+    run_passes(cap.gm, PassContext(captured=cap, cluster=autopar.Cluster.local(2)), list(GRAPH_PASSES))
     return {n.name for n in cap.gm.graph.nodes if recompute_candidate(n)}, cap.gm.graph
 
 
@@ -208,3 +208,32 @@ def test_per_activation_recomputation_trains_exactly_and_frees_what_it_predicts(
                     f"{kind} rank {rank}: recomputing frees {freed} bytes, the plan predicts {predicted:.0f}"
                 )
     assert not problems, "\n".join(problems)
+
+
+def test_a_chain_of_unsaved_values_is_recomputed_but_never_through_a_fused_kernel():
+    """LLaMA's grouped-query attention repeats the keys and values for SDPA (``repeat_kv``: a copy
+    SDPA saves). Recomputing a repeated copy computes again the unsaved values it is made from: for
+    the values their projection, for the keys the rotary embedding too. Where fused kernels are
+    assumed (a GPU cluster) the rotary embedding is one kernel, not run again by parts: the keys'
+    copy is no candidate there, the values' still is."""
+    from autopar.capture import capture
+    from autopar.graph import OpFamily, op_family
+    from autopar.passes import PassContext, run_passes
+    from autopar.passes.recompute_ops import _needed, recompute_candidate
+    from autopar.planner import GRAPH_PASSES
+
+    model, inputs = build("llama")
+    for cluster, keys in (
+        (autopar.Cluster.local(2), True),
+        (autopar.Cluster.preset("H100-SXM", gpus_per_node=2), False),
+    ):
+        cap = capture(model, inputs)
+        run_passes(cap.gm, PassContext(captured=cap, cluster=cluster), list(GRAPH_PASSES))
+        sdpa = next(
+            n for n in cap.gm.graph.nodes if n.op == "call_function" and op_family(n) is OpFamily.ATTENTION
+        )
+        k, v = sdpa.args[1], sdpa.args[2]
+        assert recompute_candidate(v), v.name
+        chain = {op_family(n) for n in _needed(v, "model.layers.0")}
+        assert OpFamily.MATMUL in chain  # the value projection, computed again
+        assert recompute_candidate(k) is keys, (cluster, k.name)
