@@ -66,6 +66,7 @@ __all__ = [
     "saved_inputs",
     "saves_inputs",
     "saves_output",
+    "storage_id",
     "storage_views",
     "tensor_bytes",
     "value_is_saved",
@@ -154,7 +155,8 @@ def grad_flows(node: Node) -> bool:
     return info is not None and info.requires_grad
 
 
-def _storage(node: Node) -> int | None:
+def storage_id(node: Node) -> int | None:
+    """The identity of the storage ``node``'s value lives in (its fake tensor's), or ``None``."""
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return None
@@ -198,9 +200,9 @@ def is_alias(node: Node) -> bool:
     """The node's output shares the storage of one of its inputs (module docstring: storage)."""
     if node.op != "call_function":
         return False
-    st = _storage(node)
+    st = storage_id(node)
     ins = tensor_inputs(node)
-    if st is not None and any(_storage(i) == st for i in ins):
+    if st is not None and any(storage_id(i) == st for i in ins):
         return True
     name = op_name(node)
     if name == "getitem":

@@ -52,6 +52,7 @@ from torch.fx.node import map_arg
 from autopar.graph import is_random, mutates, written_inputs
 from autopar.ir import PHASE, RANK, Phase
 from autopar.passes import PassContext
+from autopar.passes.annotate import storage_id
 from autopar.program.rng import run_and_save_rng_state, run_with_rng_state
 
 __all__ = ["RECOMPUTE_MODES", "recompute_in_backward", "recompute_layers", "source_of"]
@@ -194,16 +195,6 @@ def _writes_fresh(n: Node, chosen: set[Node]) -> bool:
     return bool(written) and all(v in chosen and set(v.users) == {n} for v in written)
 
 
-def _storage_of(n: Node) -> int | None:
-    v = n.meta.get("val")
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        return v.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-
-
 def _add_forward_views(gm: GraphModule, by_layer: dict[str, set[Node]], end: Node | None) -> None:
     """Per-activation recomputation (``"ops"``): each chosen node's forward views join it. The
     lowering writes views of its own (a linear's input flattened for its matmul, under the linear's
@@ -215,7 +206,7 @@ def _add_forward_views(gm: GraphModule, by_layer: dict[str, set[Node]], end: Nod
         stack = list(nodes)
         while stack:
             n = stack.pop()
-            st = _storage_of(n)
+            st = storage_id(n)
             if st is None:
                 continue
             for u in n.users:
@@ -225,7 +216,7 @@ def _add_forward_views(gm: GraphModule, by_layer: dict[str, set[Node]], end: Nod
                     and u.meta.get(PHASE) == Phase.FWD
                     and order[u] < stop
                     and not mutates(u)
-                    and _storage_of(u) == st
+                    and storage_id(u) == st
                 ):
                     nodes.add(u)
                     stack.append(u)

@@ -50,7 +50,8 @@ def build(kind: str, seed: int = 0, vocab: int = VOCAB, batch: int = BATCH) -> t
     """``(model, inputs)``: a tiny fp32 model with no dropout and one global batch (``batch``
     sequences of ``SEQ`` tokens from a ``vocab`` of that many).
 
-    ``kind``: ``"gpt2"`` (``GPT2LMHeadModel``), ``"llama"`` (``LlamaForCausalLM``, 4 heads, 2 KV
+    ``kind``: ``"gpt2"`` (``GPT2LMHeadModel``; ``"gpt2-eager"`` with transformers' eager
+    attention, whose scores are ``s × s`` tensors), ``"llama"`` (``LlamaForCausalLM``, 4 heads, 2 KV
     heads) or ``"gpt"`` (``autopar.models.GPT``, positional ``(idx, targets)``). Transformers
     models take ``{"input_ids", "labels"}`` with ``labels`` a different tensor (``torch.export``
     would merge two uses of one tensor into one input).
@@ -62,7 +63,7 @@ def build(kind: str, seed: int = 0, vocab: int = VOCAB, batch: int = BATCH) -> t
 
         model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=vocab))
         return model, (ids, torch.randint(0, vocab, (batch, SEQ)))
-    if kind == "gpt2":
+    if kind in ("gpt2", "gpt2-eager"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(
@@ -71,6 +72,8 @@ def build(kind: str, seed: int = 0, vocab: int = VOCAB, batch: int = BATCH) -> t
             bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         model = GPT2LMHeadModel(cfg)
+        if kind == "gpt2-eager":  # transformers' eager attention: its scores are s × s tensors
+            model.config._attn_implementation = "eager"
     elif kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

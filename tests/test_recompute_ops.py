@@ -25,13 +25,7 @@ from autopar.runtime.launch import spawn
 pytestmark = pytest.mark.filterwarnings("ignore:autopar")
 
 
-def build(kind: str) -> tuple[torch.nn.Module, Any]:
-    """``gpt2-eager``: GPT-2 with transformers' eager attention (its scores are ``s × s`` tensors)."""
-    if kind != "gpt2-eager":
-        return H.build(kind)
-    model, inputs = H.build("gpt2")
-    model.config._attn_implementation = "eager"
-    return model, inputs
+build = H.build
 
 
 def _dp(model: torch.nn.Module, inputs: Any) -> dict[str, Any]:
