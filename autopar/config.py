@@ -35,6 +35,9 @@ class PlanConfig:
     """Fix the device mesh, e.g. ``(2, 8)``; ``None``: try every candidate mesh. With pipeline
     parallelism it is the mesh inside a stage (``world / pp`` devices), so only pipelines of that
     size are planned."""
+    meshes: tuple[tuple[int, ...], ...] | None = None
+    """Solve only these of the candidate meshes (``mesh_shape`` unset); ``None``: every one. A
+    second look of the search names the meshes it can change (``planner.per_activation``)."""
     fixed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """``{name: spec}``: placements honored exactly, one per mesh axis, for parameters (their
     ``named_parameters`` names) or user inputs (``"input_ids"``, ``"args[0]"``), e.g.
@@ -218,6 +221,16 @@ class PlanConfig:
             if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
                 fail(f"mesh_shape must be a tuple of positive integers, got {self.mesh_shape!r}")
             object.__setattr__(self, "mesh_shape", shape)
+        if self.meshes is not None:
+            shapes = tuple(tuple(m) for m in self.meshes)
+            if not shapes or any(
+                not m or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in m)
+                for m in shapes
+            ):
+                fail(
+                    f"meshes must be a non-empty tuple of meshes (tuples of positive integers), got {self.meshes!r}"
+                )
+            object.__setattr__(self, "meshes", shapes)
         if self.optimizer not in OPTIMIZER_BYTES_PER_PARAM:
             fail(f"unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_BYTES_PER_PARAM)}")
         if self.optimizer_state_dtype not in (None, "float32", "bfloat16", "float16"):

@@ -66,6 +66,7 @@ from autopar.solver import Cutoff, InfeasibleError, NotBetter, SolverConfig, sol
 __all__ = [
     "GRAPH_PASSES",
     "MESH_PASSES",
+    "bound_meshes",
     "candidate_meshes",
     "constrain_strategies",
     "fewer_layers_count",
@@ -223,6 +224,8 @@ def plan_captured(
         meshes = [config.mesh_shape]
     else:
         meshes = candidate_meshes(cluster)
+        if config.meshes is not None:
+            meshes = [m for m in meshes if m in config.meshes] or meshes
     mixed = config.mixed_precision if config.mixed_precision is not None else detect_mixed_precision(cap)
     ctx = PassContext(captured=cap, cluster=cluster, config=config, mixed_precision=mixed)
     gm = run_passes(cap.gm, ctx, GRAPH_PASSES)
@@ -290,6 +293,7 @@ def plan_captured(
                 "mesh": list(mesh),
                 "feasible": True,
                 "objective": sol.objective,
+                "memory": sol.memory,
                 "optimal": sol.optimal,
                 "gap": sol.gap,
                 "strategy_time": t_strat,
@@ -436,6 +440,26 @@ def memory_bound(plan: Plan, budget: float) -> bool:
     return plan.recompute != "none" or (reached is not None and reached >= MEMORY_BOUND * budget)
 
 
+def bound_meshes(plan: Plan, budget: float) -> tuple[tuple[int, ...], ...] | None:
+    """The meshes of ``plan``'s solve (``info["meshes_tried"]``) whose optimum per-activation
+    recomputation may change, where ``plan`` keeps every activation: those that did not fit, and
+    those whose memory reached ``MEMORY_BOUND`` of ``budget``. Recomputing only relaxes the memory
+    constraint (at a cost in time), so a mesh solved clear of it, or cut off by time alone, keeps
+    its plan. ``None`` (every mesh) where ``plan`` recomputes (a lighter choice may beat it on any
+    mesh) or the list is missing."""
+    tried = plan.info.get("meshes_tried")
+    if plan.recompute != "none" or not tried:
+        return None
+    out = []
+    for t in tried:
+        bound = not t.get("feasible") and "pruned" not in t
+        if t.get("feasible") and t.get("memory") is not None:
+            bound = t["memory"] >= MEMORY_BOUND * budget
+        if bound:
+            out.append(tuple(t["mesh"]))
+    return tuple(out)
+
+
 def per_activation(
     plan: Plan,
     config: PlanConfig,
@@ -445,16 +469,19 @@ def per_activation(
 ) -> Plan:
     """Under ``recompute="auto"``, where memory shaped ``plan`` (``memory_bound``): planned once
     more with ``recompute="ops"`` (the solver chooses, per activation, what to recompute:
-    ``passes.recompute_ops``; the bytes it frees may let another mesh fit), kept where it runs
-    faster. ``plan.info["per_activation_tried"]``
+    ``passes.recompute_ops``; the bytes it frees may let another mesh fit) on the meshes that can
+    change (``bound_meshes``), kept where it runs faster. ``plan.info["per_activation_tried"]``
     says what it gave. ``disable=("per_activation",)`` turns the second look off."""
     budget = config.resolved(cluster.device.memory).memory_budget
     if config.recompute != "auto" or "per_activation" in config.disable:
         return plan
     if budget is None or not memory_bound(plan, budget):
         return plan
+    meshes = bound_meshes(plan, budget)
+    if meshes == ():
+        return plan
     try:
-        ops = attempt(config.replace(recompute="ops", recompute_layers=None))
+        ops = attempt(config.replace(recompute="ops", recompute_layers=None, meshes=meshes))
     except (InfeasibleError, NotBetter) as e:
         plan.info["per_activation_tried"] = {"failed": str(e).splitlines()[0][:200]}
         return plan

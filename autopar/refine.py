@@ -10,7 +10,7 @@ so a second look wins only where it plays faster.
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
 * **per activation** — under ``recompute="auto"``, where memory shaped the fastest candidate (it
   recomputes, or its memory reaches ``planner.MEMORY_BOUND`` of its budget): its ``(pp, m)`` with
-  ``recompute="ops"``, the solver choosing which activations to recompute, node by node
+  ``recompute="ops"`` on the meshes it can change (``planner.bound_meshes``), the solver choosing which activations to recompute, node by node
   (``passes.recompute_ops``).
 * **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
 * **offload** — where the search decides offload (``PlanConfig.offload_optimizer`` or
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
-from autopar.planner import InfeasibleError, fewer_layers_count, memory_bound, plan_captured
+from autopar.planner import InfeasibleError, bound_meshes, fewer_layers_count, memory_bound, plan_captured
 from autopar.simulate import offload_figures
 from autopar.solver import NotBetter
 
@@ -129,6 +129,9 @@ def per_activation(search: PipelineSearch) -> None:
     budget = stage.resolved(search.cluster.device.memory).memory_budget
     if budget is None or not memory_bound(best.plan, budget):
         return
+    meshes = bound_meshes(best.plan, budget)
+    if meshes == ():
+        return
     cap = search.graphs(m)
     sub = stage_cluster(search.cluster, pp)
     assert sub is not None
@@ -139,7 +142,7 @@ def per_activation(search: PipelineSearch) -> None:
         spmd = plan_captured(
             cap,
             sub,
-            stage.replace(recompute="ops", recompute_layers=None),
+            stage.replace(recompute="ops", recompute_layers=None, meshes=meshes),
             score=score,
             fewer_layers=False,
             path_cutoff=search.best() * pp / m,

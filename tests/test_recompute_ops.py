@@ -231,3 +231,27 @@ def test_a_chain_of_unsaved_values_is_recomputed_but_never_through_a_fused_kerne
         chain = {op_family(n) for n in _needed(v, "model.layers.0")}
         assert OpFamily.MATMUL in chain  # the value projection, computed again
         assert recompute_candidate(k) is keys, (cluster, k.name)
+
+
+def test_the_second_look_solves_only_the_meshes_memory_bound():
+    """Recomputing relaxes the memory constraint only: a plan keeping every activation is looked at
+    again on the meshes that did not fit or reached 90 % of the budget (``planner.bound_meshes``),
+    not on those solved clear of it or cut off by time; a recomputing plan, on every mesh. And
+    ``PlanConfig.meshes`` restricts a solve to the meshes it names."""
+    from autopar.planner import bound_meshes
+
+    plan = _plans("llama")["none"]
+    plan.info["meshes_tried"] = [
+        {"mesh": [2], "feasible": True, "memory": 95.0},
+        {"mesh": [1, 2], "feasible": True, "memory": 50.0},
+        {"mesh": [2, 1], "feasible": False},
+        {"mesh": [4], "feasible": False, "pruned": "slower"},
+    ]
+    assert bound_meshes(plan, 100.0) == ((2,), (2, 1))
+    plan.recompute = "full"
+    assert bound_meshes(plan, 100.0) is None
+    with pytest.raises(ValueError, match="meshes must be"):
+        autopar.PlanConfig(meshes=((2, 0),))
+    model, inputs = build("llama")
+    one = autopar.plan(model, inputs, autopar.Cluster.local(4), pp=1, meshes=((4,),), recompute="none")
+    assert [t["mesh"] for t in one.info["meshes_tried"]] == [[4]]
