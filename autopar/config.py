@@ -63,11 +63,12 @@ class PlanConfig:
     """Activation recomputation in every repeated layer (``Plan.recompute``): ``"none"``,
     ``"selective"``, ``"full"``, or ``"ops"`` — per activation: the solver chooses, beside each
     node's sharding, which of a layer's saved activations to keep and which to compute again in
-    backward, the fewest seconds that fit the memory (``passes.strategies.recompute_candidate``);
-    ``"auto"`` (the default): the lightest of none, selective and full that fits a candidate
-    (``none`` wherever a plan fits without), then ``"ops"`` for the fastest where it recomputes,
-    kept where it plays faster, the 3D search then keeping the fastest candidate. Under ``"none"`` a layout that fits only with recomputation is not a candidate:
-    Table 1's row 7 (GPT 145.6B on 1536 A100) then plans 24 stages, 1.64× slower than ``"auto"``'s
+    backward, the fewest seconds that fit the memory (``passes.recompute_ops``); ``"auto"`` (the
+    default): the lightest of none, selective and full that fits a candidate (``none`` wherever a
+    plan fits without), the 3D search keeping the fastest candidate, planned once more with
+    ``"ops"`` where memory shaped it and kept where that plays faster (``planner.per_activation``,
+    ``refine.per_activation``). Under ``"none"`` a layout that fits only with recomputation is not
+    a candidate: Table 1's row 7 (GPT 145.6B on 1536 A100) then plans 24 stages, 1.64× slower than ``"auto"``'s
     one stage recomputing selectively."""
     recompute_layers: int | tuple[int, ...] | None = None
     """The repeated layers the recomputation applies to, counted in the order the forward runs

@@ -692,16 +692,12 @@ def per_activation_text(plan: Any) -> str:
     for 0.011 ms``, and the step of what ``"auto"`` had before (``info["per_activation_tried"]``)."""
     s = plan.info.get("per_activation") or {}
     ops = list(s.get("per_layer", []))
-    if not ops:
-        text = "no activation recomputed"
-    else:
-        counted = Counter(ops)
-        names = ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in counted.items())
-        text = (
-            f"{len(ops)} of {s.get('candidates', len(ops))} candidate activations per layer ({names}) in "
-            f"{s.get('layers', 0)} layers, {fmt_bytes(s.get('freed', 0.0))} a micro-batch freed for "
-            f"{s.get('extra', 0.0) * 1e3:.3f} ms of forward again"
-        )
+    names = ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in Counter(ops).items())
+    text = (
+        f"{len(ops)} of {s.get('candidates', len(ops))} candidate activations per layer ({names}) in "
+        f"{s.get('layers', 0)} layers, {fmt_bytes(s.get('freed', 0.0))} a micro-batch freed for "
+        f"{s.get('extra', 0.0) * 1e3:.3f} ms of forward again"
+    )
     tried = plan.info.get("per_activation_tried") or {}
     if "without_step" in tried:
         text += f"; {tried['step'] * 1e3:.1f} ms a step, {tried['without_step'] * 1e3:.1f} ms with {tried['without']}"

@@ -472,9 +472,9 @@ def per_activation(
     ``passes.recompute_ops``; the bytes it frees may let another mesh fit) on the meshes that can
     change (``bound_meshes``), kept where it runs faster. ``plan.info["per_activation_tried"]``
     says what it gave. ``disable=("per_activation",)`` turns the second look off."""
-    budget = config.resolved(cluster.device.memory).memory_budget
     if config.recompute != "auto" or "per_activation" in config.disable:
         return plan
+    budget = config.resolved(cluster.device.memory).memory_budget
     if budget is None or not memory_bound(plan, budget):
         return plan
     meshes = bound_meshes(plan, budget)

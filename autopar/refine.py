@@ -10,8 +10,8 @@ so a second look wins only where it plays faster.
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
 * **per activation** — under ``recompute="auto"``, where memory shaped the fastest candidate (it
   recomputes, or its memory reaches ``planner.MEMORY_BOUND`` of its budget): its ``(pp, m)`` with
-  ``recompute="ops"`` on the meshes it can change (``planner.bound_meshes``), the solver choosing which activations to recompute, node by node
-  (``passes.recompute_ops``).
+  ``recompute="ops"`` on the meshes it can change (``planner.bound_meshes``), the solver choosing
+  which activations to recompute, node by node (``passes.recompute_ops``).
 * **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
 * **offload** — where the search decides offload (``PlanConfig.offload_optimizer`` or
   ``offload_activations`` left ``None``) and recomputation (``recompute="auto"``), and the

@@ -210,16 +210,9 @@ def is_alias(node: Node) -> bool:
         return isinstance(src, Node) and op_info(src).family is OpFamily.VIEW and is_alias(src)
     if name in _MULTI_VIEWS:
         return True  # its parts are views (read through getitem)
-    if name == "dropout" and (_given(node, 1, "p", 0.5) == 0 or _given(node, 2, "train", True) is False):
+    if name == "dropout" and (_schema_arg(node, "p", 0.5) == 0 or _schema_arg(node, "train", True) is False):
         return True  # returns its input (ATen's dropout with p = 0 or in eval)
     return name in ("contiguous", "reshape") and _attention_layout_view(node)
-
-
-def _given(node: Node, pos: int, name: str, default: object) -> object:
-    """Argument ``name`` of ``node``, given at ``pos`` or by keyword."""
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
 
 
 def storage_views(owner: Node) -> list[Node]:

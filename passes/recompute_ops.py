@@ -8,25 +8,27 @@ Words:
   (``recompute_candidate``): a single-tensor op inside a repeated layer that saves something for
   backward (its output, through any view of it, or statistics: a norm's mean and rstd, a dropout
   mask, an attention's log-sum-exp), none of whose readers lie outside its layer (the layer's
-  outputs are the checkpoints full recomputation keeps), writing into no input, and computable
-  from values backward keeps anyway (parameters, the step's inputs, values some backward reads:
-  ``passes.annotate.value_is_saved``) — directly, or through a chain of unsaved values inside its
-  layer that it computes again first (``_needed``: the scaling and masking before a softmax, as
-  Korthikanti et al.'s selective recomputation runs them; no fused kernel's member among them). That condition makes the choice local:
-  recomputing the node frees its own saved bytes and keeps nothing else alive, whatever the solver
-  picks for its neighbours (an input that is itself recomputed is computed again once, before
-  both; an unsaved producer two chosen nodes share is charged to each, a slight overestimate).
-  Members of a fused kernel group (``autopar.passes.fusion``, GPU clusters) are not candidates:
-  the group saves what its kernel saves.
+  outputs are the checkpoints full recomputation keeps), writing into no input, with a known
+  forward time, and computable from values backward keeps anyway (parameters, the step's inputs,
+  values some backward reads: ``passes.annotate.value_is_saved``) — directly, or through a chain
+  of unsaved values inside its layer that it computes again first (``_needed``: the scaling and
+  masking before a softmax, as Korthikanti et al.'s selective recomputation runs them; no fused
+  kernel's member among them). That condition makes the choice local: recomputing the node frees
+  its own saved bytes and keeps nothing else alive, whatever the solver picks for its neighbours
+  (an input that is itself recomputed is computed again once, before both; an unsaved producer
+  two chosen nodes share is charged to each, a slight overestimate). Members of a fused kernel
+  group (``autopar.passes.fusion``, GPU clusters) are not candidates: the group saves what its
+  kernel saves.
 * **twin** — for each strategy of a candidate, the same sharding with ``Strategy.recomputed``
   set: no memory, its forward time (and in-op collectives) paid twice, with the forwards of the
-  unsaved chain it needs (``recompute_twins``). The
-  solver's tie of a node across repeated layers holds: the choice is made once per position in a
-  layer (as Megatron-Core's ``--recompute-modules`` names module kinds), and a candidate keeps its
-  own decision instead of following its producer's (``passes.strategies.with_follow``).
+  unsaved chain it needs (``recompute_twins``). The solver's tie of a node across repeated layers
+  holds: the choice is made once per position in a layer (as Megatron-Core's
+  ``--recompute-modules`` names module kinds), and a candidate keeps its own decision instead of
+  following its producer's (``passes.strategies.with_follow``).
 * **closure** — what the rank program recomputes for a chosen node: the node and its unsaved
-  chain, and the views and ``getitem`` parts of their outputs inside its layer (``recomputed_closure``), so no forward view
-  keeps the storage alive (``passes.recompute.recompute_layers`` reads the set from ``RankInfo``).
+  chain, and the views and ``getitem`` parts of their outputs inside its layer
+  (``recomputed_closure``), so no forward view keeps the storage alive
+  (``passes.recompute.recompute_layers`` reads the set from ``RankInfo``).
 
 This is the knapsack of Checkmate (Jain et al., MLSys 2020) and of PyTorch's min-cut partitioner
 under ``activation_memory_budget``, restricted to choices that stay local, and solved jointly with
@@ -43,7 +45,7 @@ import torch
 from torch.fx import Graph, Node
 
 from autopar.graph import op_info, op_name, outer_instance, tensor_inputs
-from autopar.ir import COST, TENSOR, Strategy
+from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.passes.annotate import extra_saved_bytes, is_alias, storage_views, value_is_saved
 from autopar.passes.fusion import FUSION
 
@@ -144,13 +146,13 @@ def recompute_twins(node: Node, strategies: list[Strategy]) -> list[Strategy]:
     forward share of its time and in-op collectives paid again, and the forwards of the unsaved
     producers it needs (``_needed``) at the same share of their full-size time as the node's own
     (their sharding is the node's, or follows it). The forward share is the op's own (``COST``:
-    forward over forward + backward at full size); a third where unknown."""
+    forward over forward + backward at full size, known for every candidate)."""
     fwd, total = _forward_time(node)
-    share = fwd / total if total > 0 else 1 / 3
+    share = fwd / total
     before = sum(_forward_time(p)[0] for p in _needed(node, outer_instance(node.meta[TENSOR].module)) or ())
     twins = []
     for s in strategies:
-        local = s.compute_time / total if total > 0 else 1.0  # this strategy's share of the full-size op
+        local = s.compute_time / total  # this strategy's share of the full-size op
         twins.append(
             replace(
                 s,
@@ -196,8 +198,6 @@ def recompute_summary(graph: Graph, choice: dict[str, int]) -> dict[str, object]
     twins in the same order), ``per_layer`` the ops recomputed in the first layer with any, of
     ``candidates`` candidates there, over ``layers`` layers. ``choice``: node name -> the index
     of its strategy (the solver's solution)."""
-    from autopar.ir import STRATEGIES
-
     freed = extra = 0.0
     per_layer: dict[str, list[str]] = {}
     candidates: dict[str, int] = {}
