@@ -38,6 +38,7 @@ from torch.fx import Node
 from autopar.capture import Captured, traced_by
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig
+from autopar.cost.offload import activation_offload_exposed
 from autopar.display import replication_notes
 from autopar.graph import op_name
 from autopar.ir import STRATEGIES, NodeStrategies, Strategy
@@ -66,6 +67,7 @@ from autopar.solver import Cutoff, InfeasibleError, NotBetter, SolverConfig, sol
 __all__ = [
     "GRAPH_PASSES",
     "MESH_PASSES",
+    "activation_copy_floor",
     "bound_meshes",
     "candidate_meshes",
     "constrain_strategies",
@@ -255,7 +257,15 @@ def plan_captured(
         NotBetter where it cannot beat ``cutoff`` (a mesh solved before it) or ``live`` (one
         solved beside it)."""
         t0 = time.perf_counter()
-        annotate(mesh)
+        mctx = annotate(mesh, [p for p in mesh_passes if p is not formulate])
+        copies = activation_copy_floor(gm, cluster) if config.offload_activations else 0.0
+        if path_cutoff is not None and copies > path_cutoff:  # the host link alone is slower
+            why = (
+                f"its activation copies take at least {copies * 1e3:.2f} ms a micro-batch, out and back, "
+                f"over the {path_cutoff * 1e3:.2f} ms a better plan allows"
+            )
+            return time.perf_counter() - t0, NotBetter(math.inf, path_cutoff, why)
+        run_passes(gm, mctx, [p for p in mesh_passes if p is formulate])
         t_strat = time.perf_counter() - t0
         try:
             sol = solve(
@@ -304,7 +314,8 @@ def plan_captured(
         )
         solved.append((mesh, sol))
     if not solved and len(errors) < len(meshes):  # some mesh fits, none within the path cutoff
-        raise NotBetter(math.inf, path_cutoff)
+        whys = sorted({str(sol) for _, sol in outcomes if isinstance(sol, NotBetter)})
+        raise NotBetter(math.inf, path_cutoff, "; ".join(whys) or None)
     if not solved:
         if len(errors) == 1:
             raise errors[0]
@@ -431,6 +442,21 @@ MEMORY_BOUND = 0.9
 """A plan whose solver memory reaches this fraction of its budget was shaped by the memory
 constraint (``memory_bound``): per-activation recomputation may free the bytes a faster layout
 needs."""
+
+
+def activation_copy_floor(gm: torch.fx.GraphModule, cluster: Cluster) -> float:
+    """Seconds a micro-batch's offloaded activations take at least on the host link, out in
+    the forward and back in the backward (``autopar.cost.offload.activation_offload_exposed``
+    with nothing under it), each node at its smallest offloaded strategy (``Strategy.offloaded``):
+    a lower bound of a rank's busy time like its compute path, for any choice of strategies."""
+    if cluster.host is None:
+        return 0.0
+    least = 0.0
+    for node in gm.graph.nodes:
+        ns = node.meta.get(STRATEGIES)
+        if isinstance(ns, NodeStrategies) and ns.strategies:
+            least += min(s.offloaded for s in ns.strategies)
+    return 2 * activation_offload_exposed(least, 0.0, cluster.host.link)
 
 
 def memory_bound(plan: Plan, budget: float) -> bool:

@@ -17,7 +17,10 @@ so a second look wins only where it plays faster.
   ``offload_activations`` left ``None``) and recomputation (``recompute="auto"``), and the
   fastest candidate recomputes: its ``(pp, m)``
   with no recomputation, once with the optimizer state on the host and once with the saved
-  activations of every repeated layer but the last on the host (``autopar.cost.offload``). The
+  activations of every repeated layer but the last on the host (``autopar.cost.offload``), on the
+  meshes memory bound where that ``(pp, m)`` was solved keeping every activation
+  (``planner.bound_meshes``; offload only frees memory), a mesh whose activation copies alone
+  outlast the best step pruned before it is formulated (``planner.activation_copy_floor``). The
   bytes freed may hold the activations instead, trading the recomputed forward for the host's
   step or the copies the compute does not hide; kept where faster and where the node's host
   memory holds what is offloaded.
@@ -115,6 +118,24 @@ def fewer_layers(search: PipelineSearch) -> None:
     search.scored += found
 
 
+def _kept(search: PipelineSearch, pp: int, m: int) -> Plan | None:
+    """The fastest scored plan of ``pp`` stages and ``m`` micro-batches that keeps every
+    activation on the device (no recomputation, no offload), where the search solved one: its
+    meshes' memory says which meshes memory bound (``planner.bound_meshes``)."""
+    same = []
+    for c in search.scored:
+        pipe = c.plan.pipeline
+        shape = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
+        if (
+            shape == (pp, m)
+            and c.plan.recompute == "none"
+            and not c.plan.offload_optimizer
+            and not c.plan.offload_layers
+        ):
+            same.append(c)
+    return min(same, key=lambda c: c.step_time).plan if same else None
+
+
 def per_activation(search: PipelineSearch) -> None:
     """Under ``recompute="auto"``, where memory shaped the fastest candidate
     (``planner.memory_bound``): its ``(pp, m)`` planned again with ``recompute="ops"``; the
@@ -129,7 +150,7 @@ def per_activation(search: PipelineSearch) -> None:
     budget = stage.resolved(search.cluster.device.memory).memory_budget
     if budget is None or not memory_bound(best.plan, budget):
         return
-    meshes = bound_meshes(best.plan, budget)
+    meshes = bound_meshes(_kept(search, pp, m) or best.plan, budget)
     if meshes == ():
         return
     cap = search.graphs(m)
@@ -303,6 +324,13 @@ def offloaded(search: PipelineSearch) -> None:
     sub = stage_cluster(search.cluster, pp)
     assert sub is not None
     layers = len(repeated_layers(cap.gm.graph))
+    # offload only frees memory (at a cost in time): a mesh whose plan kept every activation
+    # clear of the budget keeps that plan (``planner.bound_meshes``)
+    budget = stage.resolved(search.cluster.device.memory).memory_budget
+    kept_plan = _kept(search, pp, m)
+    meshes = bound_meshes(kept_plan, budget) if kept_plan is not None and budget is not None else None
+    if meshes == ():
+        return
     kinds = []
     if config.offload_optimizer is None:
         kinds.append(("the optimizer state", {"offload_optimizer": True, "offload_activations": 0}))
@@ -310,8 +338,10 @@ def offloaded(search: PipelineSearch) -> None:
         kinds.append((f"the activations of {layers - 1} layers", {"offload_activations": layers - 1}))
     for what, knobs in kinds:
         score = Player(cap.gm, search.cluster, config, pp, m, search.budget)
-        kept = stage.replace(recompute="none", recompute_layers=None, **knobs)
+        kept = stage.replace(recompute="none", recompute_layers=None, meshes=meshes, **knobs)
         record = {"pp": pp, "microbatches": m, **knobs}
+        if meshes is not None:
+            record["meshes"] = [list(x) for x in meshes]
         try:
             # its compute path bounded by the best step (a rank is busy at least m/pp of it)
             spmd = plan_captured(

@@ -92,18 +92,19 @@ class NotBetter(RuntimeError):
     """No plan of this candidate beats the ``Cutoff`` or meets the compute-path cutoff (or none
     fits the memory budget)."""
 
-    def __init__(self, cutoff: float, path_cutoff: float | None = None) -> None:
-        what = []
-        if math.isfinite(cutoff):
+    def __init__(self, cutoff: float, path_cutoff: float | None = None, why: str | None = None) -> None:
+        what = [why] if why else []
+        if why is None and math.isfinite(cutoff):
             what.append(f"no plan to rival {cutoff * 1e3:.2f} ms (another candidate's)")
-        if path_cutoff is not None:
+        if why is None and path_cutoff is not None:
             what.append(f"no compute path within {path_cutoff * 1e3:.2f} ms (a better plan's step)")
         super().__init__(" or ".join(what) or "no better plan")
         self.cutoff = cutoff
         self.path_cutoff = path_cutoff
+        self.why = why
 
     def __reduce__(self) -> tuple:
-        return (NotBetter, (self.cutoff, self.path_cutoff))
+        return (NotBetter, (self.cutoff, self.path_cutoff, self.why))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -190,6 +190,38 @@ def test_offloaded_activations_leave_the_device_and_cost_the_host_link():
         stage_costs(two)
 
 
+def test_the_host_link_bounds_an_activation_offloading_plan_before_it_is_solved():
+    """``planner.activation_copy_floor``: every node at its smallest offloaded strategy, out and
+    back over the host link; no plan copies less, and a mesh whose floor exceeds the path cutoff
+    (a better plan's step) is pruned before it is formulated, saying why."""
+    import dataclasses
+
+    from autopar.capture import capture
+    from autopar.config import PlanConfig
+    from autopar.planner import activation_copy_floor, plan_captured
+    from autopar.solver import NotBetter
+
+    model, inputs = _gpt(32)
+    local = Cluster.local(2, host=True)
+    slow = Link(name="slow", bandwidth=1e7, latency=1e-5)
+    cluster = Cluster(**{**_fields(local), "host": dataclasses.replace(local.host, link=slow)})
+    config = PlanConfig(
+        pp=1, microbatches=1, recompute="none", offload_optimizer=False, offload_activations=2
+    )
+    cap = capture(model, inputs)
+    plan = plan_captured(cap, cluster, config)
+    floor = activation_copy_floor(cap.gm, cluster)  # the strategies of the plan's mesh, annotated last
+    sent = sum(n.offloaded for n in plan.nodes)
+    assert 0 < floor <= 2 * (1e-5 + sent / 1e7) * (1 + 1e-9), (floor, sent)
+    assert plan.predicted.step_time >= floor
+    assert activation_copy_floor(cap.gm, Cluster(**{**_fields(local), "host": None})) == 0.0
+    with pytest.raises(NotBetter, match=r"activation copies take at least .* out and back"):
+        plan_captured(cap, cluster, config, path_cutoff=floor * 0.99)
+    # without offload the same cutoff prunes nothing for the copies
+    kept = plan_captured(cap, cluster, config.replace(offload_activations=0), path_cutoff=floor * 0.99)
+    assert kept.offload_layers == ()
+
+
 def test_offload_needs_a_host_that_holds_the_state():
     model, inputs = _gpt()
     cluster = Cluster.local(2, host=True)
