@@ -44,6 +44,7 @@ from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strate
 from autopar.passes import PassContext, zero_stages
 from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
 from autopar.passes.chain_records import CHAIN, compile_assumed
+from autopar.passes.formulate import parse_fixed, spec_matches
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.passes.recompute_ops import recompute_candidate, recompute_twins
 from autopar.placement import Partial, Shard, Spec, divides, local_shape
@@ -435,10 +436,13 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
     per_op = ctx.config.recompute == "ops"  # candidates get recomputed twins (passes.recompute_ops)
     # Layers whose saved activations go to the host tie only among themselves, too.
     offload = offloaded_layers(gm.graph, ctx.config.offload_activations)
+    # the layouts a parameter or input is held to survive the cut to ``max_strategies``
+    fixed = parse_fixed(ctx.captured, ctx.config, len(mesh)) if ctx.captured is not None else {}
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
         if info is None:
             continue
+        want = fixed.get(info.fqn) if node.op == "placeholder" and info.fqn else None
         if node.op == "call_function" and op_name(node) == "getitem":
             if node.args[0].meta.get(STRATEGIES) is not None:
                 node.meta[STRATEGIES] = getitem_strategies(node)
@@ -455,6 +459,8 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
             key = (*key, fusion_role(node))
         if key is not None and CHAIN in node.meta:  # tied only to members of like chains
             key = (*key, node.meta[CHAIN].key())
+        if key is not None and want is not None:
+            key = (*key, "fixed", want)
         twins = per_op and recompute_candidate(node, layers)
         if key is not None and per_op:
             key = (*key, "candidate", twins)
@@ -474,7 +480,11 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     strategies[:1],
                     sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time),
                 )
-                strategies = head + rest[: ctx.config.max_strategies - 1]
+                held = [
+                    s for s in rest if want is not None and s.outputs and spec_matches(s.outputs[0], want)
+                ]
+                rest = [s for s in rest if not any(s is h for h in held)]
+                strategies = head + held + rest[: max(0, ctx.config.max_strategies - 1 - len(held))]
             if twins:
                 strategies = recompute_twins(node, strategies)
             ns = NodeStrategies(tuple(strategies))

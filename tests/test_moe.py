@@ -47,10 +47,10 @@ def _plan(name: str, layout: str, world: int) -> autopar.Plan | None:
     cluster = autopar.Cluster.local(world)
     if layout == "auto":
         return None
-    tp, ep = (int(x[2:]) for x in layout.split(","))
+    sizes = {x[:2]: int(x[2:]) for x in layout.split(",")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.layouts.megatron(model, batch, cluster, tp=tp, ep=ep)
+        return autopar.layouts.megatron(model, batch, cluster, **sizes)
 
 
 def expected_all_to_alls(plan: autopar.Plan) -> dict[str, int]:
@@ -97,6 +97,29 @@ def test_megatron_with_expert_parallelism_names_the_ep_axis(name):
     assert four.mesh_axes == ("dp", "ep") and four.mesh_shape == (2, 2)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "example"])
+def test_expert_parallelism_on_three_mesh_axes_with_tensor_or_context_parallelism(name):
+    """``megatron(tp=2, ep=2)`` and ``megatron(cp=2, ep=2)`` on 8 devices: three mesh axes, the
+    experts split along ep only. The expert weights' held layout (``R, S(0), R``) used to be cut
+    from their strategies (``max_strategies``), so tp = 2 × ep = 2 on 8 devices failed."""
+    model, batch = build(name)
+    cluster = autopar.Cluster.local(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = autopar.layouts.megatron(model, batch, cluster, tp=2, ep=2)
+        cp = autopar.layouts.megatron(model, batch, cluster, tp=1, ep=2, cp=2)
+    assert tp.mesh_axes == ("dp", "ep", "tp") and tp.mesh_shape == (2, 2, 2)
+    assert cp.mesh_axes == ("dp", "ep", "cp") and cp.mesh_shape == (2, 2, 2)
+    assert "ep=2, cp=2" in cp.info["layout"]
+    for plan in (tp, cp):
+        placed = plan.param_placements()
+        experts = [f for f in placed if f.endswith(("gate_up_proj", "down_proj", "w_gate_up", "w_down"))]
+        assert experts and all(placed[f] == ("R", "S(0)", "R") for f in experts), placed
+    # the batch split over the data-parallel ranks (dp and ep), the sequence over cp
+    (ids,) = [n for n in cp.nodes if n.kind == "input"][:1]
+    assert ids.outputs[0] == ("S(0)", "S(0)", "S(1)"), ids.outputs
+
+
 def test_small_mixtral_on_8_gpus_runs_its_experts_split_not_replicated(a100x8):
     """The complaint of issue 10: a small Mixtral's 8-GPU plan replicated its router and experts."""
     model, _ = build("mixtral")
@@ -127,7 +150,7 @@ def test_expert_all_to_all_is_costed_on_its_axis_link():
 
 # ------------------------------------------------------------------------------ 2 and 4 processes
 
-LAYOUTS = {2: ("tp1,ep2", "auto"), 4: ("tp1,ep2", "tp1,ep4", "tp2,ep2")}
+LAYOUTS = {2: ("tp1,ep2", "auto"), 4: ("tp1,ep2", "tp1,ep4", "tp2,ep2", "tp1,ep2,cp2")}
 
 
 def _reference(name: str):

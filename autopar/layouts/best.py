@@ -428,9 +428,6 @@ def best_megatron(
                     )
                     s.skip(why, tp=tp, pp=pp, ep=ep, cp=cp)
                     continue
-                if cp > 1 and ep > 1:
-                    s.skip("megatron does not express cp with ep yet", tp=tp, pp=pp, ep=ep, cp=cp)
-                    continue
                 applicable = True
                 optimizers = []
                 for do in s.options("distributed_optimizer", [False, True]):

@@ -141,10 +141,10 @@ def megatron_mesh(
     """``(mesh, axis names, {name: axis})`` of the Megatron layout with data-parallel size ``dp``,
     tensor-parallel size ``tp``, expert-parallel size ``ep`` and context-parallel size ``cp``
     (module docstring of ``megatron``): ``(dp, cp, tp)`` or, with ``ep > 1``,
-    ``(dp / ep, ep, tp)``, without their axes of size 1 (``(tp,)`` when every other is 1) —
-    Megatron-Core's rank order, tensor ranks innermost, then context, then data."""
+    ``(dp / ep, ep, cp, tp)``, without their axes of size 1 (``(tp,)`` when every other is 1) —
+    Megatron-Core's rank order, tensor ranks innermost, then context, then expert, then data."""
     if ep > 1:
-        kept = [(name, n) for name, n in (("dp", dp // ep), ("ep", ep), ("tp", tp)) if n > 1]
+        kept = [(name, n) for name, n in (("dp", dp // ep), ("ep", ep), ("cp", cp), ("tp", tp)) if n > 1]
     else:
         kept = [(name, n) for name, n in (("dp", dp), ("cp", cp)) if n > 1] + [("tp", tp)]
     names = tuple(name for name, _ in kept)
@@ -197,8 +197,11 @@ def megatron(
     keys and values gathered along ``cp``, each rank attending with its own queries) or its
     all-to-all form (the sequence traded for heads, DeepSpeed Ulysses), whichever costs less
     (``autopar.rules.attention``). ``cp_comm_type`` fixes the form as Megatron-Core's flag does:
-    ``"all_gather"`` or ``"a2a"`` (its ring form, ``"p2p"``, is not expressible yet). Not combined
-    with ``ep`` yet.
+    ``"all_gather"`` or ``"a2a"`` (its ring form, ``"p2p"``, is not expressible yet). With
+    ``ep > 1`` as well the mesh is ``(dp / ep, ep, cp, tp)``, Megatron-Core's default rank order
+    (``tp-cp-ep-dp``): the expert-parallel group inside the data-parallel one, each batched input's
+    batch split over ``dp / ep`` and ``ep`` together, its sequence over ``cp``; a
+    mixture-of-experts region dispatches the tokens of its context rank along ``ep``.
 
     ``distributed_optimizer``: Megatron-LM's ``--use-distributed-optimizer`` (docs
     ``api-guide/dist_optimizer``): every parameter's optimizer state is split over its
@@ -255,11 +258,6 @@ def megatron(
         raise ValueError(
             f"cp_comm_type={cp_comm_type!r}: expected one of {sorted(k for k in CP_COMM_TYPES if k)} or None "
             "(the solver picks per layer); Megatron-Core's ring form 'p2p' is not expressible yet"
-        )
-    if cp > 1 and ep > 1:
-        raise ValueError(
-            f"megatron(cp={cp}, ep={ep}): context and expert parallelism together are not expressible "
-            "yet; use one of them"
         )
     if dp is None:
         if world % (tp * cp):
@@ -410,7 +408,8 @@ def _context_split_inputs(
     cap: Captured, mesh: tuple[int, ...], axis: dict[str, int], cp: int
 ) -> dict[str, tuple[str, ...]]:
     """The batched inputs' placements under context parallelism: the sequence (dimension 1)
-    split over ``cp``, the batch (dimension 0) over ``dp`` where it divides, whole on ``tp``.
+    split over ``cp``, the batch (dimension 0) over the data-parallel ranks (the ``dp`` and ``ep``
+    axes) where it divides, whole on ``tp``.
     Raises where ``cp`` does not divide an input's sequence."""
     out: dict[str, tuple[str, ...]] = {}
     for n in cap.user_input_nodes():
@@ -425,9 +424,10 @@ def _context_split_inputs(
             )
         spec = ["R"] * len(mesh)
         spec[axis["cp"]] = "S(1)"
-        dp = axis.get("dp")
-        if dp is not None and v.shape[0] % mesh[dp] == 0:
-            spec[dp] = "S(0)"
+        data = [axis[a] for a in ("dp", "ep") if a in axis]  # ep: a group inside the data-parallel one
+        if data and v.shape[0] % math.prod(mesh[a] for a in data) == 0:
+            for a in data:
+                spec[a] = "S(0)"
         out[cap.inputs[n.name]] = tuple(spec)
     return out
 
