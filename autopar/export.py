@@ -136,6 +136,10 @@ def megatron_args(layout: Layout) -> list[str]:
         a.append("--sequence-parallel")
     if layout.ep > 1:
         a += ["--expert-model-parallel-size", str(layout.ep), "--expert-tensor-parallel-size", "1"]
+    if layout.cp > 1:
+        a += ["--context-parallel-size", str(layout.cp)]
+        if layout.cp_comm_type:
+            a += ["--cp-comm-type", *layout.cp_comm_type]
     if layout.layers:
         a += ["--num-layers", str(layout.layers)]
     if layout.seq:
@@ -226,6 +230,13 @@ def to_torchtitan(plan: Plan) -> Export:
             "device in this layout, and its prediction plans it so)"
         )
         layout = dataclasses.replace(layout, offload_optimizer=False)
+    if layout.cp > 1 and set(layout.cp_comm_type) - {"allgather"}:
+        notes.append(
+            "torchtitan's context parallelism is ring attention over the keys and values "
+            "(context_parallel_rotate_method allgather or alltoall), never the heads: autopar's all-to-all "
+            "form (a2a, DeepSpeed Ulysses) is exported as the all-gather form"
+        )
+        layout = dataclasses.replace(layout, cp_comm_type=("allgather",))
     if layout.tp > 1 and not layout.sequence_parallel:
         notes.append(
             "torchtitan's tensor parallelism always splits norms along the sequence (sequence parallel)"
@@ -265,7 +276,7 @@ def to_torchtitan(plan: Plan) -> Export:
             "tensor_parallel_degree": layout.tp,
             "enable_async_tensor_parallel": False,
             "pipeline_parallel_degree": layout.pp,
-            "context_parallel_degree": 1,
+            "context_parallel_degree": layout.cp,
         },
         "activation_checkpoint": {"mode": layout.recompute},
     }
@@ -405,6 +416,18 @@ def to_deepspeed(plan: Plan) -> Export:
     if layout.ep > 1:
         notes.append(
             f"DeepSpeed takes the expert-parallel size in code: deepspeed.moe.layer.MoE(..., ep_size={layout.ep})"
+        )
+    if layout.cp > 1:
+        notes.append(
+            f"DeepSpeed takes the sequence split in code, not in this JSON (DeepSpeed-Ulysses: "
+            f"deepspeed.sequence.layer.DistributedAttention over {layout.cp} ranks, Megatron-DeepSpeed's "
+            f"--ds-sequence-parallel-size {layout.cp}); the batch sizes here count {layout.dp} data-parallel ranks"
+            + (
+                "; Ulysses trades the sequence for heads (a2a), and the plan's all-gather form has no DeepSpeed "
+                "counterpart"
+                if "allgather" in layout.cp_comm_type
+                else ""
+            )
         )
     return Export(engine="deepspeed", text=json.dumps(d, indent=2) + "\n", layout=layout, notes=tuple(notes))
 

@@ -62,7 +62,7 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         else:
             values[key] = items[i]
             i += 1
-            if key == "--recompute-modules":  # a list: every value up to the next flag
+            if key in ("--recompute-modules", "--cp-comm-type"):  # a list: every value up to the next flag
                 while i < len(items) and not items[i].startswith("--"):
                     values[key] += " " + items[i]
                     i += 1
@@ -86,9 +86,24 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         )
     tp = number("--tensor-model-parallel-size", 1)
     pp = number("--pipeline-model-parallel-size", 1)
-    if world % (tp * pp):
-        raise ValueError(f"tp({tp}) × pp({pp}) = {tp * pp} does not divide the world size {world}")
-    dp = world // (tp * pp)
+    cp = number("--context-parallel-size", 1)
+    if world % (tp * pp * cp):
+        sizes = f"tp({tp}) × pp({pp})" + (f" × cp({cp})" if cp > 1 else "")
+        raise ValueError(f"{sizes} = {tp * pp * cp} does not divide the world size {world}")
+    dp = world // (tp * pp * cp)
+    cp_forms = values.get("--cp-comm-type", "p2p").split() if cp > 1 else []
+    unplanned = sorted(set(cp_forms) - {"allgather", "a2a"})
+    if unplanned:
+        raise ValueError(
+            f"--cp-comm-type {' '.join(cp_forms)}: autopar plans context parallelism's allgather and a2a forms, "
+            f"not {', '.join(unplanned)} (Megatron-Core's default is p2p, its ring): give --cp-comm-type allgather "
+            "or a2a"
+        )
+    if len(set(cp_forms)) > 1:
+        raise ValueError(
+            f"--cp-comm-type {' '.join(cp_forms)}: autopar.layouts.megatron holds one form for every layer; give one "
+            "(or plan with autopar.plan, which picks per layer)"
+        )
     virtual = number("--num-virtual-stages-per-pipeline-rank") or number(
         "--virtual-pipeline-model-parallel-size"
     )
@@ -158,6 +173,11 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         "dp": dp,
         "sequence_parallel": "--sequence-parallel" in flags,
         "ep": number("--expert-model-parallel-size", 1),
+        **(
+            {"cp": cp, "cp_comm_type": {"allgather": "all_gather", "a2a": "a2a"}[cp_forms[0]]}
+            if cp > 1
+            else {}
+        ),
         "pp": pp,
         "microbatches": batch // (mbs * dp),
         "schedule": "interleaved" if virtual > 1 else "1f1b",

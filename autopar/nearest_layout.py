@@ -30,6 +30,10 @@ __all__ = ["Layout", "nearest_layout"]
 
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
+_CP_FORMS = {"allgather": "all_gather", "a2a": "a2a"}
+"""Megatron-Core's ``--cp-comm-type`` values autopar plans, as ``layouts.megatron``'s
+``cp_comm_type`` names them (its ring form ``p2p`` and ``a2a+p2p`` are not planned)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
@@ -40,9 +44,16 @@ class Layout:
     tp: int = 1
     """Tensor-parallel size (Megatron-LM's column/row-parallel weights)."""
     dp: int = 1
-    """Data-parallel size: ``world / (tp · pp)``; ``ep`` lies inside it."""
+    """Data-parallel size: ``world / (tp · pp · cp)``; ``ep`` lies inside it."""
     ep: int = 1
     """Expert-parallel size (models with mixture-of-experts layers)."""
+    cp: int = 1
+    """Context-parallel size: each sequence split over ``cp`` ranks (Megatron-Core's
+    ``--context-parallel-size``)."""
+    cp_comm_type: tuple[str, ...] = ()
+    """With ``cp > 1``: Megatron-Core's ``--cp-comm-type`` — ``allgather`` (keys and values
+    gathered, each rank attending with its own queries) or ``a2a`` (sequence traded for heads,
+    DeepSpeed Ulysses) — one for every layer, or one per layer where the plan's layers differ."""
     sequence_parallel: bool = False
     """Normalizations and residual additions split along the sequence on the tensor axis."""
     pp: int = 1
@@ -96,6 +107,17 @@ class Layout:
         knobs = ("tp", "dp", "sequence_parallel", "ep", "pp", "microbatches", "schedule", "virtual",
                  "distributed_optimizer", "recompute", "recompute_num_layers")  # fmt: skip
         out = {k: getattr(self, k) for k in knobs}
+        if self.cp > 1:
+            out["cp"] = self.cp
+            kinds = set(self.cp_comm_type)
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"autopar.layouts.megatron holds one context-parallel form for every layer, not "
+                    f"--cp-comm-type {' '.join(self.cp_comm_type)}: plan the layout with cp_comm_type=None "
+                    f"(the solver picks per layer) or autopar.plan"
+                )
+            if kinds:
+                out["cp_comm_type"] = _CP_FORMS[kinds.pop()]
         if self.offload_optimizer:
             out["offload_optimizer"] = True
         if self.offload_layers:
@@ -111,6 +133,9 @@ class Layout:
     def describe(self) -> str:
         """``tp=2 × dp=4, pp=2 (1f1b, 4 micro-batches of 2), recompute=full``."""
         parts = [f"tp={self.tp} × dp={self.dp}" + (f" (ep={self.ep})" if self.ep > 1 else "")]
+        if self.cp > 1:
+            forms = "/".join(sorted(set(self.cp_comm_type)))
+            parts[0] += f" × cp={self.cp}" + (f" ({forms})" if forms else "")
         if self.sequence_parallel:
             parts.append("sequence parallel")
         sched = self.schedule + (f", v={self.virtual}" if self.virtual > 1 else "")
@@ -268,6 +293,42 @@ def _dtype(plan: Plan) -> str:
     return "fp32" if plan.info.get("param_bytes") == 4 else "bf16"
 
 
+def _cp_comm_types(plan: Plan, notes: list[str]) -> tuple[str, ...]:
+    """Megatron-Core's ``--cp-comm-type`` of each attention op of ``plan`` along its ``cp`` axis,
+    in the order they run: ``allgather`` where the queries' sequence is split there (the keys and
+    values gathered), ``a2a`` where the heads are (``autopar.rules.attention``). One value where
+    every layer agrees."""
+    axis = plan.mesh_axes.index("cp")
+    forms = []
+    for n in plan.nodes:
+        if n.kind != "op" or n.op not in _ATTENTION_OPS or not n.inputs or not n.shape:
+            continue
+        q = n.inputs[0][axis]
+        rank = len(n.shape)
+        if q == f"S({rank - 2})" or q.startswith(f"S({rank - 2})x"):
+            forms.append("allgather")
+        elif q == f"S({rank - 3})" or q.startswith(f"S({rank - 3})x"):
+            forms.append("a2a")
+        else:
+            notes.append(
+                f"{n.name} runs {q} along cp (its sequences, not its tokens, split there); the layout "
+                "splits every sequence over cp"
+            )
+    if len(set(forms)) == 1:
+        return (forms[0],)
+    return tuple(forms)
+
+
+_ATTENTION_OPS = frozenset(
+    {
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    }
+)
+
+
 def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
     """The Megatron-style layout nearest ``plan`` (module docstring), and notes on what the plan
     does that no such layout expresses."""
@@ -276,9 +337,10 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
     pipe = plan.pipeline
     pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
     schedule, virtual = (pipe.schedule, pipe.virtual) if pipe is not None else ("1f1b", 1)
-    tp, ep = _axis_sizes(plan, "tp"), _axis_sizes(plan, "ep")
+    tp, ep, cp = _axis_sizes(plan, "tp"), _axis_sizes(plan, "ep"), _axis_sizes(plan, "cp")
     world = plan.world_size
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
+    cp_comm = _cp_comm_types(plan, notes) if cp > 1 else ()
     others = [f"{name}={n}" for name, n in zip(plan.mesh_axes, plan.mesh_shape)
               if n > 1 and name.startswith(("sp", "rep"))]  # fmt: skip
     if others:
@@ -320,7 +382,8 @@ def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:
     recompute, modules = _recompute_modules(plan, notes)
     layout = Layout(
         nodes=int(cluster.get("nodes", 1)), gpus_per_node=int(cluster.get("gpus_per_node", world)),
-        tp=tp, dp=dp, ep=ep, sequence_parallel=_sequence_parallel(plan), pp=pp, microbatches=m,
+        tp=tp, dp=dp, ep=ep, cp=cp, cp_comm_type=cp_comm, sequence_parallel=_sequence_parallel(plan), pp=pp,
+        microbatches=m,
         schedule=schedule, virtual=virtual, recompute=recompute, recompute_modules=modules,
         recompute_num_layers=_recompute_num_layers(plan, notes), distributed_optimizer=zero_stage > 0,
         zero_stage=zero_stage, batch=batch, seq=seq, layers=layers, dtype=_dtype(plan),

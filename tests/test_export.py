@@ -53,6 +53,7 @@ def plans(workload) -> dict[str, autopar.Plan]:
         "pp2": _megatron(workload, tp=2, pp=2, microbatches=4, recompute="full"),
         "offload": _megatron(workload, tp=2, distributed_optimizer=True, offload_optimizer=True),
         "activations": _megatron(workload, tp=2, offload_activations=2),
+        "cp2": _megatron(workload, tp=2, cp=2, cp_comm_type="all_gather", sequence_parallel=True),
     }
 
 
@@ -73,7 +74,7 @@ def test_nearest_layout_reads_the_plans_knobs(plans):
     assert (pp2.schedule, pp2.virtual, pp2.recompute, pp2.sequence_parallel) == ("1f1b", 1, "full", False)
 
 
-@pytest.mark.parametrize("name", ["auto", "tp2", "pp2", "offload", "activations"])
+@pytest.mark.parametrize("name", ["auto", "tp2", "pp2", "offload", "activations", "cp2"])
 def test_megatron_arguments_round_trip_to_the_same_plan(plans, workload, name):
     plan = plans[name]
     ex = to_megatron(plan)
@@ -289,3 +290,40 @@ def test_per_activation_recomputation_exports_as_megatron_core_modules(plans):
     assert parse_megatron_args(attention_only.text)["recompute"] == "selective"
     nothing = to_megatron(recomputing("linear"))
     assert "--recompute-granularity" not in nothing.text and nothing.layout.recompute == "none"
+
+
+def test_context_parallelism_exports_its_size_and_form(plans, workload):
+    """A ``cp`` axis is context parallelism in every engine, not more data parallelism: Megatron-Core's
+    ``--context-parallel-size`` with the plan's ``--cp-comm-type`` (per layer where layers differ),
+    torchtitan's ``context_parallel_degree``, a note for DeepSpeed; forms autopar does not plan are
+    refused when parsed."""
+    import tomllib
+
+    plan = plans["cp2"]
+    layout, notes = nearest_layout(plan)
+    assert (layout.tp, layout.cp, layout.dp, layout.cp_comm_type) == (2, 2, 2, ("allgather",)), notes
+    assert "× cp=2 (allgather)" in layout.describe()
+    text = to_megatron(plan).text
+    assert "--context-parallel-size 2" in text and "--cp-comm-type allgather" in text
+    knobs = parse_megatron_args(text)
+    assert knobs["cp"] == 2 and knobs["dp"] == 2 and knobs["cp_comm_type"] == "all_gather"
+    titan = tomllib.loads(to_torchtitan(plan).text)
+    assert titan["parallelism"]["context_parallel_degree"] == 2
+    assert any("DeepSpeed-Ulysses" in n for n in to_deepspeed(plan).notes)
+    # the all-to-all form: torchtitan has none (noted), Megatron-Core's a2a
+    a2a = _megatron(workload, tp=1, cp=2, cp_comm_type="a2a")
+    assert "--cp-comm-type a2a" in to_megatron(a2a).text
+    assert any("exported as the all-gather form" in n for n in to_torchtitan(a2a).notes)
+    # one form per layer where the layers differ; layouts.megatron cannot hold that
+    mixed = dataclasses.replace(layout, cp_comm_type=("allgather", "a2a", "allgather", "a2a"))
+    with pytest.raises(ValueError, match="one context-parallel form for every layer"):
+        mixed.megatron_knobs()
+    base = "--nnodes 1 --nproc-per-node 8 --tensor-model-parallel-size 2 --context-parallel-size 2"
+    with pytest.raises(ValueError, match=r"not p2p .*default is p2p"):
+        parse_megatron_args(base)
+    with pytest.raises(ValueError, match="holds one form for every layer"):
+        parse_megatron_args(base + " --cp-comm-type a2a allgather")
+    with pytest.raises(ValueError, match=r"tp\(2\) × pp\(1\) × cp\(3\) = 6 does not divide the world size 8"):
+        parse_megatron_args(
+            "--nnodes 1 --nproc-per-node 8 --tensor-model-parallel-size 2 --context-parallel-size 3"
+        )
