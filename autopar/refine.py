@@ -20,7 +20,9 @@ so a second look wins only where it plays faster.
   activations of every repeated layer but the last on the host (``autopar.cost.offload``), on the
   meshes memory bound where that ``(pp, m)`` was solved keeping every activation
   (``planner.bound_meshes``; offload only frees memory), a mesh whose activation copies alone
-  outlast the best step pruned before it is formulated (``planner.activation_copy_floor``). The
+  outlast the best step pruned before it is formulated (``planner.activation_copy_floor``), and
+  the optimizer kind's compute path held to the best step less the host's step, which follows
+  the last backward (``host_step_floor``: an even share of the parameters). The
   bytes freed may hold the activations instead, trading the recomputed forward for the host's
   step or the copies the compute does not hide; kept where faster and where the node's host
   memory holds what is offloaded.
@@ -28,8 +30,12 @@ so a second look wins only where it plays faster.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+from autopar.cluster import Cluster
+from autopar.cost.offload import offload_step_time
+from autopar.cost.optimizer import plan_settings
 from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
@@ -48,6 +54,7 @@ __all__ = [
     "compressed",
     "compression_methods",
     "fewer_layers",
+    "host_step_floor",
     "offloaded",
     "per_activation",
 ]
@@ -134,6 +141,19 @@ def _kept(search: PipelineSearch, pp: int, m: int) -> Plan | None:
         ):
             same.append(c)
     return min(same, key=lambda c: c.step_time).plan if same else None
+
+
+def host_step_floor(plan: Plan, cluster: Cluster) -> float:
+    """Seconds the host's optimizer step takes at least on the busiest device
+    (``autopar.cost.offload.offload_step_time``): its shard holds at least an even share of the
+    model's parameter elements, whatever the layout."""
+    if cluster.host is None:
+        return 0.0
+    numel = sum(math.prod(n.shape) for n in plan.nodes if n.kind == "param" and n.shape)
+    pbytes = int(plan.info.get("param_bytes", 4))
+    settings = plan_settings(plan.info.get("optimizer", "adamw"), pbytes)
+    share = numel / cluster.world_size
+    return offload_step_time(share, 0, pbytes, cluster.host, cluster.gpus_per_node, settings).total
 
 
 def per_activation(search: PipelineSearch) -> None:
@@ -342,10 +362,16 @@ def offloaded(search: PipelineSearch) -> None:
         record = {"pp": pp, "microbatches": m, **knobs}
         if meshes is not None:
             record["meshes"] = [list(x) for x in meshes]
+        # the host's step follows the last backward: the compute path has the rest of the best step
+        host = host_step_floor(plan, search.cluster) if knobs.get("offload_optimizer") else 0.0
+        if host >= search.best():
+            why = f"the host's optimizer step alone takes at least {host * 1e3:.1f} ms, over the best step"
+            search.tried.append({**record, "failed": why})
+            continue
         try:
             # its compute path bounded by the best step (a rank is busy at least m/pp of it)
             spmd = plan_captured(
-                cap, sub, kept, score=score, fewer_layers=False, path_cutoff=search.best() * pp / m
+                cap, sub, kept, score=score, fewer_layers=False, path_cutoff=(search.best() - host) * pp / m
             )
         except (InfeasibleError, NotBetter) as e:
             search.tried.append({**record, "failed": str(e)[:200]})

@@ -106,6 +106,10 @@ def test_the_search_offloads_only_where_nothing_fits_without_it():
     host = offload_step_time(numel, tensors, 4, cluster.host, 2, plan_settings("adamw", 4))
     assert simulate(on, cluster).optimizer_time == pytest.approx(host.total)
     assert optimizer_time(on, cluster) == pytest.approx(host.total)
+    # the search's floor for an offloading candidate (``refine.host_step_floor``): an even share
+    from autopar.refine import host_step_floor
+
+    assert 0 < host_step_floor(off, cluster) <= host.total * (1 + 1e-9)
     assert on.info["offload"]["host_bytes_per_device"] == pytest.approx(numel * 16)
     assert Plan.from_dict(on.to_dict()).offload_optimizer
 
