@@ -58,6 +58,7 @@ __all__ = [
     "TensorArg",
     "attention_efficiency",
     "causal_fraction",
+    "causal_share",
     "einsum_gemm_dims",
     "einsum_subscripts",
     "gemm_efficiency",
@@ -244,18 +245,31 @@ def causal_fraction(s_q: int, s_k: int) -> float:
     return kept / (s_q * s_k)
 
 
+def causal_share(seq: int, pieces: Sequence[tuple[int, int]]) -> float:
+    """Fraction of the (query, key) pairs of one device's query rows — the global position ranges
+    ``pieces`` of a causal attention over ``seq`` keys — that the mask keeps, each piece run
+    against the keys up to its last position (``autopar.program.local_ops.causal_query_attention``:
+    query ``i`` sees keys ``0..i``, the kernel skipping what it masks)."""
+    rows = sum(hi - lo for lo, hi in pieces)
+    if rows <= 0 or seq <= 0:
+        return 0.0
+    kept = sum((hi * (hi + 1) - lo * (lo + 1)) / 2 for lo, hi in pieces)
+    return kept / (rows * seq)
+
+
 def op_flops(
     op: str,
     in_shapes: Sequence[Sequence[int]],
     out_shape: Sequence[int],
     groups: int = 1,
     *,
-    causal: bool = False,
+    causal: bool | float = False,
 ) -> tuple[float, str]:
     """Forward FLOPs of aten op ``op`` (packet name) and its family (a ``BACKWARD_FLOP_RATIO`` key).
 
     ``in_shapes`` lists the op's tensor arguments in call order; ``causal``: attention under a
-    causal mask (the kernel skips the masked half).
+    causal mask (the kernel skips the masked half), or the fraction of (query, key) pairs the mask
+    keeps where the caller knows it (a device's share of the queries: ``causal_share``).
     """
     out_numel = float(math.prod(out_shape)) if out_shape else 1.0
     family = op_info(op).family
@@ -267,6 +281,8 @@ def op_flops(
         q, k, v = in_shapes[0], in_shapes[1], in_shapes[2]
         batch = math.prod(q[:-2])
         flops = 2.0 * batch * q[-2] * k[-2] * (q[-1] + v[-1])
+        if isinstance(causal, float):
+            return flops * causal, "attention"
         return flops * (causal_fraction(q[-2], k[-2]) if causal else 1.0), "attention"
     if family is OpFamily.CONV and len(in_shapes) > 1:
         w = in_shapes[1]
@@ -442,7 +458,7 @@ def op_kernels(
     *,
     requires_grad: bool,
     alias: bool = False,
-    causal: bool = False,
+    causal: bool | float = False,
     masked: bool = False,
     groups: int = 1,
     grad_contributions: int = 1,
@@ -455,7 +471,8 @@ def op_kernels(
     ``outs``: tensor results. ``requires_grad``: a gradient flows into the op's output (so its
     backward runs). ``alias``: the output shares its input's memory (a view, a cast to the same
     dtype, ``contiguous`` of a contiguous tensor): no kernel. ``causal``/``masked``: attention under
-    a causal mask / under another explicit mask (read by the kernel, no skipping).
+    a causal mask (or the fraction of pairs it keeps, ``op_flops``) / under another explicit mask
+    (read by the kernel, no skipping).
     ``grad_contributions``: how many consumers send this op's output a gradient; autograd adds them
     (one addition kernel per extra contribution). ``tf32``: float32 matmuls run on the TF32 tensor
     cores (``torch.get_float32_matmul_precision()`` "high" or "medium"); float32 convolutions always
@@ -504,7 +521,7 @@ def op_kernels(
         mask = ins[3].nbytes if masked and len(ins) > 3 else 0.0
         s_k, d = kk.shape[-2], q.shape[-1]
         fwd.append(
-            Kernel(KernelKind.ATTENTION, io + mask, flops, q.dtype, seq=s_k, head_dim=d, causal=causal)
+            Kernel(KernelKind.ATTENTION, io + mask, flops, q.dtype, seq=s_k, head_dim=d, causal=bool(causal))
         )
         if requires_grad:
             ratio = BACKWARD_FLOP_RATIO["attention"]
@@ -517,7 +534,7 @@ def op_kernels(
                     q.dtype,
                     seq=s_k,
                     head_dim=d,
-                    causal=causal,
+                    causal=bool(causal),
                     backward=True,
                 )
             )

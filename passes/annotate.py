@@ -458,7 +458,7 @@ def node_kernels(
     fused: bool = False,
     tf32: bool = False,
     compiled: bool = False,
-    causal: bool | None = None,
+    causal: bool | float | None = None,
 ) -> OpKernels:
     """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
     global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
@@ -467,7 +467,7 @@ def node_kernels(
     ``tf32``: float32 matmuls on TF32 tensor cores (``PlanConfig.matmul_tf32``). ``compiled``: a
     member of a chain (``autopar.passes.chains``) runs its share of the chain's generated kernel
     (``autopar.cost.compiled``). ``causal``: whether attention's kernel skips the causally masked
-    pairs, where the strategy decides it (one splitting the queries runs dense:
+    pairs, or the fraction of them it keeps, where the strategy decides it (a query shard:
     ``autopar.passes.strategies``); default the op's own mask."""
     if node.op != "call_function":
         return OpKernels()

@@ -34,7 +34,7 @@ from dataclasses import replace
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.cost.compute import TensorArg, itemsize, kernel_time, memory_time
+from autopar.cost.compute import TensorArg, causal_share, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
 from autopar.cost.offload import ACTIVATION_WINDOW, host_of, offload_step_time
@@ -47,7 +47,7 @@ from autopar.passes.chain_records import CHAIN, compile_assumed
 from autopar.passes.formulate import parse_fixed, spec_matches
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.passes.recompute_ops import recompute_candidate, recompute_twins
-from autopar.placement import Partial, Shard, Spec, divides, local_shape
+from autopar.placement import Partial, Shard, Spec, divides, local_shape, shard_slices
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
 
@@ -96,6 +96,8 @@ def _combine(
     out_shapes = [tuple(o.shape) for o in outs]
     result = []
     for combo in itertools.product(*axis_lists):
+        if any(c.rewrite is Rewrite.CAUSAL_QUERIES and n == 1 for c, n in zip(combo, mesh_shape)):
+            continue  # a query split over one device: the op itself, lowered for nothing
         in_specs = tuple(
             None if combo[0].inputs[j] is None else tuple(c.inputs[j] for c in combo) for j in range(len(ins))
         )
@@ -152,17 +154,37 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> float:
     return float(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
 
 
-def _splits_queries(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool:
+def _query_share(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool | float | None:
     """Attention whose queries' sequence this strategy splits over devices (context
-    parallelism's all-gather form). Its causal mask — ``is_causal`` aligned by the local op
-    (``Rewrite.CAUSAL_QUERIES``), or a triangle mask split with the queries — runs dense on each
-    device: the device holding the last queries attends to every key, none skipped, so the
-    causal kernel's halving (and the top-left-aligned fraction of a short query block against
-    long keys, which would price it near nothing) does not apply."""
+    parallelism's all-gather form): what its mask costs on the busiest device; ``None`` where
+    the strategy splits no queries (the op's own mask). A causal op (``is_causal``, aligned by the
+    local op, ``Rewrite.CAUSAL_QUERIES``) runs each of the device's query pieces against the keys
+    up to it, the kernel skipping the masked pairs: the busiest device keeps the largest share of
+    its pairs (``cost.compute.causal_share``) — nearly all of them for the last contiguous chunk,
+    about half where the queries are split in blocks (``Shard(d, blocks=k)``, striped attention:
+    each device holds one piece of every block). An explicit mask split with the queries is read
+    by the kernel, nothing skipped: dense (``False``)."""
     if op_family(node) is not OpFamily.ATTENTION or not s.inputs or s.inputs[0] is None:
+        return None
+    q = node.args[0].meta["val"]
+    seq = q.dim() - 2
+    axes = [
+        a
+        for a, (p, n) in enumerate(zip(s.inputs[0], mesh))
+        if isinstance(p, Shard) and p.dim == seq and n > 1
+    ]
+    if not axes:
+        return None
+    if Rewrite.CAUSAL_QUERIES not in s.rewrites:
         return False
-    seq = node.args[0].meta["val"].dim() - 2
-    return any(isinstance(p, Shard) and p.dim == seq and n > 1 for p, n in zip(s.inputs[0], mesh))
+    shape, keys = tuple(q.shape), int(node.args[1].meta["val"].shape[-2])
+    share = 0.0
+    for coords in itertools.product(*(range(mesh[a]) for a in axes)):
+        coord = [0] * len(mesh)
+        for a, c in zip(axes, coords):
+            coord[a] = c
+        share = max(share, causal_share(keys, shard_slices(shape, s.inputs[0], mesh, coord)[seq]))
+    return share
 
 
 def _cost_strategy(
@@ -250,9 +272,14 @@ def _cost_strategy(
     ]
     fused = fusion_assumed(ctx)
     compiled = compile_assumed(ctx)
-    dense = False if _splits_queries(node, s, mesh) else None
     ks = node_kernels(
-        node, args, local_outs, fused=fused, tf32=ctx.config.matmul_tf32, compiled=compiled, causal=dense
+        node,
+        args,
+        local_outs,
+        fused=fused,
+        tf32=ctx.config.matmul_tf32,
+        compiled=compiled,
+        causal=_query_share(node, s, mesh),
     )
     dev = ctx.cluster.device
     fwd = sum(kernel_time(k, dev) for k in ks.fwd)

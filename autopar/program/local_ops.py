@@ -12,7 +12,7 @@
 * ``causal_query_attention`` — causal attention of this device's query rows against the whole
   keys and values (context parallelism's all-gather form, Megatron-Core's
   ``cp_comm_type="all_gather"``): query row ``i`` at global position ``pos[i]`` sees keys
-  ``0..pos[i]``; keys after the last query's position are not read.
+  ``0..pos[i]``; each run of the device's rows is one causal kernel over the keys up to it.
 """
 
 from __future__ import annotations
@@ -65,14 +65,36 @@ def causal_query_attention(
 ) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=True)`` restricted to the query rows this
     device holds: ``pieces`` are their global ``(start, stop)`` ranges, concatenated in order
-    (``autopar.placement.shard_slices``); ``k`` and ``v`` are whole."""
-    pos = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in pieces])
-    keys = max(hi for _, hi in pieces)
-    k, v = k[..., :keys, :], v[..., :keys, :]
-    mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
-    )
+    (``autopar.placement.shard_slices``); ``k`` and ``v`` are whole. Each run of adjacent pieces
+    attends to the keys up to its last position under a causal mask aligned to the bottom right
+    (``torch.nn.attention.bias.causal_lower_right``), so the kernel skips the masked pairs as a
+    causal kernel does (``autopar.cost.compute.causal_share``)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    runs: list[list[int]] = []
+    for lo, hi in pieces:
+        if hi <= lo:
+            continue
+        if runs and runs[-1][1] == lo:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi])
+    outs, at = [], 0
+    for lo, hi in runs:
+        rows = hi - lo
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[..., at : at + rows, :],
+                k[..., :hi, :],
+                v[..., :hi, :],
+                attn_mask=causal_lower_right(rows, hi),
+                dropout_p=dropout_p,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+        )
+        at += rows
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 class _VocabParallelCE(torch.autograd.Function):

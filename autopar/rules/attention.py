@@ -5,7 +5,16 @@ sequence with the keys and values whole (context parallelism's all-gather form, 
 ``cp_comm_type="all_gather"``: the keys and values are all-gathered along the axis before it and
 their gradients reduce-scattered after). Under ``is_causal`` the local op must align the mask to
 the queries' global positions (``Rewrite.CAUSAL_QUERIES``); an explicit mask is split with the
-queries."""
+queries.
+
+**Striped queries.** Split in contiguous chunks, causal attention is unbalanced: the device with
+the last queries attends to every key, the first to almost none, and the step waits for the
+busiest. Under ``is_causal`` the queries may also be split in ``QUERY_BLOCKS`` blocks, each device
+holding one piece of each (``Shard(d, blocks=k)``): every device then holds early and late
+positions alike, as Megatron-Core's load-balanced chunks (a sequence cut in ``2 · cp`` chunks,
+device ``i`` holding chunks ``i`` and ``2 · cp − 1 − i``) and striped attention (Brandon et al.,
+arXiv 2311.09431) balance it. The solver weighs the balance against the reshards into and out of
+that layout (``autopar.passes.strategies``: the busiest device's causal share)."""
 
 from __future__ import annotations
 
@@ -15,6 +24,12 @@ from autopar.graph import tensor_outputs
 from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard
 from autopar.rules.base import AxisStrategy, R, arg, aten, register, shape_of
+
+QUERY_BLOCKS = 8
+"""Blocks of the striped query split (module docstring): the busiest device's share of the causal
+work is about ``(k + 1) / (2k)`` of its dense pairs against ``(2n − 1) / (2n)`` for the last of ``n``
+contiguous chunks; each piece stays long enough for the kernel's tiles to skip the masked ones
+(a sequence of 8192 over 8 devices: pieces of 128 tokens)."""
 
 
 @register(
@@ -28,7 +43,9 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     rank = len(shape_of(q))
     outs = tensor_outputs(node)
 
-    def for_dim(d: int, seq_q: bool = False, rewrite: Rewrite = Rewrite.NONE) -> AxisStrategy | None:
+    def for_dim(
+        d: int, seq_q: bool = False, rewrite: Rewrite = Rewrite.NONE, blocks: int = 1
+    ) -> AxisStrategy | None:
         ps = []
         for i in ins:
             sh = shape_of(i)
@@ -37,10 +54,13 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
                 ps.append(R)
                 continue
             dd = d + off
-            ps.append(Shard(dd) if 0 <= dd < len(sh) and sh[dd] > 1 else R)
+            ps.append(Shard(dd, blocks) if 0 <= dd < len(sh) and sh[dd] > 1 else R)
         if any(i in (q, k, v) and isinstance(p, Replicate) and not seq_q for i, p in zip(ins, ps)):
             return None
-        o = tuple(Shard(d) if len(x.shape) == rank else (Shard(d) if d < x.dim() else R) for x in outs)
+        o = tuple(
+            Shard(d, blocks) if len(x.shape) == rank else (Shard(d, blocks) if d < x.dim() else R)
+            for x in outs
+        )
         return AxisStrategy(tuple(ps), o, rewrite)
 
     out = []
@@ -57,4 +77,10 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         s = for_dim(rank - 2, seq_q=True, rewrite=Rewrite.CAUSAL_QUERIES if causal else Rewrite.NONE)
         if s is not None:
             out.append(s)
+        # The causal work balanced: the queries in QUERY_BLOCKS blocks, each device one piece of
+        # each (module docstring: striped queries).
+        if causal and shape_of(q)[rank - 2] % QUERY_BLOCKS == 0:
+            s = for_dim(rank - 2, seq_q=True, rewrite=Rewrite.CAUSAL_QUERIES, blocks=QUERY_BLOCKS)
+            if s is not None:
+                out.append(s)
     return out
