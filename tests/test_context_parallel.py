@@ -15,7 +15,7 @@ import torch
 
 import autopar
 from autopar.placement import Replicate, Shard, parse_spec
-from autopar.program.local_ops import causal_query_attention
+from autopar.program.local_ops import _masked_query_attention, causal_query_attention
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar. no sharding rule")
@@ -79,6 +79,9 @@ def test_causal_query_attention_gives_the_rows_of_whole_causal_attention(pieces:
     rows = torch.cat([torch.arange(lo, hi) for lo, hi in pieces])
     got = causal_query_attention(q[:, :, rows], k, v, pieces)
     torch.testing.assert_close(got, whole[:, :, rows])
+    # the form fake tensors and traced programs run: one explicit mask
+    masked = _masked_query_attention(q[:, :, rows], k, v, pieces, 0.0, None, False)
+    torch.testing.assert_close(masked, whole[:, :, rows])
 
 
 # --------------------------------------------------------------------------------------- plans

@@ -69,8 +69,11 @@ def causal_query_attention(
     attends to the keys up to its last position under a causal mask aligned to the bottom right
     (``torch.nn.attention.bias.causal_lower_right``), so the kernel skips the masked pairs as a
     causal kernel does (``autopar.cost.compute.causal_share``)."""
+    from torch._subclasses.fake_tensor import is_fake
     from torch.nn.attention.bias import causal_lower_right
 
+    if is_fake(q) or torch.compiler.is_compiling():  # no tensor subclass there: the same values, masked
+        return _masked_query_attention(q, k, v, pieces, dropout_p, scale, enable_gqa)
     runs: list[list[int]] = []
     for lo, hi in pieces:
         if hi <= lo:
@@ -95,6 +98,32 @@ def causal_query_attention(
         )
         at += rows
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def _masked_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: Sequence[tuple[int, int]],
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """``causal_query_attention`` with one explicit mask over the keys up to the last row (the
+    kernel reads it, nothing skipped): where a tensor subclass cannot be made (fake tensors, a
+    traced program)."""
+    pos = torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in pieces])
+    keys = max(hi for _, hi in pieces)
+    mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k[..., :keys, :],
+        v[..., :keys, :],
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 class _VocabParallelCE(torch.autograd.Function):
