@@ -157,7 +157,8 @@ def fan_out_worker(rank: int, world: int, plan: autopar.Plan) -> dict[str, int]:
     H.quiet()
     torch.manual_seed(0)
     model, inputs = llama(layers=1, hidden=64, heads=4, kv_heads=2, vocab_size=64), lm_batch(2, 64, 64)
-    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    # the step's collectives only: returning the logits whole is the caller's gather, not the plan's
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan, gather_outputs=False)
     before = Counter(pm.axes[0].counts)
     pm(**inputs).loss.backward()
     counts = Counter(pm.axes[0].counts)
