@@ -10,8 +10,12 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["parse_megatron_args"]
+__all__ = ["CP_FORMS", "parse_megatron_args"]
 
+
+CP_FORMS = {"allgather": "all_gather", "a2a": "a2a"}
+"""Megatron-Core's ``--cp-comm-type`` values autopar plans, as ``layouts.megatron``'s
+``cp_comm_type`` names them (its ring forms ``p2p`` and ``a2a+p2p`` are not planned)."""
 
 _MEGATRON_FLAGS = {
     "--sequence-parallel",
@@ -92,7 +96,7 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         raise ValueError(f"{sizes} = {tp * pp * cp} does not divide the world size {world}")
     dp = world // (tp * pp * cp)
     cp_forms = values.get("--cp-comm-type", "p2p").split() if cp > 1 else []
-    unplanned = sorted(set(cp_forms) - {"allgather", "a2a"})
+    unplanned = sorted(set(cp_forms) - set(CP_FORMS))
     if unplanned:
         raise ValueError(
             f"--cp-comm-type {' '.join(cp_forms)}: autopar plans context parallelism's allgather and a2a forms, "
@@ -173,11 +177,7 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
         "dp": dp,
         "sequence_parallel": "--sequence-parallel" in flags,
         "ep": number("--expert-model-parallel-size", 1),
-        **(
-            {"cp": cp, "cp_comm_type": {"allgather": "all_gather", "a2a": "a2a"}[cp_forms[0]]}
-            if cp > 1
-            else {}
-        ),
+        **({"cp": cp, "cp_comm_type": CP_FORMS[cp_forms[0]]} if cp > 1 else {}),
         "pp": pp,
         "microbatches": batch // (mbs * dp),
         "schedule": "interleaved" if virtual > 1 else "1f1b",

@@ -23,16 +23,14 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.graph import outer_instance
+from autopar.graph import OpFamily, op_info, outer_instance
+from autopar.megatron_parse import CP_FORMS
+from autopar.placement import Shard, parse_spec
 from autopar.planfile import Plan
 
 __all__ = ["Layout", "nearest_layout"]
 
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-_CP_FORMS = {"allgather": "all_gather", "a2a": "a2a"}
-"""Megatron-Core's ``--cp-comm-type`` values autopar plans, as ``layouts.megatron``'s
-``cp_comm_type`` names them (its ring form ``p2p`` and ``a2a+p2p`` are not planned)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +115,7 @@ class Layout:
                     f"(the solver picks per layer) or autopar.plan"
                 )
             if kinds:
-                out["cp_comm_type"] = _CP_FORMS[kinds.pop()]
+                out["cp_comm_type"] = CP_FORMS[kinds.pop()]
         if self.offload_optimizer:
             out["offload_optimizer"] = True
         if self.offload_layers:
@@ -296,19 +294,17 @@ def _dtype(plan: Plan) -> str:
 def _cp_comm_types(plan: Plan, notes: list[str]) -> tuple[str, ...]:
     """Megatron-Core's ``--cp-comm-type`` of each attention op of ``plan`` along its ``cp`` axis,
     in the order they run: ``allgather`` where the queries' sequence is split there (the keys and
-    values gathered), ``a2a`` where the heads are (``autopar.rules.attention``). One value where
-    every layer agrees."""
+    values gathered, in blocks or not), ``a2a`` where the heads are (``autopar.rules.attention``).
+    One value where every layer agrees."""
     axis = plan.mesh_axes.index("cp")
     forms = []
     for n in plan.nodes:
-        if n.kind != "op" or n.op not in _ATTENTION_OPS or not n.inputs or not n.shape:
+        if n.kind != "op" or op_info(n.op).family is not OpFamily.ATTENTION or not n.inputs or not n.shape:
             continue
-        q = n.inputs[0][axis]
-        rank = len(n.shape)
-        if q == f"S({rank - 2})" or q.startswith(f"S({rank - 2})x"):
-            forms.append("allgather")
-        elif q == f"S({rank - 3})" or q.startswith(f"S({rank - 3})x"):
-            forms.append("a2a")
+        q = parse_spec(n.inputs[0])[axis]
+        seq = len(n.shape) - 2
+        if isinstance(q, Shard) and q.dim in (seq, seq - 1):
+            forms.append("allgather" if q.dim == seq else "a2a")
         else:
             notes.append(
                 f"{n.name} runs {q} along cp (its sequences, not its tokens, split there); the layout "
@@ -317,16 +313,6 @@ def _cp_comm_types(plan: Plan, notes: list[str]) -> tuple[str, ...]:
     if len(set(forms)) == 1:
         return (forms[0],)
     return tuple(forms)
-
-
-_ATTENTION_OPS = frozenset(
-    {
-        "scaled_dot_product_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    }
-)
 
 
 def nearest_layout(plan: Plan) -> tuple[Layout, list[str]]:

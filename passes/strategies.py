@@ -507,10 +507,11 @@ def annotate_strategies(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     strategies[:1],
                     sorted(strategies[1:], key=lambda s: s.compute_time + s.comm_time),
                 )
-                held = [
-                    s for s in rest if want is not None and s.outputs and spec_matches(s.outputs[0], want)
+                holds = [
+                    want is not None and bool(s.outputs) and spec_matches(s.outputs[0], want) for s in rest
                 ]
-                rest = [s for s in rest if not any(s is h for h in held)]
+                held = [s for s, h in zip(rest, holds) if h]
+                rest = [s for s, h in zip(rest, holds) if not h]
                 strategies = head + held + rest[: max(0, ctx.config.max_strategies - 1 - len(held))]
             if twins:
                 strategies = recompute_twins(node, strategies)
