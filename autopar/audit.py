@@ -42,8 +42,9 @@ Words:
   (Rajbhandari et al. 2020, arXiv 1910.02054, §7) move the same ring volume
   (``autopar.cost.comm``: an all-reduce is a reduce-scatter plus an all-gather) but show as two
   buffers, so they read up to 2× (ZeRO-3, gathering again in backward, 3×). The bound's time is
-  its ring volume at the axis's bus bandwidth with no latency
-  (``autopar.cost.comm.group_all_reduce_cost`` and ``group_reduce_scatter_cost``).
+  its ring volume at the axis's bus bandwidth with no latency, the gradients' all-reduce in two
+  levels where that is faster (``autopar.cost.comm.gradient_all_reduce_cost`` and
+  ``group_reduce_scatter_cost``).
 * **MFU** — model FLOPs utilisation: the model's FLOPs per step over ``step_time × peak × devices``
   (Chowdhery et al. 2022, PaLM, arXiv 2204.02311, App. B). Model FLOPs are summed from the plan's
   nodes: ``2·m·n·k`` per matmul (``linear``, ``mm``, ``bmm``, ``matmul``, ``addmm``,

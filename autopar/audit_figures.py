@@ -112,7 +112,7 @@ def replicated_work(
                     if i in by_name and by_name[i].kind == "param" and (i, a) not in synced
                 ]
                 added = sum(
-                    comm.group_all_reduce_cost(
+                    comm.gradient_all_reduce_cost(
                         _local_numel(p.shape, p.outputs[0], plan.mesh_shape, a) * itemsize, groups[a]
                     )
                     for p in unreduced
@@ -216,14 +216,14 @@ def axis_groups(plan: Plan) -> list[Any] | None:
 
 
 def _bound_times(groups: list[Any] | None, grads: list[float], partial: list[float]) -> list[float]:
-    """Seconds of the bound per axis: ring all-reduce of the gradients, reduce-scatter of the
-    partial sums, bandwidth only (``autopar.cost.comm``)."""
+    """Seconds of the bound per axis: all-reduce of the gradients (one ring, or two levels where
+    that is faster), reduce-scatter of the partial sums, bandwidth only (``autopar.cost.comm``)."""
     if groups is None:
         return [0.0] * len(grads)
     from autopar.cost import comm
 
     return [
-        comm.group_all_reduce_cost(grads[a], g) + comm.group_reduce_scatter_cost(partial[a], g)
+        comm.gradient_all_reduce_cost(grads[a], g) + comm.group_reduce_scatter_cost(partial[a], g)
         for a, g in enumerate(groups)
     ]
 

@@ -84,6 +84,10 @@ class Cluster:
     """Communication runs beside compute (GPUs: copy engines and NICs of their own); False where it
     takes the compute's own cores — CPU processes filling the machine, gloo's threads and the
     compute sharing them — so the simulator charges a gradient reduction on the compute's time."""
+    two_level: bool = True
+    """A gradient all-reduce over several nodes may run in two levels — on each node, across the
+    nodes, on each node — where that is faster than one collective
+    (``autopar.cost.comm.two_level_pays``; ``Plan.two_level``). False: always one collective."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form provenance (e.g. how a local profile was measured)."""
     node_groups: tuple[NodeGroup, ...] = ()
@@ -496,6 +500,18 @@ class Cluster:
                 worst = span
         return worst
 
+    def even_span(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> bool:
+        """Whether every group of mesh axes ``axes`` has the same number of members on each node it
+        spans (a two-level collective, ``autopar.cost.comm.two_level_all_reduce_cost``, splits
+        each group into one group per node and one group per member's place on its node)."""
+        for devices in _device_groups(mesh_shape, axes):
+            per_node: dict[int, int] = {}
+            for d in devices:
+                per_node[d // self.gpus_per_node] = per_node.get(d // self.gpus_per_node, 0) + 1
+            if len(set(per_node.values())) > 1:
+                return False
+        return True
+
     def racks_spanned(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
         """The most racks any group of mesh axes ``axes`` spans (``nodes_per_rack``; 1 without)."""
         if self.nodes_per_rack is None or not axes:
@@ -559,6 +575,7 @@ class Cluster:
             "spine_oversubscription": self.spine_oversubscription,
             "backend": self.backend,
             "overlap_comm": self.overlap_comm,
+            **({} if self.two_level else {"two_level": False}),
             **({"node_groups": [g.to_dict() for g in self.node_groups]} if self.node_groups else {}),
             **({"host": self.host.to_dict()} if self.host is not None else {}),
         }
@@ -576,6 +593,7 @@ class Cluster:
             spine_oversubscription=d.get("spine_oversubscription", 1.0),
             backend=d.get("backend", "nccl"),
             overlap_comm=d.get("overlap_comm", True),
+            two_level=bool(d.get("two_level", True)),
             node_groups=tuple(NodeGroup.from_dict(g) for g in d.get("node_groups", ())),
             host=HostSpec.from_dict(d["host"]) if d.get("host") else None,
         )

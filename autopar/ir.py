@@ -34,6 +34,7 @@ __all__ = [
     "RANK",
     "STRATEGIES",
     "TENSOR",
+    "TWO_LEVEL",
     "FusionKind",
     "NodeCost",
     "NodeStrategies",
@@ -209,6 +210,10 @@ RANK = "autopar.rank"
 GRAD_MEMBERS = "autopar.grad_members"
 """On a gradient bucket's all-reduce issue (``passes.overlap.bucket_gradients``): the shapes of the
 gradients flattened into it, in order (``passes.compress`` compresses each)."""
+TWO_LEVEL = "autopar.two_level"
+"""On the on-node reduce-scatter that starts a two-level gradient all-reduce (``passes.two_level``):
+the value it reduces is the gradient (``passes.stage_cut.defer_reductions`` sums micro-batches
+there, as it does before a gradient all-reduce)."""
 COMPRESS_CAST = "autopar.compress_cast"
 """On the cast ``passes.compress`` puts before a gradient all-reduce (bf16 compression): the
 value before it is the gradient in its own precision (``passes.stage_cut.defer_reductions`` sums
@@ -237,3 +242,7 @@ class RankInfo:
     compression: Any = None
     """The plan's gradient compression (``Plan.compression``, an
     ``autopar.cost.compression.GradCompression``; ``passes.compress``); ``None``: exact."""
+    two_level: dict[str, tuple[str, int, str]] = field(default_factory=dict)
+    """Process-group name -> ``(on-node group, its size, across-nodes group)`` of each group whose
+    gradient all-reduces run in two levels (``Plan.two_level``, ``AxisGroup.levels``;
+    ``passes.two_level``)."""

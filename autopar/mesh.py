@@ -135,12 +135,30 @@ class Mesh:
         *,
         axes: Sequence[int] | None = None,
         bucketed: bool = False,
+        two_level: bool = False,
     ) -> float:
         """All-reduce of an ``nbytes`` buffer over ``axis`` (one axis or several: one collective
         over their product); ``bucketed``: fused into a bucket with others (DDP's gradient
-        buckets), so it pays bandwidth but no per-message latency."""
-        g = self.group(axes if axes is not None else axis)
-        return comm.group_all_reduce_cost(nbytes, g.without_latency() if bucketed else g)
+        buckets), so it pays bandwidth but no per-message latency; ``two_level``: a gradient
+        all-reduce the runtime can run in two levels, which it does where that pays
+        (``two_level``, the method)."""
+        key = axes if axes is not None else axis
+        g = self.group(key)
+        if bucketed:
+            g = g.without_latency()
+        if two_level and self.two_level(key):
+            return comm.two_level_all_reduce_cost(nbytes, g)
+        return comm.group_all_reduce_cost(nbytes, g)
+
+    def two_level(self, axes: int | Sequence[int]) -> bool:
+        """Whether a gradient all-reduce over ``axes`` runs in two levels (on each node, then
+        across the nodes, then on each node again: ``autopar.cost.comm.two_level_pays``): the
+        cluster allows it (``Cluster.two_level``), its groups span several nodes with the same
+        number of members on each, and the two levels are faster than one collective."""
+        key = tuple(a for a in _axes(axes) if self.shape[a] > 1)
+        if not key or not self.cluster.two_level or not self.cluster.even_span(self.shape, key):
+            return False
+        return comm.two_level_pays(self.group(key))
 
     def all_gather_cost(
         self,

@@ -126,6 +126,7 @@ def build_plan(
     comm_bytes = [0.0] * mesh.ndim
     comm_time = sum(s.comm_time for s in chosen.values())
     synced: set[tuple] = set()  # (value, layout, axes) whose gradient all-reduce is charged: once
+    two_level: set[tuple[int, ...]] = set()  # axes whose gradient all-reduces run in two levels
     for c, s in chosen.items():
         for j, i in enumerate(tensor_inputs(c)):
             if i not in chosen or s.inputs[j] is None:
@@ -183,6 +184,14 @@ def build_plan(
                 b = math.prod(st.out_shape if st.kind == StepKind.ALL_GATHER else st.in_shape) * itemsize
                 if step_cost(st, itemsize, mesh) > 0:
                     per_axis[st.axis] += b
+            if (
+                first_sync
+                and bucketed_grad_sync(i)
+                and not stage
+                and (squeezed is None or weight_compression.method == "bf16")
+                and mesh.two_level(sync_axes)
+            ):
+                two_level.add(tuple(a for a in sync_axes if mesh.shape[a] > 1))
             if squeezed is not None:  # the compressed all-reduces' bytes
                 for a in sync_axes:
                     per_axis[a] += squeezed.wire_bytes if mesh.shape[a] > 1 else 0.0
@@ -206,6 +215,7 @@ def build_plan(
                 )
             )
     compute = sum(s.compute_time for s in chosen.values())
+    names = axis_names(mesh.shape, gm, choice)
     params = {}
     inputs = {}
     for n, s in chosen.items():
@@ -216,7 +226,7 @@ def build_plan(
             inputs[info.fqn] = format_spec(s.outputs[0])
     return Plan(
         mesh_shape=mesh.shape,
-        mesh_axes=axis_names(mesh.shape, gm, choice),
+        mesh_axes=names,
         nodes=nodes,
         params=params,
         param_aliases={k: list(v) for k, v in cap.param_aliases.items() if k in params},
@@ -234,6 +244,7 @@ def build_plan(
         cluster=mesh.cluster.to_dict(),
         fingerprint=cap.fingerprint,
         compression=compression,
+        two_level=tuple(tuple(names[a] for a in axes) for axes in sorted(two_level)),
         info={
             "solver": {
                 "objective": sol.objective,

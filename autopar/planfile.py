@@ -253,6 +253,11 @@ class Plan:
     """Repeated-layer instances whose saved activations are copied to host memory as the forward
     makes them and fetched back, a layer ahead, for their backward (``PlanConfig.offload_activations``,
     ``autopar.cost.offload``; the runtime's ``passes.offload_activations``)."""
+    two_level: tuple[tuple[str, ...], ...] = ()
+    """The mesh axis sets whose gradient all-reduces run in two levels — reduce-scatter on each
+    node, all-reduce across the nodes, all-gather on each node — where the cost model found that
+    faster than one collective (``autopar.cost.comm.two_level_pays``; the runtime's
+    ``passes.two_level``)."""
     offload_optimizer: bool = False
     """The optimizer state and master weights live in host memory and the optimizer step runs on
     the host (``PlanConfig.offload_optimizer``, ``autopar.cost.offload``); the runtime's
@@ -361,6 +366,7 @@ class Plan:
             **({"offload_optimizer": True} if self.offload_optimizer else {}),
             **({"offload_layers": list(self.offload_layers)} if self.offload_layers else {}),
             **({"compression": self.compression.to_dict()} if self.compression is not None else {}),
+            **({"two_level": [list(a) for a in self.two_level]} if self.two_level else {}),
         }
 
     @classmethod
@@ -412,6 +418,7 @@ class Plan:
             offload_optimizer=bool(d.get("offload_optimizer", False)),
             offload_layers=tuple(d.get("offload_layers", ())),
             compression=GradCompression.from_dict(d["compression"]) if d.get("compression") else None,
+            two_level=tuple(tuple(a) for a in d.get("two_level", ())),
         )
 
     def save(self, path: str | Path) -> None:
@@ -579,6 +586,12 @@ def _validate(d: dict[str, Any]) -> None:
             GradCompression.from_dict(comp)
         except (TypeError, ValueError) as e:
             fail("compression", f"a valid compression ({e})", comp)
+    two = d.get("two_level", [])
+    names = d.get("mesh_axes", [])
+    if not isinstance(two, list) or not all(
+        isinstance(a, list) and a and all(isinstance(x, str) and x in names for x in a) for a in two
+    ):
+        fail("two_level", f"a list of lists of mesh axis names (of {names})", two)
     fusions = d.get("fusions", [])
     if not isinstance(fusions, list):
         fail("fusions", "a list", type(fusions).__name__)

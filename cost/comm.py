@@ -39,6 +39,22 @@ Parallel Computing 2009), ``2(per_node−1)·α_intra + 2⌈log₂ nodes⌉·α_
 A gradient reduced over two mesh axes at once (data parallelism on ``dp × sp``) is one collective
 over the product group, not two all-reduces one after the other (``autopar.mesh.Mesh`` builds the
 group of any set of axes).
+
+**Two-level all-reduce** (:func:`two_level_all_reduce_cost`; Jia et al., "Highly Scalable Deep
+Learning Training System with Mixed-Precision", arXiv 1807.11205, §3.3 "hierarchical all-reduce";
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; Cho et al., "BlueConnect", SysML 2019). A group of
+``p = per_node`` devices on each of ``N`` nodes reduces ``S`` bytes in three collectives one after
+another: a reduce-scatter inside each node (``(p−1)/p · S`` per device over NVLink), an all-reduce
+across the nodes of each device's ``S/p`` piece — ``p`` groups of one device per node, which share
+the node's NICs with each other and with the ``sharing`` groups beside them — and an all-gather
+inside each node. A node then sends ``2(N−1)/N · S`` over its NICs where the one ring over all
+``n = p·N`` members sends ``2(n−1)/n · S``: with two nodes half as much, for the price of the two
+on-node collectives. That pays where the NICs are much slower than NVLink and few nodes take part
+(one 400 Gb/s NIC per node of eight GPUs on two nodes: 1.6×); on a DGX, whose eight NICs match
+NVLink, the one ring is faster. :func:`two_level_pays` compares the two bandwidth terms — a
+bucketed gradient pays no per-message latency, so the answer does not depend on the buffer's size
+— and the plan runs the two-level form on the groups where it pays (``Plan.two_level``;
+``autopar.passes.two_level``).
 """
 
 from __future__ import annotations
@@ -60,6 +76,9 @@ __all__ = [
     "group_reduce_scatter_cost",
     "p2p_cost",
     "reduce_scatter_cost",
+    "gradient_all_reduce_cost",
+    "two_level_all_reduce_cost",
+    "two_level_pays",
 ]
 
 
@@ -211,3 +230,46 @@ def group_all_to_all_cost(nbytes: float, g: Group) -> float:
     on = (g.per_node - 1) / n * nbytes / g.intra.bandwidth
     off = (n - g.per_node) / n * nbytes / g.all_to_all_bandwidth
     return g.ring_latency(1) + max(on, off)
+
+
+def _two_level_parts(g: Group) -> tuple[Group, Group]:
+    """The on-node group (``per_node`` devices on one node) and the across-nodes group (one device
+    on each node; ``per_node`` of them per node beside the ``sharing`` groups) of a two-level
+    all-reduce over ``g`` (module docstring)."""
+    inside = replace(g, nodes=1, sharing=1)
+    across = replace(g, per_node=1, sharing=g.sharing * g.per_node)
+    return inside, across
+
+
+def two_level_all_reduce_cost(nbytes: float, g: Group) -> float:
+    """All-reduce of ``nbytes`` over ``g`` in two levels (module docstring): reduce-scatter on each
+    node, all-reduce of each ``1/per_node`` piece across the nodes, all-gather on each node."""
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    if g.nodes == 1 or g.per_node == 1:
+        return group_all_reduce_cost(nbytes, g)
+    inside, across = _two_level_parts(g)
+    return (
+        group_reduce_scatter_cost(nbytes, inside)
+        + group_all_reduce_cost(nbytes / g.per_node, across)
+        + group_all_gather_cost(nbytes, inside)
+    )
+
+
+def two_level_pays(g: Group) -> bool:
+    """Whether a bucketed gradient all-reduce over ``g`` is faster in two levels than as one
+    collective: a group over several nodes with several members on each, compared without
+    per-message latency (module docstring: the answer holds for every buffer size)."""
+    if g.nodes == 1 or g.per_node == 1:
+        return False
+    flat = g.without_latency()
+    unit = 1 << 20
+    return two_level_all_reduce_cost(unit, flat) < group_all_reduce_cost(unit, flat)
+
+
+def gradient_all_reduce_cost(nbytes: float, g: Group) -> float:
+    """A gradient all-reduce over ``g`` in the faster of its forms: two levels where that pays
+    (``two_level_pays``), else one collective (the least a data-parallel reduction costs)."""
+    if two_level_pays(g):
+        return two_level_all_reduce_cost(nbytes, g)
+    return group_all_reduce_cost(nbytes, g)

@@ -113,7 +113,7 @@ def compressed_sync(
     bw = dev.memory_bandwidth * dev.memory_efficiency
     if c.method == "bf16":
         wire = numel * min(itemsize, 2)
-        comm = mesh.all_reduce_cost(wire, axes=axes, bucketed=True)
+        comm = mesh.all_reduce_cost(wire, axes=axes, bucketed=True, two_level=True)
         cast = 0.0 if itemsize <= 2 else numel * 2 * (itemsize + 2) / bw
         return CompressedSync(wire, comm, cast, 0.0)
     if c.method == "fp8":

@@ -138,7 +138,9 @@ def edge_cost(
             bwd += sync_share * squeezed.time
         else:
             local = _bytes(local_shape(shape, dst, mesh.shape), itemsize)
-            bwd += sync_share * mesh.all_reduce_cost(local, axes=axes, bucketed=bucketed_sync)
+            bwd += sync_share * mesh.all_reduce_cost(
+                local, axes=axes, bucketed=bucketed_sync, two_level=bucketed_sync
+            )
     return fwd + bwd
 
 

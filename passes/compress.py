@@ -1,6 +1,6 @@
 """``compress_gradients``: the plan's gradient compression written into the rank program.
 
-A rank-program pass (``passes.overlap.RANK_PASSES``, the last). Its words are
+A rank-program pass (``passes.overlap.RANK_PASSES``, after ``sink_waits``). Its words are
 ``autopar.cost.compression``'s. It rewrites the *gradient all-reduces*: sum all-reduces in the
 backward whose waited result reaches only the program's outputs, through views and copies —
 data-parallel weight gradients and their buckets (``passes.overlap.bucket_gradients``), exactly

@@ -24,11 +24,13 @@ per-rank compiler, ``passes.rank_compiler``, runs it after tracing the step):
    gathers, which ``prefetch_params`` places to bound memory) and waited for as late as its first
    use allows (lightning-thunder's ``sort_waits``), so communication overlaps whatever compute
    lies between.
-6. ``gather_into_buffers`` (``passes.gather_buffers``) — on gloo only, every all-gather writes
+6. ``compress_gradients`` (``passes.compress``) — the plan's gradient compression written around
+   the gradient all-reduces (``Plan.compression``; nothing without one).
+7. ``two_level_reduce`` (``passes.two_level``) — the gradient all-reduces over several nodes the
+   plan runs in two levels (``Plan.two_level``): on each node, across the nodes, on each node.
+8. ``gather_into_buffers`` (``passes.gather_buffers``) — on gloo only, every all-gather writes
    into a buffer the program allocates (the functional op's ``out=`` form), the workaround for a
    heap fault of torch's gloo backend with several gathers in flight on one group.
-7. ``compress_gradients`` (``passes.compress``) — the plan's gradient compression written around
-   the gradient all-reduces (``Plan.compression``; nothing without one).
 
 Words: a collective is an *issue* node (``_c10d_functional.all_reduce`` …) and a *wait* node
 (``wait_tensor``); the issue starts the transfer and returns at once, the wait blocks until it is
@@ -59,6 +61,7 @@ from autopar.passes.compress import compress_gradients
 from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.offload_activations import offload_activations
 from autopar.passes.recompute import recompute_in_backward, recompute_layers
+from autopar.passes.two_level import two_level_reduce
 
 __all__ = [
     "BUCKET_BYTES",
@@ -378,7 +381,8 @@ RANK_PASSES = (
     bucket_gradients,
     prefetch_params,
     sink_waits,
-    gather_into_buffers,
     compress_gradients,
+    two_level_reduce,
+    gather_into_buffers,
 )
 """The rank-program passes, in order (data: ``PlanConfig.disable`` turns any off by name)."""

@@ -85,6 +85,7 @@ from autopar.program.records import (
     StageStep,
     StepProgram,
     group_names,
+    two_level_groups,
 )
 
 __all__ = [
@@ -210,6 +211,7 @@ def rank_info(target: RankTarget, ctx: PassContext) -> RankInfo:
         primals=tuple(PrimalInfo(kind, key, stages.get(key, 0)) for kind, key in target.roles),
         num_outputs=0,
         axis_names=group_names(target.axes),
+        two_level=two_level_groups(target.axes),
         recompute=plan.recompute,
         compression=plan.compression,
         offload_layers=tuple(plan.offload_layers),

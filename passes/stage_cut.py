@@ -33,7 +33,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.capture import Captured
-from autopar.ir import COMPRESS_CAST
+from autopar.ir import COMPRESS_CAST, TWO_LEVEL
 from autopar.passes.joint import JointProgram, subprogram
 from autopar.planfile import Plan
 from autopar.program.records import RankStages, StageStep
@@ -336,6 +336,7 @@ def defer_reductions(bwd_w: GraphModule) -> tuple[GraphModule | None, GraphModul
                 and is_wait(next(iter(n.users)))
                 and only_returned(next(iter(n.users)), out)
             )
+            or (is_issue(n) and n.meta.get(TWO_LEVEL, False))
             or (
                 n.op == "call_module"
                 and isinstance(g.owning_module.get_submodule(n.target), PowerSGDReduce)

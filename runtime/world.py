@@ -79,6 +79,8 @@ def mesh_axes(
     device: torch.device,
     timeout: float = DEFAULT_TIMEOUT,
     stage_from: int = 0,
+    two_level: Sequence[Sequence[int]] = (),
+    gpus_per_node: int = 1,
 ) -> tuple[list[AxisGroup], Any, Any]:
     """This rank's view of every axis of the mesh ``shape`` (named ``names``) — its own process
     group, created with the collective ``timeout`` (seconds), and its coordinate — a
@@ -89,7 +91,12 @@ def mesh_axes(
     Each set of two or more axes from ``stage_from`` on (the axes inside a pipeline stage), all
     of more than one device, gets a group too (``AxisGroup.combined``, keyed by the axes' indices
     counted from ``stage_from``): a gradient partial on several axes is all-reduced once over
-    them."""
+    them.
+
+    Each set of axes in ``two_level`` (indices into ``shape``; ``Plan.two_level``) gets, for each
+    of its groups, a group of the members on each node (``gpus_per_node`` consecutive ranks) and a
+    group of the members at each place on their nodes (``AxisGroup.levels``;
+    ``passes.two_level``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     shape = tuple(shape)
@@ -127,6 +134,50 @@ def mesh_axes(
             combined[key] = AxisGroup(axis=-1, name=name, size=size, coord=at, group=mine, parts=parts)
     for ax in axes:
         ax.combined = combined
+    for span_axes in two_level:
+        span_axes = tuple(sorted(span_axes))
+        parent = (
+            axes[span_axes[0]] if len(span_axes) == 1 else combined[tuple(a - stage_from for a in span_axes)]
+        )
+        others = [a for a in range(len(shape)) if a not in span_axes]
+        size = math.prod(shape[a] for a in span_axes)
+        inside = across = None
+        for sub in ranks.permute(*others, *span_axes).reshape(-1, size).tolist():
+            nodes: dict[int, list[int]] = {}
+            for r in sorted(sub):
+                nodes.setdefault(r // gpus_per_node, []).append(r)
+            per = {len(m) for m in nodes.values()}
+            if len(per) != 1 or len(nodes) < 2 or min(per) < 2:
+                raise ValueError(
+                    f"the plan reduces {parent.name}'s gradients in two levels, but its group {sub} has "
+                    f"{[len(m) for m in nodes.values()]} members on its nodes of {gpus_per_node} ranks: two "
+                    f"levels need at least 2 nodes with the same number (≥ 2) on each; plan again for this world"
+                )
+            for members in nodes.values():
+                g = dist.new_group(members, timeout=span)
+                if rank in members:
+                    inside = AxisGroup(
+                        axis=-1,
+                        name=f"{parent.name}/node",
+                        size=len(members),
+                        coord=members.index(rank),
+                        group=g,
+                        parts=(parent,),
+                    )
+            for place in range(min(per)):
+                members = [m[place] for m in nodes.values()]
+                g = dist.new_group(members, timeout=span)
+                if rank in members:
+                    across = AxisGroup(
+                        axis=-1,
+                        name=f"{parent.name}/across",
+                        size=len(members),
+                        coord=members.index(rank),
+                        group=g,
+                        parts=(parent,),
+                    )
+        if inside is not None and across is not None:
+            parent.levels = (inside, across)
     return axes, mesh, world_group
 
 
@@ -172,6 +223,7 @@ class RankWorld:
         (``ParallelModule``). The world runs nothing afterwards. Idempotent."""
         seen: set[int] = set()
         axes = [*self.all_axes, *(c for ax in self.all_axes for c in ax.combined.values())]
+        axes += [level for ax in list(axes) for level in ax.levels or ()]
         groups = [ax.group for ax in axes] + [self.world_group]
         for ax in axes:
             ax.group = _RELEASED
@@ -193,9 +245,16 @@ class RankWorld:
 def join_mesh(plan: Plan, device: torch.device, timeout: float = DEFAULT_TIMEOUT) -> RankWorld:
     """This rank's groups for ``plan``: its mesh, under a pipeline axis where the plan is pipelined
     (``(pp, *plan.mesh_shape)``; the combined groups span the axes inside a stage only)."""
+    per_node = int(plan.cluster.get("gpus_per_node", 1))
     if plan.pipeline is None:
-        axes, mesh, world_group = mesh_axes(plan.mesh_shape, plan.mesh_axes, device, timeout)
+        two = [tuple(plan.mesh_axes.index(n) for n in names) for names in plan.two_level]
+        axes, mesh, world_group = mesh_axes(
+            plan.mesh_shape, plan.mesh_axes, device, timeout, two_level=two, gpus_per_node=per_node
+        )
         return RankWorld(axes, None, device, mesh, world_group, timeout)
     shape, names = (plan.pipeline.pp, *plan.mesh_shape), ("pp", *plan.mesh_axes)
-    axes, mesh, world_group = mesh_axes(shape, names, device, timeout, stage_from=1)
+    two = [tuple(1 + plan.mesh_axes.index(n) for n in axis_set) for axis_set in plan.two_level]
+    axes, mesh, world_group = mesh_axes(
+        shape, names, device, timeout, stage_from=1, two_level=two, gpus_per_node=per_node
+    )
     return RankWorld(axes[1:], axes[0], device, mesh, world_group, timeout)

@@ -83,6 +83,11 @@ class AxisGroup:
     mesh's axes): a gradient partial on several axes is all-reduced once over all of them, as
     ``autopar.cost`` prices it, not once per axis (``passes.lower``)."""
 
+    levels: tuple[AxisGroup, AxisGroup] | None = None
+    """Where the plan reduces this group's gradients in two levels (``Plan.two_level``): the
+    group of its members on this rank's node and the group of the members at this rank's place
+    on every node (``passes.two_level``)."""
+
     def __repr__(self) -> str:
         return f"AxisGroup({self.name}, size={self.size}, coord={self.coord})"
 

@@ -40,6 +40,7 @@ __all__ = [
     "StepTimes",
     "collective_tally",
     "group_names",
+    "two_level_groups",
 ]
 
 _fc = torch.ops._c10d_functional
@@ -71,6 +72,9 @@ def collective_tally(gm: GraphModule, axes: Sequence[AxisGroup], direction: str)
     by_group = {ax.group_name: (ax.axis,) for ax in axes}
     for ax in _combined(axes):
         by_group[ax.group_name] = tuple(p.axis for p in ax.parts)
+    for ax in (*axes, *_combined(axes)):  # a two-level reduction's collectives count on its axes
+        for level in ax.levels or ():
+            by_group[level.group_name] = by_group[ax.group_name]
     out = []
     for n in gm.graph.nodes:
         kind = FUNCTIONAL_COLLECTIVES.get(n.target) if n.op == "call_function" else None
@@ -90,8 +94,27 @@ def _combined(axes: Sequence[AxisGroup]) -> list[AxisGroup]:
 
 
 def group_names(axes: Sequence[AxisGroup]) -> dict[str, str]:
-    """Process group name -> axis name, for ``axes`` and the groups over several of them."""
-    return {ax.group_name: ax.name for ax in (*axes, *_combined(axes))}
+    """Process group name -> axis name, for ``axes``, the groups over several of them and their
+    two-level reductions' groups (``AxisGroup.levels``: ``dp/node``, ``dp/across``)."""
+    names = {}
+    for ax in (*axes, *_combined(axes)):
+        names[ax.group_name] = ax.name
+        if ax.levels is not None:
+            inside, across = ax.levels
+            names[inside.group_name], names[across.group_name] = f"{ax.name}/node", f"{ax.name}/across"
+    return names
+
+
+def two_level_groups(axes: Sequence[AxisGroup]) -> dict[str, tuple[str, int, str]]:
+    """Process-group name -> ``(on-node group name, its size, across-nodes group name)`` of each of
+    ``axes`` (and their groups over several axes) whose gradients the plan reduces in two levels
+    (``AxisGroup.levels``)."""
+    out = {}
+    for ax in (*axes, *_combined(axes)):
+        if ax.levels is not None:
+            inside, across = ax.levels
+            out[ax.group_name] = (inside.group_name, inside.size, across.group_name)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

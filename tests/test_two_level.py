@@ -1,0 +1,164 @@
+"""Two-level gradient all-reduce (``autopar.cost.comm.two_level_all_reduce_cost``, ``Plan.two_level``,
+``passes.two_level``): priced, chosen only where it beats the one collective, recorded in the plan,
+and run on 4 gloo processes as two nodes of two — training like one process, with and without
+micro-batches (the reduction deferred to the last one)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import autopar
+from autopar.cost import comm
+from autopar.devices import Link
+from autopar.mesh import Mesh
+from autopar.planfile import Plan
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+BATCH = 8
+
+
+def _two_nodes(world: int = 4, nic: float = 1e9) -> autopar.Cluster:
+    """The local cluster as two nodes of ``world / 2`` devices on a 20 GB/s link, joined by one
+    NIC each of ``nic`` bytes/s."""
+    c = autopar.Cluster.local(world)
+    node = Link(name="node", bandwidth=20e9, latency=1e-5)
+    slow = Link(name="NIC", bandwidth=nic, latency=1e-5)
+    return replace(c, gpus_per_node=world // 2, nodes=2, intra_node=node, inter_node=slow, nics_per_node=1)
+
+
+def _dp_plan(cluster: autopar.Cluster, microbatches: int = 1, compression: str | None = None) -> Plan:
+    """The small GPT data-parallel over ``cluster``: weights replicated, the batch split."""
+    from _runtime_helpers import build, input_paths
+
+    model, inputs = build("gpt", batch=BATCH)
+    fixed = {n: ("R",) for n, _ in model.named_parameters()} | {p: ("S(0)",) for p in input_paths(inputs)}
+    return autopar.plan(
+        model, inputs, cluster, mesh_shape=(cluster.world_size,), fixed=fixed, pp=1,
+        microbatches=microbatches, recompute="none", compression=compression,
+    )  # fmt: skip
+
+
+def test_the_two_levels_priced_by_hand():
+    nvlink = Link(name="nvlink", bandwidth=450e9, latency=0.0)
+    nic = Link(name="nic", bandwidth=50e9, latency=0.0)
+    S = 1e9
+    # Two nodes of 8, one NIC each (a cloud instance): a node sends 2(N-1)/N·S = S over its NIC in
+    # two levels, 2(n-1)/n·S = 1.875 S as one ring; the on-node parts cost 2·(7/8)·S over NVLink.
+    g = comm.Group(per_node=8, nodes=2, intra=nvlink, inter=nic, nics=1)
+    flat = comm.group_all_reduce_cost(S, g)
+    two = comm.two_level_all_reduce_cost(S, g)
+    assert flat == pytest.approx(2 * 15 / 16 * S / 50e9)
+    assert two == pytest.approx(2 * 7 / 8 * S / 450e9 + 2 * 1 / 2 * (S / 8) / (50e9 / 8))
+    assert comm.two_level_pays(g) and two < flat / 1.5
+    # A DGX node's eight NICs carry the ring at NVLink's pace: the one collective is faster.
+    dgx = replace(g, nics=8)
+    assert not comm.two_level_pays(dgx)
+    assert comm.two_level_all_reduce_cost(S, dgx) > comm.group_all_reduce_cost(S, dgx)
+    # One node, or one member per node: nothing to split.
+    assert not comm.two_level_pays(replace(g, nodes=1))
+    assert not comm.two_level_pays(replace(g, per_node=1))
+    assert comm.two_level_all_reduce_cost(S, replace(g, per_node=1)) == comm.group_all_reduce_cost(
+        S, replace(g, per_node=1)
+    )
+
+
+def test_a_mesh_reduces_in_two_levels_only_where_it_pays_and_its_groups_are_even():
+    eth = autopar.Cluster.preset("H100-SXM", nodes=2, network="ethernet-400g")
+    ib = autopar.Cluster.preset("H100-SXM", nodes=2)
+    assert Mesh.full((16,), eth).two_level(0)
+    assert not Mesh.full((16,), ib).two_level(0)
+    # dp across nodes with tp = 8 inside: one member per node, nothing to split.
+    assert not Mesh.full((2, 8), eth).two_level(0)
+    # A gradient all-reduce over both axes of (4, 4): 8 members on each node, split.
+    assert Mesh.full((4, 4), eth).two_level((0, 1))
+    # Bucketed gradient all-reduces are priced in two levels there, other all-reduces are not.
+    m = Mesh.full((16,), eth)
+    one = m.all_reduce_cost(1e9, 0, bucketed=True)
+    assert m.all_reduce_cost(1e9, 0, bucketed=True, two_level=True) < one / 1.5
+    # A group of 3 on nodes of 2 has 2 members on one node and 1 on the other: not split.
+    assert not replace(eth, gpus_per_node=2, nodes=2).even_span((1, 3), (1,))
+    assert replace(eth, gpus_per_node=2, nodes=2).even_span((4,), (0,))
+
+
+def test_the_plan_records_two_levels_and_prices_them():
+    cluster = _two_nodes()
+    plan = _dp_plan(cluster)
+    assert plan.mesh_axes == ("dp",) and plan.two_level == (("dp",),)
+    assert Plan.from_dict(plan.to_dict()).two_level == (("dp",),)
+    assert "gradient all-reduce over dp in two levels" in plan.summary()
+    # The cluster can hold it to one collective (a backend that does this itself).
+    assert _dp_plan(replace(cluster, two_level=False)).two_level == ()
+    # The same plan on nodes whose NICs keep up with the node's link: one collective.
+    fast = replace(cluster, inter_node=replace(cluster.inter_node, bandwidth=20e9), nics_per_node=2)
+    flat = _dp_plan(fast)
+    assert flat.two_level == ()
+    # The plan's communication is its weights' gradients reduced in two levels, not in one ring
+    # (a tied weight's two gradients are summed first and reduced once).
+    from _runtime_helpers import build
+
+    model, _ = build("gpt", batch=BATCH)
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    g = Mesh.full((4,), cluster).group(0).without_latency()
+    two, one = comm.two_level_all_reduce_cost(grads, g), comm.group_all_reduce_cost(grads, g)
+    assert plan.predicted.comm_time == pytest.approx(two, rel=0.05) and two < one / 1.3
+    assert flat.two_level == ()
+    # The plan file names only mesh axes.
+    bad = plan.to_dict() | {"two_level": [["tp"]]}
+    with pytest.raises(ValueError, match="two_level"):
+        Plan.from_dict(bad)
+
+
+def _worker(rank: int, world: int, plan: Any, optimizer: str) -> dict[str, Any]:
+    import warnings
+
+    from _runtime_helpers import build, make_optimizer, train
+
+    from autopar.ir import TWO_LEVEL
+
+    warnings.simplefilter("ignore")
+    model, inputs = build("gpt", batch=BATCH)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    losses = train(pm, inputs, make_optimizer(optimizer, pm.parameters()))
+    graphs = [pm.step.backward] if pm.step is not None else []
+    if pm.pipeline is not None:
+        for s in pm.pipeline.steps.values():
+            graphs += [g for g in (s.backward_weight, s.backward_weight_local) if g is not None]
+    heads = sum(1 for g in graphs for n in g.graph.nodes if n.meta.get(TWO_LEVEL))
+    levels = pm.axes[0].levels
+    return {
+        "losses": losses,
+        "state": pm.full_state_dict(),
+        "heads": heads,
+        "levels": None if levels is None else [lv.size for lv in levels],
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("microbatches", "compression"), [(1, None), (2, None), (2, "bf16")])
+def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microbatches, compression):
+    from _runtime_helpers import build, compare_training, make_optimizer, train
+
+    from autopar.runtime.launch import spawn
+
+    plan = _dp_plan(_two_nodes(), microbatches, compression)
+    assert plan.two_level == (("dp",),) and getattr(plan.compression, "method", None) == compression
+    out = spawn(_worker, 4, plan, "sgd", timeout=240)
+    model, inputs = build("gpt", batch=BATCH)
+    losses = train(model, inputs, make_optimizer("sgd", model.parameters()))
+    ref = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    for r, got in enumerate(out):
+        assert got["levels"] == [2, 2], got["levels"]
+        assert got["heads"] > 0, f"rank {r}: no two-level reduction in its program"
+        if compression is not None:  # bf16 gradients: the losses follow within bf16's rounding
+            assert got["losses"] == pytest.approx(losses, rel=1e-3), (got["losses"], losses)
+            continue
+        problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"two-level rank {r}")
+        assert not problems, "\n".join(problems)
