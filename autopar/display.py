@@ -410,7 +410,7 @@ def plan_summary(plan: PlanRecord) -> str:
     if getattr(plan, "compression", None) is not None or info.get("compression_tried"):
         lines.append("  " + compression_text(plan))
     if getattr(plan, "two_level", ()):
-        sets = ", ".join(" × ".join(axes) for axes in plan.two_level)
+        sets = ", ".join(" × ".join(plan.mesh_axes[a] for a in axes) for axes in plan.two_level)
         lines.append(
             f"  gradient all-reduce over {sets} in two levels (reduce-scatter on each node, all-reduce across "
             "the nodes, all-gather on each node): faster than one ring where the nodes' NICs are slow "

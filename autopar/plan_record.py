@@ -244,7 +244,7 @@ def build_plan(
         cluster=mesh.cluster.to_dict(),
         fingerprint=cap.fingerprint,
         compression=compression,
-        two_level=tuple(tuple(names[a] for a in axes) for axes in sorted(two_level)),
+        two_level=tuple(sorted(two_level)),
         info={
             "solver": {
                 "objective": sol.objective,

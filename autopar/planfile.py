@@ -253,8 +253,8 @@ class Plan:
     """Repeated-layer instances whose saved activations are copied to host memory as the forward
     makes them and fetched back, a layer ahead, for their backward (``PlanConfig.offload_activations``,
     ``autopar.cost.offload``; the runtime's ``passes.offload_activations``)."""
-    two_level: tuple[tuple[str, ...], ...] = ()
-    """The mesh axis sets whose gradient all-reduces run in two levels — reduce-scatter on each
+    two_level: tuple[tuple[int, ...], ...] = ()
+    """The mesh axis sets (indices into ``mesh_shape``) whose gradient all-reduces run in two levels — reduce-scatter on each
     node, all-reduce across the nodes, all-gather on each node — where the cost model found that
     faster than one collective (``autopar.cost.comm.two_level_pays``; the runtime's
     ``passes.two_level``)."""
@@ -587,11 +587,14 @@ def _validate(d: dict[str, Any]) -> None:
         except (TypeError, ValueError) as e:
             fail("compression", f"a valid compression ({e})", comp)
     two = d.get("two_level", [])
-    names = d.get("mesh_axes", [])
+    ndim = len(d.get("mesh_shape", []))
     if not isinstance(two, list) or not all(
-        isinstance(a, list) and a and all(isinstance(x, str) and x in names for x in a) for a in two
+        isinstance(a, list)
+        and a
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < ndim for x in a)
+        for a in two
     ):
-        fail("two_level", f"a list of lists of mesh axis names (of {names})", two)
+        fail("two_level", f"a list of lists of mesh axis indices (0 … {ndim - 1})", two)
     fusions = d.get("fusions", [])
     if not isinstance(fusions, list):
         fail("fusions", "a list", type(fusions).__name__)

@@ -247,13 +247,12 @@ def join_mesh(plan: Plan, device: torch.device, timeout: float = DEFAULT_TIMEOUT
     (``(pp, *plan.mesh_shape)``; the combined groups span the axes inside a stage only)."""
     per_node = int(plan.cluster.get("gpus_per_node", 1))
     if plan.pipeline is None:
-        two = [tuple(plan.mesh_axes.index(n) for n in names) for names in plan.two_level]
         axes, mesh, world_group = mesh_axes(
-            plan.mesh_shape, plan.mesh_axes, device, timeout, two_level=two, gpus_per_node=per_node
+            plan.mesh_shape, plan.mesh_axes, device, timeout, two_level=plan.two_level, gpus_per_node=per_node
         )
         return RankWorld(axes, None, device, mesh, world_group, timeout)
     shape, names = (plan.pipeline.pp, *plan.mesh_shape), ("pp", *plan.mesh_axes)
-    two = [tuple(1 + plan.mesh_axes.index(n) for n in axis_set) for axis_set in plan.two_level]
+    two = [tuple(1 + a for a in axis_set) for axis_set in plan.two_level]
     axes, mesh, world_group = mesh_axes(
         shape, names, device, timeout, stage_from=1, two_level=two, gpus_per_node=per_node
     )

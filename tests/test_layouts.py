@@ -70,6 +70,30 @@ def test_megatron_plan_places_weights_as_megatron_does(make_llama, batch, a100x8
     assert placed["model.embed_tokens.weight"] == ("R", "S(0)")
 
 
+def test_megatron_data_parallel_ranks_train_on_their_own_sequences_even_over_a_slow_network(make_gpt2, batch):
+    """On nodes joined by a slow NIC the solver would rather gather the batch and compute it on
+    every rank than reduce the gradients; Megatron-LM cannot: each data-parallel rank reads its
+    own sequences, and every weight outside the roles (norms, biases, the position table) is
+    replicated there, never ZeRO-sharded without the distributed optimizer."""
+    from dataclasses import replace
+
+    from autopar.devices import Link
+
+    c = autopar.Cluster.local(4)
+    slow = replace(
+        c,
+        gpus_per_node=2,
+        nodes=2,
+        nics_per_node=1,
+        inter_node=Link(name="slow", bandwidth=50e6, latency=6e-5),
+    )
+    plan = autopar.layouts.megatron(make_gpt2(n_layer=2), batch(8, 16, 256), slow, tp=1)
+    assert set(plan.inputs.values()) == {("S(0)", "R")}
+    assert plan.zero_stages() == {}
+    assert "replicated work dp 0.0 %" in plan.summary()
+    assert plan.predicted.comm_bytes_per_axis[0] > 0
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sp", [False, True], ids=["no sp", "sp"])
 def test_megatron_runs_the_whole_rmsnorm_as_megatron_does(make_llama, batch, a100x8, sp):

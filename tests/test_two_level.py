@@ -90,8 +90,8 @@ def test_a_mesh_reduces_in_two_levels_only_where_it_pays_and_its_groups_are_even
 def test_the_plan_records_two_levels_and_prices_them():
     cluster = _two_nodes()
     plan = _dp_plan(cluster)
-    assert plan.mesh_axes == ("dp",) and plan.two_level == (("dp",),)
-    assert Plan.from_dict(plan.to_dict()).two_level == (("dp",),)
+    assert plan.mesh_axes == ("dp",) and plan.two_level == ((0,),)
+    assert Plan.from_dict(plan.to_dict()).two_level == ((0,),)
     assert "gradient all-reduce over dp in two levels" in plan.summary()
     # The cluster can hold it to one collective (a backend that does this itself).
     assert _dp_plan(replace(cluster, two_level=False)).two_level == ()
@@ -110,7 +110,7 @@ def test_the_plan_records_two_levels_and_prices_them():
     assert plan.predicted.comm_time == pytest.approx(two, rel=0.05) and two < one / 1.3
     assert flat.two_level == ()
     # The plan file names only mesh axes.
-    bad = plan.to_dict() | {"two_level": [["tp"]]}
+    bad = plan.to_dict() | {"two_level": [[1]]}
     with pytest.raises(ValueError, match="two_level"):
         Plan.from_dict(bad)
 
@@ -149,7 +149,7 @@ def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microba
     from autopar.runtime.launch import spawn
 
     plan = _dp_plan(_two_nodes(), microbatches, compression)
-    assert plan.two_level == (("dp",),) and getattr(plan.compression, "method", None) == compression
+    assert plan.two_level == ((0,),) and getattr(plan.compression, "method", None) == compression
     out = spawn(_worker, 4, plan, "sgd", timeout=240)
     model, inputs = build("gpt", batch=BATCH)
     losses = train(model, inputs, make_optimizer("sgd", model.parameters()))

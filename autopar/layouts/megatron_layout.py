@@ -288,11 +288,17 @@ def megatron(
     t_axis = axis.get("tp")
     e_axis = axis.get("ep")
     c_axis = axis.get("cp")
-    fixed: dict[str, tuple[str, ...]] = {}
-    split_on_cp: set[Node] = set()
-    if c_axis is not None:
-        fixed.update(_context_split_inputs(cap, mesh, axis, cp))
-        split_on_cp = _context_split_ops(cap)
+    fixed: dict[str, tuple[str, ...]] = _batch_split_inputs(cap, mesh, axis, cp)
+    # The axes the batch is split over (dp and ep, where the batch divides) and the context axis:
+    # every floating-point value computed from the batch stays split there (never gathered and
+    # computed whole on every data-parallel or context rank, which Megatron-LM never does).
+    data_split = [
+        a
+        for a in (axis.get("dp"), e_axis)
+        if a is not None and any(spec[a] == "S(0)" for spec in fixed.values())
+    ]
+    batch_axes = [a for a in (*data_split, c_axis) if a is not None and mesh[a] > 1]
+    from_batch = _context_split_ops(cap) if batch_axes else set()
     split_dims: dict[str, set[int]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -306,6 +312,11 @@ def megatron(
             spec[t_axis] = tp_p
         fixed[fqn] = tuple(spec)
         split_dims[fqn] = {int(tp_p[2:-1])} if t_axis is not None and spec[t_axis] != "R" else set()
+    for n in cap.gm.graph.nodes:  # every other weight (norms, biases, position tables) whole
+        info = n.meta.get(TENSOR)
+        if n.op == "placeholder" and info is not None and info.kind == "param" and info.fqn not in roles:
+            fixed[info.fqn] = ("R",) * len(mesh)
+            split_dims[info.fqn] = set()
     for fqn in experts:  # split by expert along ep; whole everywhere else (expert TP size 1)
         spec = ["R"] * len(mesh)
         if e_axis is not None:
@@ -346,10 +357,10 @@ def megatron(
     def megatron_execution(node: Node, s: Strategy) -> bool:
         """Weights are used where they lie (no gathering), read whole on their data-parallel axes
         under the distributed optimizer; norms as Megatron runs them; values computed from the
-        batch split along the context axis."""
+        batch split along the data-parallel and context axes."""
         if node.op != "call_function":
             return True
-        if c_axis is not None and not s.split[c_axis] and node in split_on_cp:
+        if node in from_batch and not all(s.split[a] for a in batch_axes):
             return False
         if c_axis is not None and cp_comm_type and op_family(node) is OpFamily.ATTENTION:
             q = s.inputs[0][c_axis]
@@ -404,17 +415,27 @@ def megatron(
     return plan
 
 
-def _context_split_inputs(
+def _batch_split_inputs(
     cap: Captured, mesh: tuple[int, ...], axis: dict[str, int], cp: int
 ) -> dict[str, tuple[str, ...]]:
-    """The batched inputs' placements under context parallelism: the sequence (dimension 1)
-    split over ``cp``, the batch (dimension 0) over the data-parallel ranks (the ``dp`` and ``ep``
-    axes) where it divides, whole on ``tp``.
-    Raises where ``cp`` does not divide an input's sequence."""
+    """The batched inputs' placements: the batch (dimension 0) split over the data-parallel ranks
+    (the ``dp`` and ``ep`` axes) where it divides — each data-parallel rank trains on its own
+    sequences, as Megatron-LM's data loader hands them out — and under context parallelism the
+    sequence (dimension 1) over ``cp``; whole on ``tp``. Batched: an input of two or more
+    dimensions. Raises where ``cp`` does not divide an input's sequence."""
     out: dict[str, tuple[str, ...]] = {}
+    c_axis = axis.get("cp")
     for n in cap.user_input_nodes():
         v = n.meta.get("val")
         if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            continue
+        spec = ["R"] * len(mesh)
+        data = [axis[a] for a in ("dp", "ep") if a in axis]  # ep: a group inside the data-parallel one
+        if data and v.shape[0] % math.prod(mesh[a] for a in data) == 0:
+            for a in data:
+                spec[a] = "S(0)"
+        if c_axis is None:
+            out[cap.inputs[n.name]] = tuple(spec)
             continue
         if v.shape[1] % cp:
             raise ValueError(
@@ -422,12 +443,7 @@ def _context_split_inputs(
                 f"dimension 1) over cp={cp}, and input {cap.inputs[n.name]!r} of shape {tuple(v.shape)} has "
                 f"{v.shape[1]} positions: {v.shape[1]} / {cp} = {v.shape[1] / cp:g}; use a cp that divides it"
             )
-        spec = ["R"] * len(mesh)
-        spec[axis["cp"]] = "S(1)"
-        data = [axis[a] for a in ("dp", "ep") if a in axis]  # ep: a group inside the data-parallel one
-        if data and v.shape[0] % math.prod(mesh[a] for a in data) == 0:
-            for a in data:
-                spec[a] = "S(0)"
+        spec[c_axis] = "S(1)"
         out[cap.inputs[n.name]] = tuple(spec)
     return out
 
@@ -443,7 +459,7 @@ def _from_batch(cap: Captured) -> set[Node]:
 
 def _context_split_ops(cap: Captured) -> set[Node]:
     """The ops that compute or read a floating-point value of more than one element computed
-    from the batch: under context parallelism none runs whole on every context rank (integer
+    from the batch: none runs whole on every data-parallel or context rank (integer
     bookkeeping, such as shifting the labels, may)."""
     inputs = set(cap.user_input_nodes())
     values = {
