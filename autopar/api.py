@@ -145,6 +145,8 @@ def parallelize(
     held = params_held(cap, plan, world.pp.coord if world.pp is not None else 0)
     local = local_inputs and plan.pipeline is None
     pm = ParallelModule(plan, cap, model, world, local, check_inputs=check_inputs, held=held)
+    if gather_outputs and plan.pipeline is None:
+        _note_gathered_outputs(cap, plan)
     target = _rank_target(pm, plan, model, world, batch, gather_outputs, compile)
     pm.set_step(compile_rank(target, PassContext(captured=cap, cluster=cluster, config=config)))
     if pm.pipeline is not None:
@@ -152,6 +154,52 @@ def parallelize(
             plan, world.pp.coord, world.axes[0].coord if world.axes else 0
         )
     return pm
+
+
+GATHER_NOTE = 0.02
+"""``parallelize`` warns where gathering the model's outputs whole (``gather_outputs=True``) costs
+more than this share of the plan's predicted step, which does not include it."""
+
+
+def _note_gathered_outputs(cap: Captured, plan: Plan) -> None:
+    """Warn where ``gather_outputs=True`` makes every step gather large outputs (a language model's
+    logits) that the plan keeps split: the plan's predicted step is the training step without
+    that gather (``autopar.cost.comm``: an all-gather along every axis an output is split on, an
+    all-reduce along every axis it is partial on)."""
+    from autopar.graph import output_node
+    from autopar.mesh import Mesh
+    from autopar.placement import Partial, Shard, parse_spec
+
+    try:
+        mesh = Mesh(tuple(plan.mesh_shape), Cluster.from_dict(plan.cluster))
+    except (KeyError, TypeError, ValueError):
+        return
+    by_name = {n.name: n for n in plan.nodes}
+    seconds, moved, what = 0.0, 0.0, []
+    for i, n in enumerate(output_node(cap.gm).all_input_nodes):
+        val, node = n.meta.get("val"), by_name.get(n.name)
+        if node is None or not node.outputs or getattr(val, "dim", lambda: 0)() == 0:
+            continue
+        nbytes = float(val.numel() * val.element_size())
+        spec = parse_spec(node.outputs[0])
+        gathered = [a for a, p in enumerate(spec) if isinstance(p, Shard) and mesh.shape[a] > 1]
+        summed = [a for a, p in enumerate(spec) if isinstance(p, Partial) and mesh.shape[a] > 1]
+        if not gathered and not summed:
+            continue
+        seconds += (mesh.all_gather_cost(nbytes, axes=gathered) if gathered else 0.0) + (
+            mesh.all_reduce_cost(nbytes, axes=summed) if summed else 0.0
+        )
+        moved += nbytes
+        what.append(f"output {i} of shape {tuple(val.shape)}")
+    step = plan.predicted.step_time
+    if step > 0 and seconds > GATHER_NOTE * step:
+        warnings.warn(
+            f"autopar: gather_outputs=True gathers the model's outputs whole on every rank each step "
+            f"({', '.join(what)}: {moved / 2**20:.1f} MiB, about {seconds * 1e3:.2f} ms, "
+            f"{seconds / step:.0%} of the plan's predicted {step * 1e3:.2f} ms step, which does not include "
+            "it); pass gather_outputs=False to get them as this rank's shards where only the loss is needed",
+            stacklevel=3,
+        )
 
 
 def _plan_on_rank_zero(
