@@ -382,6 +382,11 @@ def plan_summary(plan: PlanRecord) -> str:
         if "bubble_fraction" in sim:
             parts.append(f"pipeline bubble {sim['bubble_fraction'] * 100:.1f}%")
         parts.append(f"exposed gradient reduction {fmt_time(sim.get('exposed_grad_sync', 0.0))}")
+        waiting = p.step_time - sum(
+            sim.get(k, 0.0) for k in ("compute_and_comm", "exposed_grad_sync", "optimizer")
+        )
+        if "bubble_fraction" not in sim and waiting > 0.01 * p.step_time:  # the rest: the ZeRO gathers' wait
+            parts.append(f"waiting on parameter gathers {fmt_time(waiting)}")
         parts.append(f"optimizer {fmt_time(sim.get('optimizer', 0.0))}")
         lines.append("  simulated step: " + ", ".join(parts))
     pipe = plan.pipeline

@@ -43,3 +43,25 @@ def test_hsdp_on_two_groups_of_two_trains_like_one_process():
     for r, got in enumerate(out):
         problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"hsdp rank {r}")
         assert not problems, "\n".join(problems)
+
+
+def test_the_simulated_parts_of_a_zero3_step_add_up_to_it():
+    """A ZeRO-3 plan's forward waits for its weights' gathers over a slow link: the summary names
+    that wait, so the simulated step's parts add up to the predicted step."""
+    import re
+    from dataclasses import replace
+
+    from _runtime_helpers import build
+
+    from autopar.devices import Link
+
+    model, inputs = build("gpt", batch=8)
+    c = autopar.Cluster.local(4)
+    slow = replace(c, gpus_per_node=2, nodes=2, nics_per_node=1, overlap_comm=True,
+                   inter_node=Link(name="slow", bandwidth=5e6, latency=1e-4))  # fmt: skip
+    plan = autopar.layouts.fsdp(model, inputs, slow)
+    line = next(x for x in plan.summary().splitlines() if "simulated step" in x)
+    assert "waiting on parameter gathers" in line
+    units = {"s": 1.0, "ms": 1e-3, "µs": 1e-6}
+    parts = [float(v) * units[u] for v, u in re.findall(r" ([\d.]+) (s|ms|µs)\b", line)]
+    assert sum(parts) == pytest.approx(plan.predicted.step_time, rel=0.01), line

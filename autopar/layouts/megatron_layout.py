@@ -177,7 +177,10 @@ def megatron(
     expert-parallel size ``ep``.
 
     ``dp`` defaults to ``world_size / tp``. The mesh is ``(dp, tp)`` (``(tp,)`` when ``dp == 1``),
-    the tensor axis innermost so it stays inside a node. With ``ep > 1`` (which must divide
+    the tensor axis innermost so it stays inside a node. Each data-parallel rank trains on its own
+    sequences: every batched input is split along its batch over ``dp`` (where the batch divides)
+    and every floating-point value computed from the batch stays split there; weights outside the
+    tensor-parallel roles (norms, biases, position tables) are whole on every rank. With ``ep > 1`` (which must divide
     ``dp``: Megatron-LM carves the expert-parallel group out of the data-parallel one) the mesh is
     ``(dp / ep, ep, tp)`` (axes of size 1 dropped): every mixture-of-experts region
     (``autopar.rules.routing``) keeps its experts' weights split by expert along ``ep`` and used
