@@ -162,3 +162,62 @@ def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microba
             continue
         problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"two-level rank {r}")
         assert not problems, "\n".join(problems)
+
+
+def test_a_gather_and_a_reduce_scatter_in_two_levels_priced_by_hand():
+    nvlink = Link(name="nvlink", bandwidth=450e9, latency=0.0)
+    nic = Link(name="nic", bandwidth=50e9, latency=0.0)
+    S = 1e9
+    g = comm.Group(per_node=8, nodes=2, intra=nvlink, inter=nic, nics=1)
+    # One ring: a node sends (n-1)/n·S = 15/16 S over its NIC; in two levels (N-1)/N·S = S/2, and
+    # (p-1)/p·S over NVLink.
+    assert comm.group_all_gather_cost(S, g) == pytest.approx(15 / 16 * S / 50e9)
+    two = 7 / 8 * S / 450e9 + 1 / 2 * (S / 8) / (50e9 / 8)
+    assert comm.two_level_all_gather_cost(S, g) == pytest.approx(two)
+    assert comm.two_level_reduce_scatter_cost(S, g) == pytest.approx(two)
+    assert comm.two_level_gathers_pay(g) and not comm.two_level_gathers_pay(replace(g, nics=8))
+    eth = autopar.Cluster.preset("H100-SXM", nodes=2, network="ethernet-400g")
+    m = Mesh.full((16,), eth)
+    assert m.two_level_gathers(0) and m.two_level_gathers((0,))
+    assert m.all_gather_cost(S, 0, two_level=True) < m.all_gather_cost(S, 0) / 1.5
+    assert not Mesh.full((4, 4), eth).two_level_gathers((0, 1))  # one axis at a time: a reshard step's
+
+
+def _fsdp_worker(rank: int, world: int, plan: Any) -> dict[str, Any]:
+    import warnings
+
+    from _runtime_helpers import build, make_optimizer, train
+
+    warnings.simplefilter("ignore")
+    model, inputs = build("gpt", batch=BATCH)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    losses = train(pm, inputs, make_optimizer("sgd", pm.parameters()))
+    groups = {n.args[-1] for n in pm.step.joint.graph.nodes if "all_gather_into_tensor" in str(n.target)}
+    _, across = pm.axes[0].levels
+    return {
+        "losses": losses,
+        "state": pm.full_state_dict(),
+        "gathers_across": across.group_name in groups,
+        "flag": pm.axes[0].two_level_gathers,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_zero3_gathers_in_two_levels_on_two_nodes_of_two_train_like_one_process():
+    from _runtime_helpers import build, compare_training, make_optimizer, train
+
+    from autopar.runtime.launch import spawn
+
+    model, inputs = build("gpt", batch=BATCH)
+    plan = autopar.layouts.fsdp(model, inputs, _two_nodes())
+    assert plan.two_level_gathers == (0,) and set(plan.zero_stages().values()) == {3}
+    assert "all-gathers and reduce-scatters over dp in two levels" in plan.summary()
+    assert Plan.from_dict(plan.to_dict()).two_level_gathers == (0,)
+    out = spawn(_fsdp_worker, 4, plan, timeout=240)
+    losses = train(model, inputs, make_optimizer("sgd", model.parameters()))
+    ref = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    for r, got in enumerate(out):
+        assert got["flag"] and got["gathers_across"], f"rank {r}: no gather across the nodes"
+        problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"two-level zero3 rank {r}")
+        assert not problems, "\n".join(problems)
