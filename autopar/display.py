@@ -421,12 +421,6 @@ def plan_summary(plan: PlanRecord) -> str:
             "the nodes, all-gather on each node): faster than one ring where the nodes' NICs are slow "
             "beside their links inside"
         )
-    if getattr(plan, "two_level_gathers", ()):
-        axes = ", ".join(plan.mesh_axes[a] for a in plan.two_level_gathers)
-        lines.append(
-            f"  all-gathers and reduce-scatters over {axes} in two levels (across the nodes, then on each node, "
-            "or the reverse): a node sends (N-1)/N of the buffer over its NICs instead of one ring's (n-1)/n"
-        )
     if getattr(plan, "offload_optimizer", False) or getattr(plan, "offload_layers", ()):
         lines.append("  " + offload_text(plan))
     if plan.compile:

@@ -167,43 +167,17 @@ class Mesh:
         *,
         axes: Sequence[int] | None = None,
         bucketed: bool = False,
-        two_level: bool = False,
     ) -> float:
         """All-gather producing an ``nbytes`` buffer over ``axis``; ``bucketed``: one of a bucket's
-        (as ``all_reduce_cost``: bandwidth, no per-message latency); ``two_level``: a reshard's
-        gather, which the runtime runs in two levels where that pays (``two_level_gathers``)."""
-        key = axes if axes is not None else axis
-        g = self.group(key)
-        if bucketed:
-            g = g.without_latency()
-        if two_level and self.two_level_gathers(key):
-            return comm.two_level_all_gather_cost(nbytes, g)
-        return comm.group_all_gather_cost(nbytes, g)
+        (as ``all_reduce_cost``: bandwidth, no per-message latency)."""
+        g = self.group(axes if axes is not None else axis)
+        return comm.group_all_gather_cost(nbytes, g.without_latency() if bucketed else g)
 
     def reduce_scatter_cost(
-        self,
-        nbytes: float,
-        axis: int | Sequence[int] = (),
-        *,
-        axes: Sequence[int] | None = None,
-        two_level: bool = False,
+        self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None
     ) -> float:
-        """Reduce-scatter of an ``nbytes`` input over ``axis``; ``two_level``: as
-        ``all_gather_cost``'s."""
-        key = axes if axes is not None else axis
-        g = self.group(key)
-        if two_level and self.two_level_gathers(key):
-            return comm.two_level_reduce_scatter_cost(nbytes, g)
-        return comm.group_reduce_scatter_cost(nbytes, g)
-
-    def two_level_gathers(self, axes: int | Sequence[int]) -> bool:
-        """Whether a reshard's all-gather or reduce-scatter over mesh axis ``axes`` (one axis: a
-        reshard step's) runs in two levels — across the nodes, then on each node, or the reverse
-        (``autopar.cost.comm.two_level_gathers_pay``): as ``two_level``, for these collectives."""
-        key = tuple(a for a in _axes(axes) if self.shape[a] > 1)
-        if len(key) != 1 or not self.cluster.two_level or not self.cluster.even_span(self.shape, key):
-            return False
-        return comm.two_level_gathers_pay(self.group(key))
+        """Reduce-scatter of an ``nbytes`` input over ``axis``."""
+        return comm.group_reduce_scatter_cost(nbytes, self.group(axes if axes is not None else axis))
 
     def all_to_all_cost(
         self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None

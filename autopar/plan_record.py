@@ -127,7 +127,6 @@ def build_plan(
     comm_time = sum(s.comm_time for s in chosen.values())
     synced: set[tuple] = set()  # (value, layout, axes) whose gradient all-reduce is charged: once
     two_level: set[tuple[int, ...]] = set()  # axes whose gradient all-reduces run in two levels
-    gathers: set[int] = set()  # axes whose reshards' gathers and reduce-scatters run in two levels
     for c, s in chosen.items():
         for j, i in enumerate(tensor_inputs(c)):
             if i not in chosen or s.inputs[j] is None:
@@ -182,9 +181,6 @@ def build_plan(
             )
             per_axis = [0.0] * mesh.ndim
             for st in steps:
-                gathering = st.kind in (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER, StepKind.SLICE)
-                if gathering and mesh.two_level_gathers(st.axis):
-                    gathers.add(st.axis)
                 b = math.prod(st.out_shape if st.kind == StepKind.ALL_GATHER else st.in_shape) * itemsize
                 if step_cost(st, itemsize, mesh) > 0:
                     per_axis[st.axis] += b
@@ -249,7 +245,6 @@ def build_plan(
         fingerprint=cap.fingerprint,
         compression=compression,
         two_level=tuple(sorted(two_level)),
-        two_level_gathers=tuple(sorted(gathers)),
         info={
             "solver": {
                 "objective": sol.objective,

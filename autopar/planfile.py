@@ -258,10 +258,6 @@ class Plan:
     node, all-reduce across the nodes, all-gather on each node — where the cost model found that
     faster than one collective (``autopar.cost.comm.two_level_pays``; the runtime's
     ``passes.two_level``)."""
-    two_level_gathers: tuple[int, ...] = ()
-    """The mesh axes whose reshards' all-gathers and reduce-scatters (a ZeRO weight gathered for
-    use, its gradient reduce-scattered) run in two levels — across the nodes, then on each node,
-    or the reverse (``autopar.cost.comm.two_level_gathers_pay``; ``autopar.program.collectives``)."""
     offload_optimizer: bool = False
     """The optimizer state and master weights live in host memory and the optimizer step runs on
     the host (``PlanConfig.offload_optimizer``, ``autopar.cost.offload``); the runtime's
@@ -371,7 +367,6 @@ class Plan:
             **({"offload_layers": list(self.offload_layers)} if self.offload_layers else {}),
             **({"compression": self.compression.to_dict()} if self.compression is not None else {}),
             **({"two_level": [list(a) for a in self.two_level]} if self.two_level else {}),
-            **({"two_level_gathers": list(self.two_level_gathers)} if self.two_level_gathers else {}),
         }
 
     @classmethod
@@ -424,7 +419,6 @@ class Plan:
             offload_layers=tuple(d.get("offload_layers", ())),
             compression=GradCompression.from_dict(d["compression"]) if d.get("compression") else None,
             two_level=tuple(tuple(a) for a in d.get("two_level", ())),
-            two_level_gathers=tuple(d.get("two_level_gathers", ())),
         )
 
     def save(self, path: str | Path) -> None:
@@ -601,11 +595,6 @@ def _validate(d: dict[str, Any]) -> None:
         for a in two
     ):
         fail("two_level", f"a list of lists of mesh axis indices (0 … {ndim - 1})", two)
-    gathers = d.get("two_level_gathers", [])
-    if not isinstance(gathers, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < ndim for x in gathers
-    ):
-        fail("two_level_gathers", f"a list of mesh axis indices (0 … {ndim - 1})", gathers)
     fusions = d.get("fusions", [])
     if not isinstance(fusions, list):
         fail("fusions", "a list", type(fusions).__name__)

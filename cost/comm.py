@@ -55,17 +55,6 @@ NVLink, the one ring is faster. :func:`two_level_pays` compares the two bandwidt
 bucketed gradient pays no per-message latency, so the answer does not depend on the buffer's size
 — and the plan runs the two-level form on the groups where it pays (``Plan.two_level``;
 ``autopar.passes.two_level``).
-
-**Two-level all-gather and reduce-scatter** (:func:`two_level_all_gather_cost`,
-:func:`two_level_reduce_scatter_cost`; the same split, PyTorch's HSDP and ZeRO++'s hierarchical
-partitioning, Wang et al., arXiv 2306.10209, §3.2, keep the slow level's share small the same
-way). An all-gather of ``S`` bytes gathers each device's piece across the nodes first (the ``p``
-groups of one device per node, ``(N−1)/N · S/p`` each), then on each node (``(p−1)/p · S``); a
-reduce-scatter runs the same two in the other order. A node sends ``(N−1)/N · S`` over its NICs
-instead of one ring's ``(n−1)/n · S``: with two nodes two thirds or less. The answer again does
-not depend on the size (:func:`two_level_gathers_pay`); the plan names the mesh axes whose
-gathers and reduce-scatters (a ZeRO weight's, sharded over the nodes) run so
-(``Plan.two_level_gathers``; ``autopar.program.collectives``).
 """
 
 from __future__ import annotations
@@ -88,11 +77,8 @@ __all__ = [
     "group_reduce_scatter_cost",
     "p2p_cost",
     "reduce_scatter_cost",
-    "two_level_all_gather_cost",
     "two_level_all_reduce_cost",
-    "two_level_gathers_pay",
     "two_level_pays",
-    "two_level_reduce_scatter_cost",
 ]
 
 
@@ -287,35 +273,3 @@ def gradient_all_reduce_cost(nbytes: float, g: Group) -> float:
     if two_level_pays(g):
         return two_level_all_reduce_cost(nbytes, g)
     return group_all_reduce_cost(nbytes, g)
-
-
-def two_level_all_gather_cost(nbytes: float, g: Group) -> float:
-    """All-gather producing ``nbytes`` over ``g`` in two levels (module docstring): each device's
-    piece gathered across the nodes, then the node's pieces on the node."""
-    if g.size <= 1 or nbytes <= 0:
-        return 0.0
-    if g.nodes == 1 or g.per_node == 1:
-        return group_all_gather_cost(nbytes, g)
-    inside, across = _two_level_parts(g)
-    return group_all_gather_cost(nbytes / g.per_node, across) + group_all_gather_cost(nbytes, inside)
-
-
-def two_level_reduce_scatter_cost(nbytes: float, g: Group) -> float:
-    """Reduce-scatter of an ``nbytes`` input over ``g`` in two levels (module docstring): on each
-    node, then each device's part across the nodes."""
-    if g.size <= 1 or nbytes <= 0:
-        return 0.0
-    if g.nodes == 1 or g.per_node == 1:
-        return group_reduce_scatter_cost(nbytes, g)
-    inside, across = _two_level_parts(g)
-    return group_reduce_scatter_cost(nbytes, inside) + group_reduce_scatter_cost(nbytes / g.per_node, across)
-
-
-def two_level_gathers_pay(g: Group) -> bool:
-    """Whether an all-gather (and a reduce-scatter, the same volumes) over ``g`` is faster in two
-    levels than as one ring, compared without per-message latency (module docstring)."""
-    if g.nodes == 1 or g.per_node == 1:
-        return False
-    flat = g.without_latency()
-    unit = 1 << 20
-    return two_level_all_gather_cost(unit, flat) < group_all_gather_cost(unit, flat)

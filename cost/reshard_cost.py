@@ -36,27 +36,17 @@ def _bytes(shape: Sequence[int], itemsize: int) -> float:
 
 
 # Forward cost of each step kind: which collective, on the local shape before or after the step.
-# A step's all-gathers and reduce-scatters run in two levels where that pays
-# (``Mesh.two_level_gathers``; the runtime's ``autopar.program.collectives``).
-def _gather(mesh: Mesh, nbytes: float, axis: int) -> float:
-    return mesh.all_gather_cost(nbytes, axis, two_level=True)
-
-
-def _scatter(mesh: Mesh, nbytes: float, axis: int) -> float:
-    return mesh.reduce_scatter_cost(nbytes, axis, two_level=True)
-
-
 _FWD = {
-    StepKind.ALL_GATHER: (_gather, "out"),
+    StepKind.ALL_GATHER: (Mesh.all_gather_cost, "out"),
     StepKind.ALL_REDUCE: (Mesh.all_reduce_cost, "in"),
-    StepKind.REDUCE_SCATTER: (_scatter, "in"),
+    StepKind.REDUCE_SCATTER: (Mesh.reduce_scatter_cost, "in"),
     StepKind.ALL_TO_ALL: (Mesh.all_to_all_cost, "in"),
 }
 # Backward conjugate of each step kind (an all-gather's is free unless its gradient arrives
 # partial, see ``step_backward_cost``).
 _BWD = {
-    StepKind.SLICE: (_gather, "in"),
-    StepKind.REDUCE_SCATTER: (_gather, "in"),
+    StepKind.SLICE: (Mesh.all_gather_cost, "in"),
+    StepKind.REDUCE_SCATTER: (Mesh.all_gather_cost, "in"),
     StepKind.ALL_TO_ALL: (Mesh.all_to_all_cost, "out"),
 }
 
@@ -78,7 +68,7 @@ def step_backward_cost(step: ReshardStep, itemsize: int, mesh: Mesh, fused_sync:
     """Backward seconds of the step's conjugate (``fused_sync``: an all-gather whose gradient
     arrives partial becomes a reduce-scatter)."""
     if step.kind == StepKind.ALL_GATHER:
-        return _scatter(mesh, _bytes(step.out_shape, itemsize), step.axis) if fused_sync else 0.0
+        return mesh.reduce_scatter_cost(_bytes(step.out_shape, itemsize), step.axis) if fused_sync else 0.0
     return _apply(_BWD, step, itemsize, mesh)
 
 

@@ -104,9 +104,7 @@ def _zero3_params(gm: GraphModule) -> list[Node]:
 
 
 def _param_gathers(gm: GraphModule, phase: Phase) -> list[Node]:
-    """All-gathers (issue nodes) in ``phase`` computed from exactly one ZeRO-3 parameter: a gather
-    in two levels counts by its first (across the nodes; the one on the node gathers what that
-    one's wait returns, where the weight is used, ``autopar.program.collectives._gather_flat``)."""
+    """All-gathers (issue nodes) in ``phase`` computed from exactly one ZeRO-3 parameter."""
     params = set(_zero3_params(gm))
     if not params:
         return []
@@ -119,7 +117,6 @@ def _param_gathers(gm: GraphModule, phase: Phase) -> list[Node]:
         and n.meta.get(PHASE) == phase
         and len(src[n]) == 1
         and next(iter(src[n])) in params
-        and not is_wait(n.args[0])
     ]
 
 

@@ -81,7 +81,6 @@ def mesh_axes(
     stage_from: int = 0,
     two_level: Sequence[Sequence[int]] = (),
     gpus_per_node: int = 1,
-    two_level_gathers: Sequence[int] = (),
 ) -> tuple[list[AxisGroup], Any, Any]:
     """This rank's view of every axis of the mesh ``shape`` (named ``names``) — its own process
     group, created with the collective ``timeout`` (seconds), and its coordinate — a
@@ -97,8 +96,7 @@ def mesh_axes(
     Each set of axes in ``two_level`` (indices into ``shape``; ``Plan.two_level``) gets, for each
     of its groups, a group of the members on each node (``gpus_per_node`` consecutive ranks) and a
     group of the members at each place on their nodes (``AxisGroup.levels``;
-    ``passes.two_level``); so does each axis in ``two_level_gathers``, whose all-gathers and
-    reduce-scatters then run in two levels (``AxisGroup.two_level_gathers``)."""
+    ``passes.two_level``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     shape = tuple(shape)
@@ -136,7 +134,8 @@ def mesh_axes(
             combined[key] = AxisGroup(axis=-1, name=name, size=size, coord=at, group=mine, parts=parts)
     for ax in axes:
         ax.combined = combined
-    for span_axes in sorted({tuple(sorted(a)) for a in (*two_level, *((g,) for g in two_level_gathers))}):
+    for span_axes in two_level:
+        span_axes = tuple(sorted(span_axes))
         parent = (
             axes[span_axes[0]] if len(span_axes) == 1 else combined[tuple(a - stage_from for a in span_axes)]
         )
@@ -150,7 +149,7 @@ def mesh_axes(
             per = {len(m) for m in nodes.values()}
             if len(per) != 1 or len(nodes) < 2 or min(per) < 2:
                 raise ValueError(
-                    f"the plan runs {parent.name}'s collectives in two levels, but its group {sub} has "
+                    f"the plan reduces {parent.name}'s gradients in two levels, but its group {sub} has "
                     f"{[len(m) for m in nodes.values()]} members on its nodes of {gpus_per_node} ranks: two "
                     f"levels need at least 2 nodes with the same number (≥ 2) on each; plan again for this world"
                 )
@@ -179,8 +178,6 @@ def mesh_axes(
                     )
         if inside is not None and across is not None:
             parent.levels = (inside, across)
-    for a in two_level_gathers:
-        axes[a].two_level_gathers = axes[a].levels is not None
     return axes, mesh, world_group
 
 
@@ -251,25 +248,12 @@ def join_mesh(plan: Plan, device: torch.device, timeout: float = DEFAULT_TIMEOUT
     per_node = int(plan.cluster.get("gpus_per_node", 1))
     if plan.pipeline is None:
         axes, mesh, world_group = mesh_axes(
-            plan.mesh_shape,
-            plan.mesh_axes,
-            device,
-            timeout,
-            two_level=plan.two_level,
-            gpus_per_node=per_node,
-            two_level_gathers=plan.two_level_gathers,
+            plan.mesh_shape, plan.mesh_axes, device, timeout, two_level=plan.two_level, gpus_per_node=per_node
         )
         return RankWorld(axes, None, device, mesh, world_group, timeout)
     shape, names = (plan.pipeline.pp, *plan.mesh_shape), ("pp", *plan.mesh_axes)
     two = [tuple(1 + a for a in axis_set) for axis_set in plan.two_level]
     axes, mesh, world_group = mesh_axes(
-        shape,
-        names,
-        device,
-        timeout,
-        stage_from=1,
-        two_level=two,
-        gpus_per_node=per_node,
-        two_level_gathers=[1 + a for a in plan.two_level_gathers],
+        shape, names, device, timeout, stage_from=1, two_level=two, gpus_per_node=per_node
     )
     return RankWorld(axes[1:], axes[0], device, mesh, world_group, timeout)

@@ -84,12 +84,9 @@ class AxisGroup:
     ``autopar.cost`` prices it, not once per axis (``passes.lower``)."""
 
     levels: tuple[AxisGroup, AxisGroup] | None = None
-    """Where the plan reduces this group's gradients in two levels (``Plan.two_level``) or runs
-    its gathers so (``two_level_gathers``): the group of its members on this rank's node and the
-    group of the members at this rank's place on every node (``passes.two_level``)."""
-    two_level_gathers: bool = False
-    """The reshards' all-gathers and reduce-scatters over this axis run in two levels
-    (``Plan.two_level_gathers``; ``_gather_flat``, ``_scatter_rows``)."""
+    """Where the plan reduces this group's gradients in two levels (``Plan.two_level``): the
+    group of its members on this rank's node and the group of the members at this rank's place
+    on every node (``passes.two_level``)."""
 
     def __repr__(self) -> str:
         return f"AxisGroup({self.name}, size={self.size}, coord={self.coord})"
@@ -122,38 +119,11 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _fc.wait_tensor(t)
 
 
-def _gather_flat(flat: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
-    """Every rank's ``flat`` piece of ``ax``, concatenated in the group's order: one all-gather, or
-    where the axis gathers in two levels (``AxisGroup.two_level_gathers``; the members on each
-    node consecutive in the group, ``p`` per node on ``N`` nodes) the pieces gathered across the
-    nodes, then on the node, and put back in the group's order (``autopar.cost.comm``: two-level
-    all-gather)."""
-    if not ax.two_level_gathers or ax.levels is None:
-        return _wait(_fc.all_gather_into_tensor(flat, ax.size, ax.group_name))
-    inside, across = ax.levels
-    by_node = _wait(_fc.all_gather_into_tensor(flat, across.size, across.group_name))
-    by_place = _wait(_fc.all_gather_into_tensor(by_node, inside.size, inside.group_name))
-    return by_place.view(inside.size, across.size, -1).transpose(0, 1).reshape(-1)
-
-
-def _scatter_rows(v: torch.Tensor, ax: AxisGroup) -> torch.Tensor:
-    """This rank's summed ``1/n`` of ``v``'s rows (dimension 0, in the group's order): one
-    reduce-scatter, or in two levels (``_gather_flat``'s) on the node, then across the nodes."""
-    if not ax.two_level_gathers or ax.levels is None:
-        return _wait(_fc.reduce_scatter_tensor(v, "sum", ax.size, ax.group_name))
-    inside, across = ax.levels
-    p, nodes = inside.size, across.size
-    rows = v.shape[0] // (p * nodes)
-    by_place = v.reshape(nodes, p, rows, *v.shape[1:]).transpose(0, 1).reshape(v.shape).contiguous()
-    on_node = _wait(_fc.reduce_scatter_tensor(by_place, "sum", p, inside.group_name))
-    return _wait(_fc.reduce_scatter_tensor(on_node, "sum", nodes, across.group_name))
-
-
 def _gather(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direction: str) -> torch.Tensor:
     ax.note("all_gather", direction)
     n = ax.size
     x = x.contiguous()
-    flat = _gather_flat(x.view(-1), ax)
+    flat = _wait(_fc.all_gather_into_tensor(x.view(-1), n, ax.group_name))
     buf = flat.view(n, *x.shape)
     # buf[r] is rank r's piece; interleave along dim (per block when blocks > 1).
     if blocks == 1:
@@ -190,14 +160,14 @@ def _reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direc
     n = ax.size
     if blocks == 1:
         moved = x.movedim(dim, 0).contiguous()
-        out = _scatter_rows(moved, ax)
+        out = _wait(_fc.reduce_scatter_tensor(moved, "sum", n, ax.group_name))
         return out.movedim(0, dim).contiguous()
     # Blocked layout: reorder so each rank's pieces are contiguous, then scatter.
     shape = list(x.shape)
     per_block = shape[dim] // blocks
     piece = per_block // n
     v = x.reshape(*shape[:dim], blocks, n, piece, *shape[dim + 1 :]).movedim(dim + 1, 0).contiguous()
-    out = _scatter_rows(v, ax)
+    out = _wait(_fc.reduce_scatter_tensor(v, "sum", n, ax.group_name))
     return out.reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :])
 
 
