@@ -2,7 +2,7 @@
 
     python examples/compression.py converge [--steps 200] [--ranks 2 4 8] [--warmup 0 20] [--seeds 1 2 3]
                                             [--densities 0.01 0.1]
-    python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b:128] [--no-baseline]
+    python examples/compression.py ethernet [--models llama3-8b gpt3-1.3b:128] [--no-baseline] [--nodes 8]
 
 * ``converge`` — a small GPT (2 layers, width 64) trained data parallel on 4 gloo processes for
   ``--steps`` AdamW steps on a stream of sequences from a fixed random bigram table (two
@@ -15,10 +15,11 @@
   training stream's; the held-out sequences stay the same) every variant trains once per seed and
   the loss is the mean over the seeds, with the spread of each seed's ratio to its own exact run:
   one stream's difference is partly the stream's.
-* ``ethernet`` — each model's shape planned for 8 nodes × 8 H100 joined by one 400 Gb/s Ethernet
-  NIC per node (``Cluster.preset(network="ethernet-400g")``): the best Megatron-LM layout for that
-  cluster (``layouts.best_megatron``, every knob tuned; it compresses nothing: Megatron-LM has no
-  gradient compression), autopar's plan with exact gradients, autopar's plan with compression
+* ``ethernet`` — each model's shape planned for ``--nodes`` nodes × 8 H100 joined by one 400 Gb/s
+  Ethernet NIC per node (``Cluster.preset(network="ethernet-400g")``): the best Megatron-LM layout
+  for that cluster (``layouts.best_megatron``, every knob tuned; it compresses nothing: Megatron-LM
+  has no gradient compression), autopar's plan with exact gradients, the same with every gradient
+  all-reduce held to one ring (``Cluster.two_level=False``: no two-level reduction), autopar's plan with compression
   allowed (``allow_compression=True``), and autopar's plan made for the same nodes on InfiniBand
   (one NIC per GPU) as if the network were uniform, run on Ethernet: its layout (mesh, every
   weight's placement, pipeline cut, micro-batches, recomputation) held and played there. Each with
@@ -36,6 +37,7 @@ import argparse
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +170,10 @@ def _compare(name: str, eth: Any, ib: Any, baseline: bool) -> None:
     print(f"\n{name}")
     candidates = [
         ("autopar, exact gradients", lambda: autopar.plan(model, inputs, eth)),
+        (
+            "autopar, exact, one-ring reductions",
+            lambda: autopar.plan(model, inputs, replace(eth, two_level=False)),
+        ),
         ("autopar, compression allowed", lambda: autopar.plan(model, inputs, eth, allow_compression=True)),
         (
             "autopar planned for InfiniBand",
@@ -184,9 +190,9 @@ def _compare(name: str, eth: Any, ib: Any, baseline: bool) -> None:
         print(f"  compression allowed vs {label}: {plan.predicted.step_time / best:.3f}×")
 
 
-def ethernet(models: list[str], baseline: bool) -> None:
-    eth = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=8, network="ethernet-400g")
-    ib = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=8)
+def ethernet(models: list[str], baseline: bool, nodes: int = 8) -> None:
+    eth = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=nodes, network="ethernet-400g")
+    ib = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=nodes)
     print(f"cluster: {eth.describe()}")
     for name in models:
         _compare(name, eth, ib, baseline)
@@ -204,11 +210,12 @@ def main() -> None:
     e = sub.add_parser("ethernet")
     e.add_argument("--models", nargs="+", default=["llama3-8b", "gpt3-1.3b"])
     e.add_argument("--no-baseline", action="store_true", help="skip best_megatron (slow)")
+    e.add_argument("--nodes", type=int, default=8, help="nodes of 8 H100, one 400 Gb/s NIC each")
     args = p.parse_args()
     if args.what == "converge":
         converge(args.steps, args.ranks, args.warmup, args.seeds, args.densities)
     else:
-        ethernet(args.models, not args.no_baseline)
+        ethernet(args.models, not args.no_baseline, args.nodes)
 
 
 if __name__ == "__main__":

@@ -141,44 +141,44 @@ def mesh_axes(
         )
         others = [a for a in range(len(shape)) if a not in span_axes]
         size = math.prod(shape[a] for a in span_axes)
-        inside = across = None
-        for sub in ranks.permute(*others, *span_axes).reshape(-1, size).tolist():
-            nodes: dict[int, list[int]] = {}
-            for r in sorted(sub):
-                nodes.setdefault(r // gpus_per_node, []).append(r)
-            per = {len(m) for m in nodes.values()}
-            if len(per) != 1 or len(nodes) < 2 or min(per) < 2:
-                raise ValueError(
-                    f"the plan reduces {parent.name}'s gradients in two levels, but its group {sub} has "
-                    f"{[len(m) for m in nodes.values()]} members on its nodes of {gpus_per_node} ranks: two "
-                    f"levels need at least 2 nodes with the same number (≥ 2) on each; plan again for this world"
-                )
-            for members in nodes.values():
-                g = dist.new_group(members, timeout=span)
-                if rank in members:
-                    inside = AxisGroup(
-                        axis=-1,
-                        name=f"{parent.name}/node",
-                        size=len(members),
-                        coord=members.index(rank),
-                        group=g,
-                        parts=(parent,),
-                    )
-            for place in range(min(per)):
-                members = [m[place] for m in nodes.values()]
-                g = dist.new_group(members, timeout=span)
-                if rank in members:
-                    across = AxisGroup(
-                        axis=-1,
-                        name=f"{parent.name}/across",
-                        size=len(members),
-                        coord=members.index(rank),
-                        group=g,
-                        parts=(parent,),
-                    )
-        if inside is not None and across is not None:
-            parent.levels = (inside, across)
+        groups = ranks.permute(*others, *span_axes).reshape(-1, size).tolist()
+        parent.levels = _levels(parent, groups, gpus_per_node, span)
     return axes, mesh, world_group
+
+
+def _levels(
+    parent: AxisGroup, groups: list[list[int]], gpus_per_node: int, span: datetime.timedelta
+) -> tuple[AxisGroup, AxisGroup] | None:
+    """This rank's two levels of ``parent`` (``AxisGroup.levels``): every group of ``groups`` (the
+    ranks of each of ``parent``'s groups) split into its members on each node and its members at
+    each place on their nodes, each a process group (every rank creates all of them, in order)."""
+    rank = dist.get_rank()
+    mine: dict[str, AxisGroup] = {}
+    for sub in groups:
+        nodes: dict[int, list[int]] = {}
+        for r in sorted(sub):
+            nodes.setdefault(r // gpus_per_node, []).append(r)
+        per = {len(m) for m in nodes.values()}
+        if len(per) != 1 or len(nodes) < 2 or min(per) < 2:
+            raise ValueError(
+                f"the plan reduces {parent.name}'s gradients in two levels, but its group {sub} has "
+                f"{[len(m) for m in nodes.values()]} members on its nodes of {gpus_per_node} ranks: two "
+                f"levels need at least 2 nodes with the same number (≥ 2) on each; plan again for this world"
+            )
+        places = [[m[place] for m in nodes.values()] for place in range(min(per))]
+        for level, lists in (("node", list(nodes.values())), ("across", places)):
+            for members in lists:
+                g = dist.new_group(members, timeout=span)
+                if rank in members:
+                    mine[level] = AxisGroup(
+                        axis=-1,
+                        name=f"{parent.name}/{level}",
+                        size=len(members),
+                        coord=members.index(rank),
+                        group=g,
+                        parts=(parent,),
+                    )
+    return (mine["node"], mine["across"]) if len(mine) == 2 else None
 
 
 class _Released:
