@@ -127,15 +127,20 @@ def _worker(rank: int, world: int, plan: Any, optimizer: str) -> dict[str, Any]:
     pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
     losses = train(pm, inputs, make_optimizer(optimizer, pm.parameters()))
     graphs = [pm.step.backward] if pm.step is not None else []
+    local = []  # the micro-batches before the last: their gradients are summed, not reduced
     if pm.pipeline is not None:
         for s in pm.pipeline.steps.values():
-            graphs += [g for g in (s.backward_weight, s.backward_weight_local) if g is not None]
+            graphs.append(s.backward_weight)
+            local += [s.backward_weight_local] if s.backward_weight_local is not None else []
     heads = sum(1 for g in graphs for n in g.graph.nodes if n.meta.get(TWO_LEVEL))
+    early = sum(1 for g in local for n in g.graph.nodes if "c10d_functional" in str(n.target))
     levels = pm.axes[0].levels
     return {
         "losses": losses,
         "state": pm.full_state_dict(),
         "heads": heads,
+        "early": early,
+        "deferred": len(local),
         "levels": None if levels is None else [lv.size for lv in levels],
     }
 
@@ -157,6 +162,8 @@ def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microba
     for r, got in enumerate(out):
         assert got["levels"] == [2, 2], got["levels"]
         assert got["heads"] > 0, f"rank {r}: no two-level reduction in its program"
+        # Under micro-batches the reduction is deferred to the last: the others communicate nothing.
+        assert got["deferred"] == (microbatches > 1) and got["early"] == 0, (got["deferred"], got["early"])
         if compression is not None:  # bf16 gradients: the losses follow within bf16's rounding
             assert got["losses"] == pytest.approx(losses, rel=1e-3), (got["losses"], losses)
             continue
