@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from autopar.audit import audited
@@ -178,7 +179,7 @@ def _note_gathered_outputs(cap: Captured, plan: Plan) -> None:
     seconds, moved, what = 0.0, 0.0, []
     for i, n in enumerate(output_node(cap.gm).all_input_nodes):
         val, node = n.meta.get("val"), by_name.get(n.name)
-        if node is None or not node.outputs or getattr(val, "dim", lambda: 0)() == 0:
+        if node is None or not node.outputs or not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
         nbytes = float(val.numel() * val.element_size())
         spec = parse_spec(node.outputs[0])

@@ -491,10 +491,7 @@ class Cluster:
         groups = _device_groups(mesh_shape, axes)
         worst = (len(groups[0]), 1)
         for devices in groups:
-            per_node: dict[int, int] = {}
-            for d in devices:
-                node = d // self.gpus_per_node
-                per_node[node] = per_node.get(node, 0) + 1
+            per_node = self._members_per_node(devices)
             span = (min(per_node.values()), len(per_node))
             if span[1] > worst[1] or (span[1] == worst[1] and span[0] < worst[0]):
                 worst = span
@@ -504,13 +501,17 @@ class Cluster:
         """Whether every group of mesh axes ``axes`` has the same number of members on each node it
         spans (a two-level collective, ``autopar.cost.comm.two_level_all_reduce_cost``, splits
         each group into one group per node and one group per member's place on its node)."""
-        for devices in _device_groups(mesh_shape, axes):
-            per_node: dict[int, int] = {}
-            for d in devices:
-                per_node[d // self.gpus_per_node] = per_node.get(d // self.gpus_per_node, 0) + 1
-            if len(set(per_node.values())) > 1:
-                return False
-        return True
+        return all(
+            len(set(self._members_per_node(devices).values())) == 1
+            for devices in _device_groups(mesh_shape, axes)
+        )
+
+    def _members_per_node(self, devices: list[int]) -> dict[int, int]:
+        """Node -> how many of ``devices`` (cluster ranks) it holds."""
+        per_node: dict[int, int] = {}
+        for d in devices:
+            per_node[d // self.gpus_per_node] = per_node.get(d // self.gpus_per_node, 0) + 1
+        return per_node
 
     def racks_spanned(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
         """The most racks any group of mesh axes ``axes`` spans (``nodes_per_rack``; 1 without)."""

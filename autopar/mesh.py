@@ -63,6 +63,10 @@ class Mesh:
         default_factory=dict, init=False, compare=False, repr=False
     )
     """Memo of ``group``: the span of a set of axes is fixed by the shape and the cluster."""
+    _two_levels: dict[tuple[int, ...], bool] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    """Memo of ``two_level`` (its even-span check walks every group of the axes)."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
@@ -156,9 +160,15 @@ class Mesh:
         cluster allows it (``Cluster.two_level``), its groups span several nodes with the same
         number of members on each, and the two levels are faster than one collective."""
         key = tuple(a for a in _axes(axes) if self.shape[a] > 1)
-        if not key or not self.cluster.two_level or not self.cluster.even_span(self.shape, key):
-            return False
-        return comm.two_level_pays(self.group(key))
+        got = self._two_levels.get(key)
+        if got is None:
+            got = self._two_levels[key] = bool(
+                key
+                and self.cluster.two_level
+                and self.cluster.even_span(self.shape, key)
+                and comm.two_level_pays(self.group(key))
+            )
+        return got
 
     def all_gather_cost(
         self,

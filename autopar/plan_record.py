@@ -215,7 +215,6 @@ def build_plan(
                 )
             )
     compute = sum(s.compute_time for s in chosen.values())
-    names = axis_names(mesh.shape, gm, choice)
     params = {}
     inputs = {}
     for n, s in chosen.items():
@@ -226,7 +225,7 @@ def build_plan(
             inputs[info.fqn] = format_spec(s.outputs[0])
     return Plan(
         mesh_shape=mesh.shape,
-        mesh_axes=names,
+        mesh_axes=axis_names(mesh.shape, gm, choice),
         nodes=nodes,
         params=params,
         param_aliases={k: list(v) for k, v in cap.param_aliases.items() if k in params},

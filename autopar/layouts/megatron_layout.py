@@ -180,9 +180,10 @@ def megatron(
     the tensor axis innermost so it stays inside a node. Each data-parallel rank trains on its own
     sequences: every batched input is split along its batch over ``dp`` (where the batch divides)
     and every floating-point value computed from the batch stays split there; weights outside the
-    tensor-parallel roles (norms, biases, position tables) are whole on every rank. With ``ep > 1`` (which must divide
-    ``dp``: Megatron-LM carves the expert-parallel group out of the data-parallel one) the mesh is
-    ``(dp / ep, ep, tp)`` (axes of size 1 dropped): every mixture-of-experts region
+    tensor-parallel roles (norms, biases, position tables) are whole on every rank.
+
+    With ``ep > 1`` (which must divide ``dp``: Megatron-LM carves the expert-parallel group out of
+    the data-parallel one) the mesh is ``(dp / ep, ep, tp)`` (axes of size 1 dropped): every mixture-of-experts region
     (``autopar.rules.routing``) keeps its experts' weights split by expert along ``ep`` and used
     where they lie, so its tokens are dispatched to them and combined back by all-to-all;
     attention and the rest are data-parallel along ``ep``, as in Megatron-LM. Experts are not
@@ -301,7 +302,7 @@ def megatron(
         if a is not None and any(spec[a] == "S(0)" for spec in fixed.values())
     ]
     batch_axes = [a for a in (*data_split, c_axis) if a is not None and mesh[a] > 1]
-    from_batch = _context_split_ops(cap) if batch_axes else set()
+    from_batch = _batch_ops(cap) if batch_axes else set()
     split_dims: dict[str, set[int]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -460,7 +461,7 @@ def _from_batch(cap: Captured) -> set[Node]:
     return out
 
 
-def _context_split_ops(cap: Captured) -> set[Node]:
+def _batch_ops(cap: Captured) -> set[Node]:
     """The ops that compute or read a floating-point value of more than one element computed
     from the batch: none runs whole on every data-parallel or context rank (integer
     bookkeeping, such as shifting the labels, may)."""
