@@ -11,6 +11,12 @@ in the wheel: read a file through ``data_path(name)``, never by a path relative 
   built on the meta device from the row, captured, annotated and walked as one eager step
   (``autopar.passes.eager_step.single_device_step``); nothing is fitted per row.
 
+* ``published_runs.csv`` — published large-scale H100 runs (Megatron-Core's weak-scaling table,
+  NVIDIA's LLaMA 3.1 benchmarks), each predicted with its own layout by
+  ``examples/published_runs.py``; ``published_runs_more.csv`` — more such rows (Nemotron-4 15B and
+  340B, GPT-3 175B, LLaMA 3.1 405B from NVIDIA's dgxc-benchmarking), held out: read after the cost
+  model was fitted, never tuned to.
+
 ``check_calibration()`` returns one :class:`Comparison` per figure; ``format_comparisons`` prints
 them (``examples/check_calibration.py``).
 """

@@ -74,6 +74,18 @@ def _local(shape: Sequence[int], spec: list, mesh_shape: Sequence[int]) -> tuple
     return local_shape(shape, tuple(spec), mesh_shape)
 
 
+def _innermost_split(cur: list, dst: Spec, a: int, d: int, others: list[int]) -> bool:
+    """Whether axis ``a``'s split of dimension ``d`` would be the innermost one, every other axis
+    that splits ``d`` an outer one (``b < a``) that keeps its placement: then a reduce-scatter of the
+    local block along ``d`` lands exactly on ``a``'s share (the outer axes' blocks are untouched), as
+    Megatron-Core's sequence-parallel reduce-scatter runs inside a context-parallel chunk."""
+    for b in others:
+        splits = [isinstance(p, Shard) and p.dim == d for p in (cur[b], dst[b])]
+        if any(splits) and (b > a or cur[b] != dst[b] or cur[b].blocks != 1):
+            return False
+    return True
+
+
 def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> list[ReshardStep]:
     """Collectives that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
     if src == dst:
@@ -105,11 +117,7 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
             gather_inner(a, q.dim)
         if isinstance(p, Partial):
             others = [b for b in range(n_axes) if b != a]
-            if (
-                isinstance(q, Shard)
-                and q.blocks == 1
-                and not any(shards_dim(cur[b], q.dim) or shards_dim(dst[b], q.dim) for b in others)
-            ):
+            if isinstance(q, Shard) and q.blocks == 1 and _innermost_split(cur, dst, a, q.dim, others):
                 emit(StepKind.REDUCE_SCATTER, a, q, dim=q.dim)
             else:
                 emit(StepKind.ALL_REDUCE, a, R)

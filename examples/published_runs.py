@@ -1,6 +1,8 @@
 """Published large-scale training runs, predicted: each row of ``reference/published_runs.csv``
-planned with the row's own layout on the row's cluster, its simulated step turned into TFLOP/s per
-GPU with the source's FLOP count, against the published figure.
+(rows 1-13) and of ``reference/published_runs_more.csv`` (rows 14-22: held out, gathered after the
+cost model was fitted; its header gives each source) planned with the row's own layout on the
+row's cluster, its simulated step turned into TFLOP/s per GPU with the source's FLOP count, against
+the published figure.
 
     python examples/published_runs.py                 # every row (minutes: each row is planned)
     python examples/published_runs.py --rows 1 2 5    # some rows (1-based, the CSV's order)
@@ -23,6 +25,11 @@ Models, on the meta device in bf16:
 * ``dgxc_llama31`` — transformers' ``LlamaForCausalLM`` with the row's shape (``autopar.zoo``);
   FLOPs per token ``6·P + 12·L·s·h`` (P every parameter, the attention scores non-causal), as the
   dgxc tables count them.
+* ``dgxc_nemotron4`` — transformers' ``NemotronForCausalLM`` (squared-ReLU MLP without a gate,
+  partial rotary, LayerNorm) with the row's shape; FLOPs per token as ``dgxc_llama31``.
+* ``dgxc_gpt3`` — ``autopar.models.GPT`` with GPT-3 175B's shape, and the row's ``dropout`` (NeMo's
+  recipe trains it with 0.1 on the attention and hidden states); FLOPs per token as
+  ``dgxc_llama31``.
 
 The cluster is ``Cluster.preset("H100-SXM", gpus_per_node=8, nodes=gpus/8)`` (DGX H100: NVLink
 inside a node, one 400 Gb/s NIC per GPU).
@@ -43,13 +50,18 @@ import autopar.audit
 from autopar.models import GPT, GPTConfig
 from autopar.reference import data_path
 
-CSV = data_path("published_runs.csv")
+CSVS = (data_path("published_runs.csv"), data_path("published_runs_more.csv"))
+GPT_SOURCES = ("mcore_gpt", "dgxc_gpt3")
 RECOMPUTE = ("none", "selective", "full")
 
 
 def rows() -> list[dict[str, str]]:
-    with open(CSV) as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#") and line.strip()))
+    """Every row of both tables, the given one first (rows 1-13), then the held-out one."""
+    out: list[dict[str, str]] = []
+    for path in CSVS:
+        with open(path) as f:
+            out += csv.DictReader(line for line in f if not line.startswith("#") and line.strip())
+    return out
 
 
 def _int(r: dict[str, str], key: str, default: int) -> int:
@@ -59,11 +71,20 @@ def _int(r: dict[str, str], key: str, default: int) -> int:
 def build_model(r: dict[str, str]) -> torch.nn.Module:
     """Row ``r``'s model on the meta device, bf16 (module docstring)."""
     layers, hidden, heads, seq = int(r["layers"]), int(r["hidden"]), int(r["heads"]), int(r["seq"])
-    if r["source"] == "mcore_gpt":
+    if r["source"] in GPT_SOURCES:
         cfg = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=int(r["vocab"]),
-                        tie_embeddings=False)  # fmt: skip
+                        tie_embeddings=False, dropout=float(r.get("dropout") or 0.0))  # fmt: skip
         with torch.device("meta"):
             return GPT(cfg).to(torch.bfloat16)
+    if r["source"] == "dgxc_nemotron4":
+        from transformers import NemotronConfig, NemotronForCausalLM
+
+        ncfg = NemotronConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                              num_key_value_heads=int(r["kv_heads"]), intermediate_size=int(r["ffn"]),
+                              vocab_size=int(r["vocab"]), max_position_embeddings=seq, use_cache=False,
+                              tie_word_embeddings=False)  # fmt: skip
+        with torch.device("meta"):
+            return NemotronForCausalLM(ncfg).to(torch.bfloat16)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -76,7 +97,7 @@ def build_model(r: dict[str, str]) -> torch.nn.Module:
 
 def example_inputs(r: dict[str, str]) -> Any:
     ids = torch.empty(int(r["gbs"]), int(r["seq"]), dtype=torch.long, device="meta")
-    if r["source"] == "mcore_gpt":
+    if r["source"] in GPT_SOURCES:
         return (ids, ids.clone())
     return {"input_ids": ids, "labels": ids.clone()}
 

@@ -72,3 +72,43 @@ def test_llama31_8b_runs_with_its_context_parallelism() -> None:
     predicted = per_token * int(r["gbs"]) * int(r["seq"]) / (plan.predicted.step_time * int(r["gpus"])) / 1e12
     assert abs(predicted / R.published_tflops(r, per_token) - 1) <= 0.15, predicted
     assert not autopar_audit(plan)
+
+
+@pytest.mark.timeout(300)
+def test_held_out_nemotron4_row_is_predicted_within_10_percent() -> None:
+    """A row held out of the calibration (``reference/published_runs_more.csv``, read after the
+    cost model was fitted): NVIDIA's Nemotron-4 15B on 16 H100 (TP 4, MBS 4, GA 4), transformers'
+    ``NemotronForCausalLM`` — squared-ReLU MLP without a gate, grouped-query attention, partial
+    rotary — planned with its own layout; −0.2 % when written."""
+    r = next(r for r in R.rows() if r["model"] == "Nemotron-4 15B" and r["gpus"] == "16")
+    net = R.build_model(r)
+    assert type(net).__name__ == "NemotronForCausalLM"
+    plan = R.plan_row(r, net)
+    per_token = R.flops_per_token(net, r)
+    predicted = per_token * int(r["gbs"]) * int(r["seq"]) / (plan.predicted.step_time * int(r["gpus"])) / 1e12
+    assert abs(predicted / R.published_tflops(r, per_token) - 1) <= 0.10, predicted
+    assert plan.pipeline.microbatches == 4 and plan.recompute == "none"
+    assert not autopar_audit(plan)
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_sequence_parallel_reduce_scatters_stay_reduce_scatters() -> None:
+    """LLaMA 3.1 405B's layout on 32 H100 (TP 8 with sequence parallelism, CP 2; 7 of its layers,
+    as NVIDIA's 32-GPU row runs it): the sequence is split over cp and, inside each cp chunk, over
+    tp. Each row-parallel output leaves tp by one reduce-scatter of the local chunk (not an
+    all-reduce and a slice, twice the bytes), and the loss reads the logits without partial sums
+    over cp. The prediction is within 15 % of the published step (−14.6 % when written; NeMo
+    overlaps the tensor-parallel collectives with the matmuls, ``ub_tp_comm_overlap``, which this
+    layout does not)."""
+    r = next(r for r in R.rows() if r["model"] == "Llama 3.1 405B (7 layers)")
+    net = R.build_model(r)
+    plan = R.plan_row(r, net)
+    tp, cp = plan.mesh_axes.index("tp"), plan.mesh_axes.index("cp")
+    kinds = {n.name: n.op for n in plan.nodes}
+    rows_out = [rs for rs in plan.reshards if kinds.get(rs.producer) == "linear" and "P" in rs.src]
+    assert rows_out and all(c.startswith("reduce_scatter") for rs in rows_out for c in rs.collectives)
+    assert not [rs for rs in plan.reshards if f"to_partial(axis={cp})" in rs.collectives]
+    assert not [rs for rs in plan.reshards if f"all_reduce(axis={tp})" in rs.collectives]
+    per_token = R.flops_per_token(net, r)
+    predicted = per_token * int(r["gbs"]) * int(r["seq"]) / (plan.predicted.step_time * int(r["gpus"])) / 1e12
+    assert abs(predicted / R.published_tflops(r, per_token) - 1) <= 0.15, predicted

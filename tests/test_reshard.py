@@ -45,6 +45,17 @@ def kinds(steps):
         (("P", "P"), ("R", "R"), (2, 4), [("all_reduce", 1), ("all_reduce", 0)], (16, 8)),
         (("P", "S(1)"), ("R", "S(1)"), (2, 4), [("all_reduce", 0)], (16, 2)),
         (("S(1)", "P"), ("S(1)", "S(0)"), (2, 4), [("reduce_scatter", 1)], (4, 4)),
+        # an inner split of a dimension an outer axis already splits (sequence parallelism inside a
+        # context-parallel chunk): one reduce-scatter of the local block, not an all-reduce and a slice
+        (("S(1)", "P"), ("S(1)", "S(1)"), (2, 2), [("reduce_scatter", 1)], (16, 2)),
+        # the outer axis's split would land inside the inner one's: all-reduce, then slices
+        (
+            ("P", "S(1)"),
+            ("S(1)", "S(1)"),
+            (2, 2),
+            [("all_gather", 1), ("all_reduce", 0), ("slice", 0), ("slice", 1)],
+            (16, 2),
+        ),
     ],
 )
 def test_reshard_step_kinds(src, dst, mesh, expected, out_shape):

@@ -19,7 +19,7 @@ from autopar.audit import audited
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
-from autopar.graph import OpFamily, op_family, op_name, tensor_inputs, tensor_outputs
+from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import TENSOR, Strategy
 from autopar.layouts.roles import (
     expert_weights,
@@ -358,13 +358,25 @@ def megatron(
         for e in r.experts
     }
 
+    def whole_on_cp(node: Node) -> tuple[int, ...]:
+        """The context axis, for a view (a reshape, a broadcast, a slice: no arithmetic): it may
+        run on the whole sequence there, so a gather across ``cp`` can sit on
+        whichever side of it moves fewer bytes. The loss reads the logits through a flatten of
+        (batch, sequence) that no single split of both survives; with the flatten whole on ``cp``,
+        the logits are gathered once and sliced for the loss (a free slice, an all-gather of its
+        gradient) instead of gathered, made partial and reduce-scattered."""
+        if c_axis is None or node.op != "call_function":
+            return ()
+        info = op_info(op_name(node))
+        return (c_axis,) if info.family is OpFamily.VIEW else ()
+
     def megatron_execution(node: Node, s: Strategy) -> bool:
         """Weights are used where they lie (no gathering), read whole on their data-parallel axes
         under the distributed optimizer; norms as Megatron runs them; values computed from the
         batch split along the data-parallel and context axes."""
         if node.op != "call_function":
             return True
-        if node in from_batch and not all(s.split[a] for a in batch_axes):
+        if node in from_batch and not all(s.split[a] for a in batch_axes if a not in whole_on_cp(node)):
             return False
         if c_axis is not None and cp_comm_type and op_family(node) is OpFamily.ATTENTION:
             q = s.inputs[0][c_axis]
