@@ -33,6 +33,14 @@ Models, on the meta device in bf16:
 
 The cluster is ``Cluster.preset("H100-SXM", gpus_per_node=8, nodes=gpus/8)`` (DGX H100: NVLink
 inside a node, one 400 Gb/s NIC per GPU).
+
+Not modeled: most of these runs overlapped their tensor-parallel collectives with the matmuls
+(Megatron-Core's ``--tp-comm-overlap``; the CSV headers say which). Priced as pure hiding — each
+all-gather and reduce-scatter in ``tp`` ring pieces under the matmul it feeds, only the first piece
+and what the matmul cannot cover exposed — it moved 8 of the 13 rows with ``tp > 1`` that ran it to
+6–31 % too fast (GPT 70B on 768 H100: −0.3 % → +20.9 %), while helping LLaMA 3.1 405B (−14.6 % →
+−6.4 %): the rows do not support that model (the copies' share of the streaming multiprocessors,
+the pieces' smaller matmuls), so the layouts here run them unoverlapped.
 """
 
 from __future__ import annotations
