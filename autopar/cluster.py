@@ -22,13 +22,13 @@ processes on this machine talking through gloo; its figures are defaults until m
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autopar.cluster_profile import PROFILE_VERSION, load_profile, local_host
 from autopar.devices import (
     GB,
     NETWORKS,
@@ -42,6 +42,7 @@ from autopar.devices import (
     link_from_dict,
     link_to_dict,
 )
+from autopar.mesh_groups import device_groups, mesh_arithmetic
 from autopar.node_groups import NodeGroup, floor_device, matmul_rate
 
 __all__ = [
@@ -488,7 +489,7 @@ class Cluster:
         any of their nodes holds: a collective is as slow as its slowest group, and a node's share
         of the inter-node traffic goes through as many NICs as it has members there.
         """
-        groups = _device_groups(mesh_shape, axes)
+        groups = device_groups(mesh_shape, axes)
         worst = (len(groups[0]), 1)
         for devices in groups:
             per_node = self._members_per_node(devices)
@@ -503,7 +504,7 @@ class Cluster:
         each group into one group per node and one group per member's place on its node)."""
         return all(
             len(set(self._members_per_node(devices).values())) == 1
-            for devices in _device_groups(mesh_shape, axes)
+            for devices in device_groups(mesh_shape, axes)
         )
 
     def _members_per_node(self, devices: list[int]) -> dict[int, int]:
@@ -518,7 +519,7 @@ class Cluster:
         if self.nodes_per_rack is None or not axes:
             return 1
         per_rack = self.gpus_per_node * self.nodes_per_rack
-        return max(len({d // per_rack for d in devices}) for devices in _device_groups(mesh_shape, axes))
+        return max(len({d // per_rack for d in devices}) for devices in device_groups(mesh_shape, axes))
 
     def network_link(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> Link:
         """The inter-node NIC as the groups of mesh axes ``axes`` see it: slowed by the spine's
@@ -598,67 +599,6 @@ class Cluster:
             node_groups=tuple(NodeGroup.from_dict(g) for g in d.get("node_groups", ())),
             host=HostSpec.from_dict(d["host"]) if d.get("host") else None,
         )
-
-
-PROFILE_VERSION = 1
-"""Version of the profile JSON ``autopar.runtime.calibrate`` writes and ``load_profile`` reads."""
-
-
-def local_host(device: DeviceSpec, processes: int) -> HostSpec:
-    """The host of ``processes`` CPU processes on this machine (``Cluster.local``): its own memory.
-    Each process's share of the host's bandwidth is its device's, its optimizer step on the host
-    runs as fast as on its device, and "offloading" is a copy within the same memory (read and
-    write: half the bandwidth memory-bound kernels reach)."""
-    eff = device.optimizer_efficiency or device.memory_efficiency
-    return HostSpec(
-        name="this machine",
-        memory=device.memory * processes,
-        memory_bandwidth=device.memory_bandwidth * processes,
-        link=Link(name="memcpy", bandwidth=device.achieved_bandwidth / 2, latency=1e-6),
-        optimizer_efficiency=eff,
-    )
-
-
-def load_profile(profile: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
-    """A calibration profile (``autopar.runtime.calibrate``), from a JSON file or as given,
-    checked: its version, and that its device figures are ``DeviceSpec`` fields."""
-    if isinstance(profile, dict):
-        prof = profile
-    else:
-        with open(profile) as f:
-            prof = json.load(f)
-    if prof.get("version") != PROFILE_VERSION:
-        raise ValueError(
-            f"calibration profile version {prof.get('version')!r} is not {PROFILE_VERSION}: measure again "
-            "with autopar.runtime.calibrate"
-        )
-    known = {f.name for f in fields(DeviceSpec)}
-    unknown = sorted(set(prof.get("device", {})) - known)
-    if unknown:
-        raise ValueError(f"calibration profile: unknown device field(s) {unknown}; known: {sorted(known)}")
-    return prof
-
-
-def _device_groups(mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> list[list[int]]:
-    """The device groups mesh axes ``axes`` form together: each group's device numbers, the mesh
-    numbered row-major over the first devices of the cluster."""
-    shape = tuple(mesh_shape)
-    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
-    offsets = [0]
-    for a in axes:
-        offsets = [o + i * strides[a] for o in offsets for i in range(shape[a])]
-    bases = [0]
-    for a in (a for a in range(len(shape)) if a not in axes):
-        bases = [b + i * strides[a] for b in bases for i in range(shape[a])]
-    return [[b + o for o in offsets] for b in bases]
-
-
-def mesh_arithmetic(mesh_shape: tuple[int, ...]) -> str:
-    """``"4 × 3 = 12"`` for a 2-D mesh, ``"(16,) = 16 devices"`` for a 1-D one."""
-    total = math.prod(mesh_shape)
-    if len(mesh_shape) == 1:
-        return f"({mesh_shape[0]},) = {total} devices"
-    return " × ".join(str(n) for n in mesh_shape) + f" = {total}"
 
 
 def _preset(name: str) -> Any:

@@ -50,7 +50,7 @@ APART = {
 }
 """Group pairs whose arrow the levels allow but the design forbids, and why."""
 DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "causal_mask", "microbatch", "input_bounds", "reshard",
-        "planfile", "strategy_graph", "display", "summary_lines", "text_units", "schedule", "models", "reference_data",
+        "planfile", "strategy_graph", "display", "summary_lines", "text_units", "cluster_profile", "mesh_groups", "schedule", "models", "reference_data",
         "grad_compression", "node_groups"}  # fmt: skip
 COST = {"mesh", "config"}
 PLANNER = {
