@@ -84,23 +84,19 @@ def build_model(r: dict[str, str]) -> torch.nn.Module:
                         tie_embeddings=False, dropout=float(r.get("dropout") or 0.0))  # fmt: skip
         with torch.device("meta"):
             return GPT(cfg).to(torch.bfloat16)
-    if r["source"] == "dgxc_nemotron4":
-        from transformers import NemotronConfig, NemotronForCausalLM
+    import transformers
 
-        ncfg = NemotronConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                              num_key_value_heads=int(r["kv_heads"]), intermediate_size=int(r["ffn"]),
-                              vocab_size=int(r["vocab"]), max_position_embeddings=seq, use_cache=False,
-                              tie_word_embeddings=False)  # fmt: skip
-        with torch.device("meta"):
-            return NemotronForCausalLM(ncfg).to(torch.bfloat16)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                      num_key_value_heads=int(r["kv_heads"]), intermediate_size=int(r["ffn"]),
-                      vocab_size=int(r["vocab"]), max_position_embeddings=seq, use_cache=False,
-                      tie_word_embeddings=False)  # fmt: skip
+    config_cls, model_cls = (
+        (transformers.NemotronConfig, transformers.NemotronForCausalLM)
+        if r["source"] == "dgxc_nemotron4"
+        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
+    hf = config_cls(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                    num_key_value_heads=int(r["kv_heads"]), intermediate_size=int(r["ffn"]),
+                    vocab_size=int(r["vocab"]), max_position_embeddings=seq, use_cache=False,
+                    tie_word_embeddings=False)  # fmt: skip
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg).to(torch.bfloat16)
+        return model_cls(hf).to(torch.bfloat16)
 
 
 def example_inputs(r: dict[str, str]) -> Any:
