@@ -25,7 +25,15 @@ from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.mesh import Mesh
 from autopar.placement import Replicate, Shard, format_spec
 from autopar.planfile import NodePlan, Plan, Predicted, ReshardPlan
-from autopar.reshard import StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
+from autopar.reshard import (
+    StepKind,
+    broadcast_chain,
+    bucketed_grad_sync,
+    gathered_before_broadcast,
+    grad_sync_axes,
+    reshard_steps,
+    unbroadcast_shape,
+)
 from autopar.rules.routing import grouped_mm_operands
 
 __all__ = ["axis_names", "build_plan"]
@@ -142,6 +150,9 @@ def build_plan(
                 continue
             shape, itemsize = tuple(val.shape), val.element_size()
             steps = reshard_steps(shape, src, dst, mesh.shape)
+            if gathered_before_broadcast(broadcast_chain(i), steps):  # gathered before the repeat
+                shape = unbroadcast_shape(broadcast_chain(i))
+                steps = reshard_steps(shape, src, dst, mesh.shape)
             stage = chosen[i].zero_stage if info.kind == "param" and info.requires_grad else 0
             sync_axes = grad_reduce_axes(s.split, dst, mesh, steps, stage) if info.requires_grad else ()
             weight_compression = (  # a lookup table's gradient stays exact under PowerSGD

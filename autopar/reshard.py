@@ -33,7 +33,17 @@ from autopar.graph import tensor_inputs
 from autopar.ir import TENSOR
 from autopar.placement import Partial, Replicate, Shard, Spec, local_shape
 
-__all__ = ["ReshardStep", "StepKind", "bucketed_grad_sync", "grad_sync_axes", "reshard_steps"]
+__all__ = [
+    "BroadcastChain",
+    "ReshardStep",
+    "StepKind",
+    "broadcast_chain",
+    "bucketed_grad_sync",
+    "gathered_before_broadcast",
+    "grad_sync_axes",
+    "reshard_steps",
+    "unbroadcast_shape",
+]
 
 R = Replicate()
 
@@ -180,3 +190,74 @@ def grad_sync_axes(split: Sequence[bool], dst: Spec, requires_grad: bool = True)
     if not requires_grad:
         return ()
     return tuple(a for a, (sp, p) in enumerate(zip(split, dst)) if sp and isinstance(p, Replicate))
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastChain:
+    """``reshape(expand(unsqueeze(x, d + 1)))``: ``x``'s dimension ``d`` repeated ``times`` times in
+    place (transformers' ``repeat_kv``, the key-value heads of grouped-query attention). An
+    all-gather of the result along any other dimension gathers ``times`` copies of the same
+    values: gathering ``x`` — the expand's input — and broadcasting after moves ``times`` fewer
+    bytes, forward and backward alike (Megatron-Core gathers the key-value heads across ``cp``
+    before they are repeated)."""
+
+    unsqueeze: Node
+    expand: Node
+    reshape: Node
+    dim: int
+    """The dimension of the result that holds the repeats (``d``)."""
+    times: int
+
+
+def broadcast_chain(node: Node) -> BroadcastChain | None:
+    """The :class:`BroadcastChain` ending at ``node``, or ``None``: each link with one user, the
+    ``unsqueeze`` inserting one dimension, the ``expand`` broadcasting only it, the ``reshape``
+    merging it into the dimension before it."""
+    from autopar.graph import op_name
+
+    if node.op != "call_function" or op_name(node) not in ("reshape", "view", "_unsafe_view"):
+        return None
+    ex = node.args[0]
+    if not isinstance(ex, Node) or ex.op != "call_function" or op_name(ex) != "expand" or len(ex.users) != 1:
+        return None
+    un = ex.args[0]
+    if (
+        not isinstance(un, Node)
+        or un.op != "call_function"
+        or op_name(un) != "unsqueeze"
+        or len(un.users) != 1
+    ):
+        return None
+    shapes = [tuple(n.meta["val"].shape) if "val" in n.meta else None for n in (un.args[0], un, ex, node)]
+    if any(s is None for s in shapes) or not isinstance(un.args[0], Node):
+        return None
+    src, uns, exs, out = shapes
+    d = int(un.args[1]) % len(uns)
+    times = exs[d] if len(exs) == len(uns) else 0
+    if (
+        d < 1
+        or uns[d] != 1
+        or times < 2
+        or exs[:d] + exs[d + 1 :] != uns[:d] + uns[d + 1 :]
+        or out != (*src[: d - 1], src[d - 1] * times, *src[d:])
+    ):
+        return None
+    return BroadcastChain(un, ex, node, d - 1, times)
+
+
+def gathered_before_broadcast(chain: BroadcastChain | None, steps: Sequence[ReshardStep]) -> bool:
+    """Whether a reshard of ``chain``'s result by ``steps`` can run on the expand's input instead
+    (:class:`BroadcastChain`): every step an all-gather along a dimension other than the repeats'."""
+    return (
+        chain is not None
+        and bool(steps)
+        and all(s.kind == StepKind.ALL_GATHER and s.dim != chain.dim and s.blocks == 1 for s in steps)
+    )
+
+
+def unbroadcast_shape(chain: BroadcastChain) -> tuple[int, ...]:
+    """The shape of ``chain``'s result before the repeat (its repeats' dimension ``times`` smaller):
+    what a reshard moved before the broadcast carries."""
+    out = list(chain.reshape.meta["val"].shape)
+    out[chain.dim] //= chain.times
+    return tuple(out)

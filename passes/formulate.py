@@ -45,7 +45,16 @@ from autopar.mesh import Mesh
 from autopar.passes import PassContext
 from autopar.passes.annotate import grad_sync_share
 from autopar.placement import Replicate, Shard, Spec, format_spec, parse_spec, spec_problem
-from autopar.reshard import ReshardStep, StepKind, bucketed_grad_sync, grad_sync_axes, reshard_steps
+from autopar.reshard import (
+    ReshardStep,
+    StepKind,
+    broadcast_chain,
+    bucketed_grad_sync,
+    gathered_before_broadcast,
+    grad_sync_axes,
+    reshard_steps,
+    unbroadcast_shape,
+)
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
 __all__ = ["STRATEGY_GRAPH", "formulate", "parse_fixed"]
@@ -283,7 +292,20 @@ class _Builder:
             else self.compression
         )
         once_per_step = info.kind == "param" and self.per_sync > 1
-        signature = self._intern(("value", shape, itemsize, rg, bucketed, share, once_per_step, compression))
+        chain = broadcast_chain(i)
+        signature = self._intern(
+            (
+                "value",
+                shape,
+                itemsize,
+                rg,
+                bucketed,
+                share,
+                once_per_step,
+                compression,
+                chain and (chain.dim, chain.times),
+            )
+        )
 
         def cost(g: int, h: int) -> tuple[float, float]:
             """(seconds, bytes kept) of carrying group key ``g`` into ``h`` (interned)."""
@@ -301,13 +323,17 @@ class _Builder:
                     steps = steps_cache.get((shape, src, spec))
                     if steps is None:
                         steps = steps_cache[(shape, src, spec)] = reshard_steps(shape, src, spec, mesh.shape)
+                    at = shape
+                    if gathered_before_broadcast(chain, steps):  # gathered before the repeat
+                        at = unbroadcast_shape(chain)
+                        steps = reshard_steps(at, src, spec, mesh.shape)
                     if replicas_first and any(
                         st.axis == 0 and st.kind != StepKind.TO_PARTIAL and mesh.shape[0] > 1 for st in steps
                     ):
                         cache[key] = (math.inf, 0.0)  # a collective over the replicas' axis
                         return cache[key]
                     t = edge_cost(
-                        shape,
+                        at,
                         itemsize,
                         src,
                         spec,
@@ -324,7 +350,7 @@ class _Builder:
                     # and ZeRO-1's gather and reduce-scatter (``zero_stages``).
                     if once_per_step and (src == spec or stage == 1):
                         t /= self.per_sync
-                    kept = kept_gather_bytes(shape, itemsize, src, spec, mesh, stage, steps=steps)
+                    kept = kept_gather_bytes(at, itemsize, src, spec, mesh, stage, steps=steps)
                     if compression is not None and rg:  # error feedback kept from step to step
                         axes = grad_reduce_axes(split, spec, mesh, steps, stage)
                         squeezed = compressed_grad_sync(

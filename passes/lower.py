@@ -54,12 +54,21 @@ from autopar.program import collectives as C
 from autopar.program import experts as M
 from autopar.program import local_ops as O
 from autopar.program.collectives import AxisGroup
-from autopar.reshard import StepKind, grad_sync_axes, reshard_steps
+from autopar.reshard import (
+    BroadcastChain,
+    StepKind,
+    broadcast_chain,
+    gathered_before_broadcast,
+    grad_sync_axes,
+    reshard_steps,
+)
 from autopar.rules.routing import grouped_mm_operands
 
 __all__ = ["LOCAL_OPS", "LoweringError", "lower"]
 
 aten = torch.ops.aten
+_PURE_VIEWS = (aten.expand.default, aten.reshape.default, aten.view.default, aten.unsqueeze.default)
+"""Ops ``drop_unread`` may remove where nothing reads them (no side effect, no collective)."""
 
 
 _EXPERTS = {
@@ -123,6 +132,7 @@ class _Lowerer:
         self.env: dict[Node, Node] = {}
         self.ax_nodes: dict[int | str, Node] = {}
         self.reshard_memo: dict[tuple, Node] = {}
+        self.unread: list[Node] = []  # repeats lowered on local pieces, read no more (drop_unread)
         self.sync_memo: dict[tuple, Node] = {}
         self.root = nn.Module()
         for i, ax in enumerate(self.axes):
@@ -197,6 +207,9 @@ class _Lowerer:
         fused = frozenset(a for a in sync if a in last and last[a].kind == StepKind.ALL_GATHER)
         key = (producer, dst, fused, self.pstage)
         value = self.reshard_memo.get(key)
+        chain = broadcast_chain(producer)
+        if value is None and gathered_before_broadcast(chain, steps) and chain.expand.name in self.np:
+            value = self.reshard_memo[key] = self.gathered_before_repeat(chain, dst, fused)
         if value is None:
             value = self.param_value(producer)
             zero3 = stage == 3
@@ -225,6 +238,36 @@ class _Lowerer:
             synced = self.g.call_function(C.grad_sync, (value, *self.sync_groups(rest)))
             self.sync_memo[skey] = synced
         return synced
+
+    def gathered_before_repeat(self, chain: BroadcastChain, dst: Spec, fused: frozenset[int]) -> Node:
+        """A repeated value (``chain``: grouped-query attention's key-value heads) gathered before its
+        repeat: the expand's local input all-gathered on the axes ``dst`` gathers (its gradient
+        reduce-scattered on ``fused``), then broadcast and merged again at the gathered shape
+        (``autopar.reshard.BroadcastChain``; the cost model prices the same). The repeat the walk
+        lowered on the local pieces is left unread and removed at the end (``drop_unread``)."""
+        lowered = self.env[chain.expand]
+        value = lowered.args[0]
+        src5 = parse_spec(self.np[chain.expand.name].inputs[0])
+        gathered = {a for a in range(len(dst)) if dst[a] != self.spec_out(chain.reshape)[a]}
+        dst5 = tuple(Replicate() if a in gathered else p for a, p in enumerate(src5))
+        shape5 = tuple(chain.unsqueeze.meta["val"].shape)
+        steps = [st for st in reshard_steps(shape5, src5, dst5, self.mesh) if self.mesh[st.axis] > 1]
+        last = {st.axis: st for st in steps}
+        for st in steps:
+            fn, kw = C.step_call(st, grad_partial=st.axis in fused and st is last[st.axis])
+            value = self.g.call_function(fn, (value, self.ax(st.axis)), kw)
+        expanded = local_shape(tuple(chain.expand.meta["val"].shape), dst5, self.mesh)
+        value = self.g.call_function(aten.expand.default, (value, list(expanded)))
+        merged = local_shape(tuple(chain.reshape.meta["val"].shape), dst, self.mesh)
+        self.unread.extend([lowered.args[0], lowered, self.env[chain.reshape]][::-1])
+        return self.g.call_function(aten.reshape.default, (value, list(merged)))
+
+    def drop_unread(self) -> None:
+        """Remove the repeats ``gathered_before_repeat`` left unread (walked in use order: the
+        reshape, then the expand, then what fed it), each only where nothing reads it."""
+        for n in self.unread:
+            if n.graph is self.g and not n.users and n.op == "call_function" and n.target in _PURE_VIEWS:
+                self.g.erase_node(n)
 
     def param_value(self, producer: Node) -> Node:
         """The value a consumer reads for ``producer``: a data-parallel weight synced at the weight
@@ -276,6 +319,7 @@ class _Lowerer:
                 self._tag(node)
             else:
                 raise self.fail(node, f"unsupported node kind {node.op}")
+        self.drop_unread()
         self.g.lint()
         gm = GraphModule(self.root, self.g, class_name="RankProgram")
         gm._gathered_params = self.gathered  # read by ParallelModule even when no node uses it

@@ -7,6 +7,7 @@ parallelism, and under pp = 2 × cp = 2; ``best_megatron`` tunes cp and the auto
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import _runtime_helpers as H
@@ -250,6 +251,57 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
                     refs[kind, rows, opt], res[opt], opt, f"rank {rank}, {label} ({opt})"
                 )
     assert not problems, "\n".join(problems)
+
+
+def test_grouped_query_keys_and_values_are_gathered_before_their_heads_repeat() -> None:
+    """LLaMA with 2 key-value heads for 4 query heads under cp = 2: transformers repeats the key-value
+    heads (``repeat_kv``: unsqueeze, expand, reshape) before attention, and the plan gathers the
+    keys and values across cp for it. The gather runs on the key-value heads before the repeat —
+    half the bytes, forward and backward — in the rank program and in the plan's price alike
+    (``autopar.reshard.BroadcastChain``); the repeat lowered on the local pieces is left out.
+    Training equal to one process: ``test_context_parallel_trains_like_one_process``."""
+    from autopar.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.placement import local_shape
+    from autopar.program.collectives import AxisGroup
+    from autopar.reshard import broadcast_chain, gathered_before_broadcast, reshard_steps, unbroadcast_shape
+
+    model, inputs = build("llama")
+    plan = cp_plan("llama", 2, comm="all_gather")
+    cap = capture(model, inputs)
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    kv = [
+        r
+        for r in plan.reshards
+        if by_name[r.consumer].target is torch.ops.aten.scaled_dot_product_attention.default
+    ]
+    chained = [r for r in kv if broadcast_chain(by_name[r.producer]) is not None]
+    assert len(chained) == 4  # keys and values of both layers
+    for r in chained:
+        chain = broadcast_chain(by_name[r.producer])
+        assert chain.times == 2 and chain.dim == 1
+        full = tuple(by_name[r.producer].meta["val"].shape)
+        steps = reshard_steps(full, parse_spec(r.src), parse_spec(r.dst), plan.mesh_shape)
+        assert gathered_before_broadcast(chain, steps)
+        assert unbroadcast_shape(chain) == (full[0], full[1] // 2, *full[2:])
+        # priced on the key-value heads: the gathered bytes are half those of the repeated heads
+        itemsize = by_name[r.producer].meta["val"].element_size()
+        small = (
+            math.prod(local_shape(unbroadcast_shape(chain), parse_spec(r.dst), plan.mesh_shape)) * itemsize
+        )
+        whole = math.prod(local_shape(full, parse_spec(r.dst), plan.mesh_shape)) * itemsize
+        assert r.bytes_per_axis[plan.mesh_axes.index("cp")] == small == whole / 2
+    axes = [
+        AxisGroup(axis=a, name=name, size=n, coord=0, group=None)
+        for a, (name, n) in enumerate(zip(plan.mesh_axes, plan.mesh_shape))
+    ]
+    program = lower(cap, plan, axes, device="cpu")
+    nodes = list(program.graph.nodes)
+    expands = [n for n in nodes if n.target is torch.ops.aten.expand.default]
+    gathered = [n for n in expands if n.args[0].op == "call_function" and "gather" in str(n.args[0].target)]
+    assert len(gathered) == 4, [str(n.args[0].target) for n in expands]
+    # the repeats lowered on the local pieces are gone: one expand per captured expand, no more
+    assert len(expands) == sum(n.target is torch.ops.aten.expand.default for n in cap.gm.graph.nodes)
 
 
 # ------------------------------------------------------------------------------- best_megatron
