@@ -33,7 +33,8 @@ Modules: ``roles`` (the structural rule), ``megatron_layout`` (the layouts), ``b
 """
 
 from autopar.layouts.best import KNOBS, best_megatron
-from autopar.layouts.megatron_layout import fsdp, megatron, megatron_mesh
+from autopar.layouts.fsdp_layout import fsdp
+from autopar.layouts.megatron_layout import megatron, megatron_mesh
 from autopar.layouts.roles import expert_weights, megatron_weight_roles
 from autopar.layouts.static_bytes import megatron_static_bytes
 

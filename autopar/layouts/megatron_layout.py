@@ -1,4 +1,4 @@
-"""Megatron-LM's and FSDP's layouts as constrained plans (``autopar.layouts`` says what they fix).
+"""Megatron-LM's layout as a constrained plan (``autopar.layouts`` says what it fixes).
 
 ``megatron`` fixes the weights to the roles ``autopar.layouts.roles`` finds and lets the solver
 place everything else; ``megatron_pipelined`` is the same over pipeline stages;
@@ -44,95 +44,11 @@ its attention splits along the context axis."""
 __all__ = [
     "CP_COMM_TYPES",
     "block_recompute_layers",
-    "fsdp",
+    "from_batch",
     "megatron",
     "megatron_mesh",
     "megatron_pipelined",
 ]
-
-
-@audited
-def fsdp(
-    model: nn.Module,
-    example_inputs: Any,
-    cluster: Cluster,
-    *,
-    replicate: int = 1,
-    config: PlanConfig | None = None,
-    captured: Captured | None = None,
-    **options: Any,
-) -> Plan:
-    """ZeRO-3 as PyTorch FSDP runs it (Zhao et al., VLDB 2023; Rajbhandari et al., arXiv
-    1910.02054): one data-parallel axis over every device, the batch split along it, every
-    parameter stored sharded along its largest dimension that divides (replicated when none
-    does) and gathered whole for each use — no op reads a parameter shard — then freed and
-    gathered again in backward (ZeRO stage 3), its gradient reduce-scattered.
-
-    ``replicate``: hybrid sharding (HSDP, FSDP's ``HYBRID_SHARD``; torchtitan's
-    ``data_parallel_replicate_degree``): the mesh ``(replicate, world / replicate)``, parameters
-    sharded along the inner axis only (inside a node where ``world / replicate`` divides it) and
-    replicated along the outer one, the batch split along both; a gradient is reduce-scattered
-    inside its shard group, then all-reduced across the groups — the two-level reduction that keeps
-    the gathers on the fast links.
-
-    ``config`` (or its fields as keyword ``options``) holds the other planning options; the layout
-    sets the mesh, the placements and the ZeRO stage."""
-    world = cluster.world_size
-    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 or world % replicate:
-        raise ValueError(
-            f"fsdp(replicate={replicate!r}): the replica groups must divide the {world} devices "
-            f"(world = replicate × shard group size)"
-        )
-    shard = world // replicate
-    cap = captured if captured is not None else capture(model, example_inputs)
-    fixed: dict[str, tuple[str, ...]] = {}
-    for name, p in model.named_parameters():
-        dims = sorted(range(p.dim()), key=lambda d: -p.shape[d])
-        d = next((d for d in dims if p.shape[d] % shard == 0), None)
-        if d is not None and shard > 1:
-            fixed[name] = ("R", f"S({d})") if replicate > 1 else (f"S({d})",)
-        elif replicate > 1:
-            fixed[name] = ("R", "R")
-    for n in cap.user_input_nodes():  # the batch split (dimension 0), where it divides
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % world == 0:
-            fixed[cap.inputs[n.name]] = ("S(0)", "S(0)") if replicate > 1 else ("S(0)",)
-
-    batched = _from_batch(cap)
-
-    def gathered_for_use(node: Node, s: Strategy) -> bool:
-        """Every parameter read whole, and the work done with it split over the devices: an op
-        reading a parameter and a value computed from the batch reads that value sharded along
-        every mesh axis (else
-        gathering the batch and repeating the whole step on every device could price lower than
-        reducing the gradients, on a small model, and the layout would not be FSDP)."""
-        if node.op != "call_function":
-            return True
-        reads_param = False
-        batch_specs = []
-        for i, spec in zip(tensor_inputs(node), s.inputs):
-            if spec is None:
-                continue
-            if i.meta[TENSOR].kind == "param":
-                if not all(isinstance(p, Replicate) for p in spec):
-                    return False
-                reads_param = True
-            elif i in batched:
-                batch_specs.append(spec)
-        return not (reads_param and batch_specs) or all(
-            any(isinstance(sp[a], Shard) for sp in batch_specs) for a in range(len(batch_specs[0]))
-        )
-
-    config = PlanConfig.build(config, **options)
-    return plan_captured(
-        cap,
-        cluster,
-        config.with_fixed(fixed).replace(
-            mesh_shape=(replicate, shard) if replicate > 1 else (world,), zero_stage=3
-        ),
-        node_constraint=gathered_for_use,
-        layout=f"fsdp(dp={world})" if replicate == 1 else f"hsdp(replicate={replicate}, shard={shard})",
-    )
 
 
 def megatron_mesh(
@@ -464,8 +380,8 @@ def _batch_split_inputs(
     return out
 
 
-def _from_batch(cap: Captured) -> set[Node]:
-    """The user inputs and every value computed from them."""
+def from_batch(cap: Captured) -> set[Node]:
+    """The user inputs and every value computed from them (the layouts keep these split)."""
     out: set[Node] = set(cap.user_input_nodes())
     for n in cap.gm.graph.nodes:
         if any(i in out for i in n.all_input_nodes):
@@ -480,7 +396,7 @@ def _batch_ops(cap: Captured) -> set[Node]:
     inputs = set(cap.user_input_nodes())
     values = {
         n
-        for n in _from_batch(cap) - inputs
+        for n in from_batch(cap) - inputs
         if any(o.is_floating_point() and o.numel() > 1 for o in tensor_outputs(n))
     }
     return values | {n for n in cap.gm.graph.nodes if any(i in values for i in n.all_input_nodes)}
