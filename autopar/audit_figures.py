@@ -162,6 +162,29 @@ def _local_numel(shape: tuple[int, ...], spec: tuple[str, ...], mesh: tuple[int,
     return math.prod(shape) / pieces
 
 
+def _gathered_repeats(p: NodePlan, collectives: tuple[str, ...], by_name: dict[str, NodePlan]) -> int:
+    """How many times ``p`` repeats its input's values where the reshard ``collectives`` gathers
+    them before the repeat (``autopar.reshard.BroadcastChain``: grouped-query attention's key-value
+    heads, reshape ← expand ← unsqueeze, gathered along another dimension; its gradient is the
+    key-value heads' size); 1 elsewhere."""
+    e = (
+        by_name.get(p.input_names[0])
+        if p.op in ("reshape", "view", "_unsafe_view") and p.input_names
+        else None
+    )
+    u = by_name.get(e.input_names[0]) if e is not None and e.op == "expand" and e.input_names else None
+    if u is None or u.op != "unsqueeze" or len(u.shape) != len(e.shape) or not collectives:
+        return 1
+    grown = [d for d, (a, b) in enumerate(zip(u.shape, e.shape)) if a != b]
+    if len(grown) != 1 or grown[0] < 1 or u.shape[grown[0]] != 1:
+        return 1
+    d, times = grown[0], e.shape[grown[0]]
+    if tuple(p.shape) != (*u.shape[: d - 1], u.shape[d - 1] * times, *u.shape[d + 1 :]):
+        return 1
+    gathers = all(c.startswith("all_gather(") and f"dim={d - 1})" not in c for c in collectives)
+    return times if gathers else 1
+
+
 def communication(plan: Plan, by_name: dict[str, NodePlan], groups: list[Any] | None) -> list[AxisComm]:
     mesh = tuple(plan.mesh_shape)
     itemsize = int(plan.info.get("param_bytes", 4))
@@ -174,10 +197,11 @@ def communication(plan: Plan, by_name: dict[str, NodePlan], groups: list[Any] | 
             continue
         spec = p.outputs[0]
         if p.kind != "input":
+            repeats = _gathered_repeats(p, r.collectives, by_name)
             for a in r.grad_sync_axes:
                 if mesh[a] > 1 and (r.producer, a, "grad") not in seen:
                     seen.add((r.producer, a, "grad"))
-                    grads[a] += _local_numel(p.shape, spec, mesh, a) * itemsize
+                    grads[a] += _local_numel(p.shape, spec, mesh, a) * itemsize / repeats
         for a, (src, dst) in enumerate(zip(r.src, r.dst)):
             if src == "P" and dst != "P" and mesh[a] > 1 and (r.producer, a, "P") not in seen:
                 seen.add((r.producer, a, "P"))

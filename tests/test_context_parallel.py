@@ -291,6 +291,12 @@ def test_grouped_query_keys_and_values_are_gathered_before_their_heads_repeat() 
         )
         whole = math.prod(local_shape(full, parse_spec(r.dst), plan.mesh_shape)) * itemsize
         assert r.bytes_per_axis[plan.mesh_axes.index("cp")] == small == whole / 2
+    # the audit's bound counts those gradients at the key-value heads' size too: the plan never
+    # moves less than its bound on an axis
+    import autopar.audit
+
+    (cp_comm,) = [c for c in autopar.audit.audit(plan).comm if c.axis == "cp"]
+    assert cp_comm.plan_bytes >= cp_comm.bound_bytes > 0
     axes = [
         AxisGroup(axis=a, name=name, size=n, coord=0, group=None)
         for a, (name, n) in enumerate(zip(plan.mesh_axes, plan.mesh_shape))
