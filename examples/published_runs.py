@@ -37,10 +37,11 @@ inside a node, one 400 Gb/s NIC per GPU).
 Not modeled: most of these runs overlapped their tensor-parallel collectives with the matmuls
 (Megatron-Core's ``--tp-comm-overlap``; the CSV headers say which). Priced as pure hiding — each
 all-gather and reduce-scatter in ``tp`` ring pieces under the matmul it feeds, only the first piece
-and what the matmul cannot cover exposed — it moved 8 of the 13 rows with ``tp > 1`` that ran it to
-6–31 % too fast (GPT 70B on 768 H100: −0.3 % → +20.9 %), while helping LLaMA 3.1 405B (−14.6 % →
-−6.4 %): the rows do not support that model (the copies' share of the streaming multiprocessors,
-the pieces' smaller matmuls), so the layouts here run them unoverlapped.
+and what the matmul cannot cover exposed — 8 of the 17 rows with ``tp > 1`` that ran it read +19
+to +31 % too fast (GPT 70B on 768 H100: −0.3 % → +20.9 %), against 4 rows beyond ±15 % without
+it, while LLaMA 3.1 405B improved (−14.6 % → −6.4 %): the rows do not support that model (the
+copies' share of the streaming multiprocessors, the pieces' smaller matmuls), so the layouts here
+run them unoverlapped.
 """
 
 from __future__ import annotations
