@@ -29,10 +29,9 @@ from autopar.reshard import (
     StepKind,
     broadcast_chain,
     bucketed_grad_sync,
-    gathered_before_broadcast,
     grad_sync_axes,
+    moved_by_reshard,
     reshard_steps,
-    unbroadcast_shape,
 )
 from autopar.rules.routing import grouped_mm_operands
 
@@ -149,10 +148,9 @@ def build_plan(
             if val is None:
                 continue
             shape, itemsize = tuple(val.shape), val.element_size()
-            steps = reshard_steps(shape, src, dst, mesh.shape)
-            if gathered_before_broadcast(broadcast_chain(i), steps):  # gathered before the repeat
-                shape = unbroadcast_shape(broadcast_chain(i))
-                steps = reshard_steps(shape, src, dst, mesh.shape)
+            shape, steps = moved_by_reshard(
+                broadcast_chain(i), shape, src, dst, mesh.shape, reshard_steps(shape, src, dst, mesh.shape)
+            )
             stage = chosen[i].zero_stage if info.kind == "param" and info.requires_grad else 0
             sync_axes = grad_reduce_axes(s.split, dst, mesh, steps, stage) if info.requires_grad else ()
             weight_compression = (  # a lookup table's gradient stays exact under PowerSGD

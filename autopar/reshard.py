@@ -41,6 +41,7 @@ __all__ = [
     "bucketed_grad_sync",
     "gathered_before_broadcast",
     "grad_sync_axes",
+    "moved_by_reshard",
     "reshard_steps",
     "unbroadcast_shape",
 ]
@@ -261,3 +262,21 @@ def unbroadcast_shape(chain: BroadcastChain) -> tuple[int, ...]:
     out = list(chain.reshape.meta["val"].shape)
     out[chain.dim] //= chain.times
     return tuple(out)
+
+
+def moved_by_reshard(
+    chain: BroadcastChain | None,
+    shape: tuple[int, ...],
+    src: Spec,
+    dst: Spec,
+    mesh_shape: Sequence[int],
+    steps: Sequence[ReshardStep],
+) -> tuple[tuple[int, ...], Sequence[ReshardStep]]:
+    """The shape a reshard ``steps`` of a value of ``shape`` moves, and its steps: the value's own,
+    or, where the value ends a ``chain`` the reshard gathers before its repeat
+    (``gathered_before_broadcast``), the unrepeated shape and the steps there. The solver's edge
+    costs and the plan record both price a reshard through this; the lowering runs the same."""
+    if not gathered_before_broadcast(chain, steps):
+        return shape, steps
+    small = unbroadcast_shape(chain)
+    return small, reshard_steps(small, src, dst, mesh_shape)

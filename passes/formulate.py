@@ -50,10 +50,9 @@ from autopar.reshard import (
     StepKind,
     broadcast_chain,
     bucketed_grad_sync,
-    gathered_before_broadcast,
     grad_sync_axes,
+    moved_by_reshard,
     reshard_steps,
-    unbroadcast_shape,
 )
 from autopar.strategy_graph import Decision, Edge, StrategyGraph
 
@@ -323,10 +322,7 @@ class _Builder:
                     steps = steps_cache.get((shape, src, spec))
                     if steps is None:
                         steps = steps_cache[(shape, src, spec)] = reshard_steps(shape, src, spec, mesh.shape)
-                    at = shape
-                    if gathered_before_broadcast(chain, steps):  # gathered before the repeat
-                        at = unbroadcast_shape(chain)
-                        steps = reshard_steps(at, src, spec, mesh.shape)
+                    at, steps = moved_by_reshard(chain, shape, src, spec, mesh.shape, steps)
                     if replicas_first and any(
                         st.axis == 0 and st.kind != StepKind.TO_PARTIAL and mesh.shape[0] > 1 for st in steps
                     ):

@@ -218,7 +218,7 @@ def megatron(
         if a is not None and any(spec[a] == "S(0)" for spec in fixed.values())
     ]
     batch_axes = [a for a in (*data_split, c_axis) if a is not None and mesh[a] > 1]
-    from_batch = _batch_ops(cap) if batch_axes else set()
+    batch_ops = _batch_ops(cap) if batch_axes else set()
     split_dims: dict[str, set[int]] = {}
     for fqn, role in roles.items():
         if role.startswith(("col:", "row:")):
@@ -292,7 +292,7 @@ def megatron(
         batch split along the data-parallel and context axes."""
         if node.op != "call_function":
             return True
-        if node in from_batch and not all(s.split[a] for a in batch_axes if a not in whole_on_cp(node)):
+        if node in batch_ops and not all(s.split[a] for a in batch_axes if a not in whole_on_cp(node)):
             return False
         if c_axis is not None and cp_comm_type and op_family(node) is OpFamily.ATTENTION:
             q = s.inputs[0][c_axis]
