@@ -52,7 +52,7 @@ def plan(
     The plan is audited (``autopar.audit``): the result in ``plan.info["audit"]``, and one
     ``AuditWarning`` where the plan wastes its devices or predicts what they cannot do.
     """
-    from autopar.search import plan_model
+    from autopar.plan_search import plan_model
 
     config = PlanConfig.build(config, **options)
     return plan_model(model, example_inputs, cluster, config)
@@ -209,7 +209,7 @@ def _plan_on_rank_zero(
     """Rank 0 plans, every rank gets its plan (``broadcast_plan``). ``workers=1``: the candidate
     meshes are solved in this process. Forking here is unsafe (the process group's threads are
     running) and impossible under a daemonic launcher (``spawn``)."""
-    from autopar.search import plan_model
+    from autopar.plan_search import plan_model
 
     return broadcast_plan(
         lambda: plan_model(model, example_inputs, cluster, config.replace(workers=1), captured=cap)

@@ -31,7 +31,6 @@ from typing import Any
 from autopar.cluster_profile import PROFILE_VERSION, load_profile, local_host
 from autopar.devices import (
     GB,
-    NETWORKS,
     PRESETS,
     TB,
     DeviceSpec,
@@ -39,10 +38,12 @@ from autopar.devices import (
     HostSpec,
     Link,
     check_count,
+    known_preset,
     link_from_dict,
     link_to_dict,
+    node_network,
 )
-from autopar.mesh_groups import device_groups, mesh_arithmetic
+from autopar.mesh_groups import device_groups, members_per_node, mesh_arithmetic
 from autopar.node_groups import NodeGroup, floor_device, matmul_rate
 
 __all__ = [
@@ -269,7 +270,7 @@ class Cluster:
         if device is None:
             return replace(self, node_groups=())
         if isinstance(device, str):
-            pre = _preset(device)
+            pre = known_preset(device)
             return replace(self, device=pre.device, intra_node=pre.intra_node, node_groups=())
         return replace(self, device=device, node_groups=())
 
@@ -306,7 +307,7 @@ class Cluster:
             if kind.host is not None:
                 hosts.append(kind.host)
         slowest = min(nics, key=lambda link: link.bandwidth)
-        inter, nics_per_node = _network(network, slowest, nics_per_node)
+        inter, nics_per_node = node_network(network, slowest, nics_per_node)
         return cls(
             device=floor_device([g.device for g in made]),
             gpus_per_node=gpus_per_node,
@@ -354,8 +355,8 @@ class Cluster:
         measured device figures replace the preset's (the datasheet peaks stay unless measured),
         its measured links replace the preset's links.
         """
-        fields_ = _preset(name)._asdict()
-        fields_["inter_node"], nics_per_node = _network(network, fields_["inter_node"], nics_per_node)
+        fields_ = known_preset(name)._asdict()
+        fields_["inter_node"], nics_per_node = node_network(network, fields_["inter_node"], nics_per_node)
         cl = cls(
             **fields_,
             gpus_per_node=gpus_per_node,
@@ -492,7 +493,7 @@ class Cluster:
         groups = device_groups(mesh_shape, axes)
         worst = (len(groups[0]), 1)
         for devices in groups:
-            per_node = self._members_per_node(devices)
+            per_node = members_per_node(devices, self.gpus_per_node)
             span = (min(per_node.values()), len(per_node))
             if span[1] > worst[1] or (span[1] == worst[1] and span[0] < worst[0]):
                 worst = span
@@ -503,16 +504,9 @@ class Cluster:
         spans (a two-level collective, ``autopar.cost.comm.two_level_all_reduce_cost``, splits
         each group into one group per node and one group per member's place on its node)."""
         return all(
-            len(set(self._members_per_node(devices).values())) == 1
+            len(set(members_per_node(devices, self.gpus_per_node).values())) == 1
             for devices in device_groups(mesh_shape, axes)
         )
-
-    def _members_per_node(self, devices: list[int]) -> dict[int, int]:
-        """Node -> how many of ``devices`` (cluster ranks) it holds."""
-        per_node: dict[int, int] = {}
-        for d in devices:
-            per_node[d // self.gpus_per_node] = per_node.get(d // self.gpus_per_node, 0) + 1
-        return per_node
 
     def racks_spanned(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
         """The most racks any group of mesh axes ``axes`` spans (``nodes_per_rack``; 1 without)."""
@@ -599,23 +593,3 @@ class Cluster:
             node_groups=tuple(NodeGroup.from_dict(g) for g in d.get("node_groups", ())),
             host=HostSpec.from_dict(d["host"]) if d.get("host") else None,
         )
-
-
-def _preset(name: str) -> Any:
-    """``PRESETS[name]``, or the error naming the known presets."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-    return PRESETS[name]
-
-
-def _network(network: str | None, inter: Link, nics_per_node: int | None) -> tuple[Link, int | None]:
-    """The NIC and NICs per node between nodes: ``network``'s (``NETWORKS``) in place of the
-    preset's ``inter`` (one per GPU) where one is named; ``nics_per_node`` given wins."""
-    if network is None:
-        return inter, nics_per_node
-    if network not in NETWORKS:
-        raise ValueError(f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}")
-    link, nics = NETWORKS[network]
-    if network == "infiniband":
-        return inter, nics_per_node
-    return link, nics_per_node if nics_per_node is not None else nics

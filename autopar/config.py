@@ -406,11 +406,23 @@ class PlanConfig:
 
     def resolved(self, device_memory: float) -> PlanConfig:
         """This config with ``memory_budget`` in bytes per device (``budget``). The planning entry
-        points (``autopar.search.plan_model``, ``autopar.planner.plan_captured``, the layouts)
+        points (``autopar.plan_search.plan_model``, ``autopar.planner.plan_captured``, the layouts)
         resolve it once; every later stage reads ``memory_budget``. Idempotent."""
         if self.memory_budget is not None:
             return self
         return self.replace(memory_budget=self.budget(device_memory))
+
+    @property
+    def device_budget(self) -> float:
+        """``memory_budget`` of a resolved config (``resolved``), bytes per device: what every
+        stage after a planning entry reads. A config that was never resolved is refused: its
+        budget would depend on which device read it."""
+        if self.memory_budget is None:
+            raise ValueError(
+                "this PlanConfig's memory budget was never resolved: a planning entry calls "
+                "config.resolved(cluster.device.memory) once, before any later stage reads it"
+            )
+        return float(self.memory_budget)
 
     def replace(self, **changes: Any) -> PlanConfig:
         """A copy with ``changes`` applied (validated again)."""

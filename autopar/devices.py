@@ -23,8 +23,10 @@ __all__ = [
     "Preset",
     "check_count",
     "check_number",
+    "known_preset",
     "link_from_dict",
     "link_to_dict",
+    "node_network",
 ]
 
 TB = 1e12
@@ -438,6 +440,26 @@ PRESETS: dict[str, Preset] = {
         _gpu("H200", 989 * TB, 494 * TB, 67 * TB, 4800 * GB, 141 * GB, 132, _H100_KERNELS), _NVLINK4, _IB_NDR, _DGXH100_HOST
     ),
 }  # fmt: skip
+
+
+def known_preset(name: str) -> Preset:
+    """``PRESETS[name]``, or the error naming the known presets."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def node_network(network: str | None, inter: Link, nics_per_node: int | None) -> tuple[Link, int | None]:
+    """The NIC and NICs per node between nodes: ``network``'s (``NETWORKS``) in place of the
+    preset's ``inter`` (one per GPU) where one is named; ``nics_per_node`` given wins."""
+    if network is None:
+        return inter, nics_per_node
+    if network not in NETWORKS:
+        raise ValueError(f"unknown network {network!r}; known networks: {', '.join(sorted(NETWORKS))}")
+    link, nics = NETWORKS[network]
+    if network == "infiniband":
+        return inter, nics_per_node
+    return link, nics_per_node if nics_per_node is not None else nics
 
 
 def link_to_dict(link: Link) -> dict[str, Any]:

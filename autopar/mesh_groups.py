@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["device_groups", "mesh_arithmetic"]
+__all__ = ["device_groups", "members_per_node", "mesh_arithmetic"]
 
 
 def device_groups(mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> list[list[int]]:
@@ -30,3 +30,11 @@ def mesh_arithmetic(mesh_shape: tuple[int, ...]) -> str:
     if len(mesh_shape) == 1:
         return f"({mesh_shape[0]},) = {total} devices"
     return " × ".join(str(n) for n in mesh_shape) + f" = {total}"
+
+
+def members_per_node(devices: list[int], gpus_per_node: int) -> dict[int, int]:
+    """Node -> how many of ``devices`` (cluster ranks, numbered node-major) it holds."""
+    per_node: dict[int, int] = {}
+    for d in devices:
+        per_node[d // gpus_per_node] = per_node.get(d // gpus_per_node, 0) + 1
+    return per_node

@@ -219,8 +219,7 @@ def plan_captured(
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
     config = config.resolved(cluster.device.memory)
-    budget = config.memory_budget
-    assert budget is not None
+    budget = config.device_budget
     if config.mesh_shape is not None:
         cluster.validate_mesh(config.mesh_shape)
         meshes = [config.mesh_shape]
@@ -500,8 +499,8 @@ def per_activation(
     says what it gave. ``disable=("per_activation",)`` turns the second look off."""
     if config.recompute != "auto" or "per_activation" in config.disable:
         return plan
-    budget = config.resolved(cluster.device.memory).memory_budget
-    if budget is None or not memory_bound(plan, budget):
+    budget = config.device_budget
+    if not memory_bound(plan, budget):
         return plan
     meshes = bound_meshes(plan, budget)
     if meshes == ():
@@ -547,8 +546,7 @@ def _fewer_layers(
     """``plan`` recomputes in every repeated layer; the same mode in the first ``k`` only
     (``fewer_layers_count``), one solve more, where that fits and runs faster
     (``PlanConfig.recompute_layers``). ``plan.info["recompute_layers_tried"]`` says what it gave."""
-    budget = config.resolved(cluster.device.memory).memory_budget
-    assert budget is not None
+    budget = config.device_budget
     k = fewer_layers_count(plan, cap, budget)
     if k is None:
         return plan

@@ -91,8 +91,7 @@ def fewer_layers(search: PipelineSearch) -> None:
     pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
     cap = search.graphs(m)
     stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
-    assert stage.memory_budget is not None
-    k = fewer_layers_count(plan, cap, stage.memory_budget)
+    k = fewer_layers_count(plan, cap, stage.device_budget)
     if k is None:
         return
     sub = stage_cluster(search.cluster, pp)
@@ -167,8 +166,8 @@ def per_activation(search: PipelineSearch) -> None:
     pipe = best.plan.pipeline
     pp, m = (pipe.pp, pipe.microbatches) if pipe is not None else (1, 1)
     stage = search.stage_config(pp, m) if (pp, m) != (1, 1) else config.replace(pp=1)
-    budget = stage.resolved(search.cluster.device.memory).memory_budget
-    if budget is None or not memory_bound(best.plan, budget):
+    budget = stage.device_budget
+    if not memory_bound(best.plan, budget):
         return
     meshes = bound_meshes(_kept(search, pp, m) or best.plan, budget)
     if meshes == ():
@@ -346,9 +345,9 @@ def offloaded(search: PipelineSearch) -> None:
     layers = len(repeated_layers(cap.gm.graph))
     # offload only frees memory (at a cost in time): a mesh whose plan kept every activation
     # clear of the budget keeps that plan (``planner.bound_meshes``)
-    budget = stage.resolved(search.cluster.device.memory).memory_budget
+    budget = stage.device_budget
     kept_plan = _kept(search, pp, m)
-    meshes = bound_meshes(kept_plan, budget) if kept_plan is not None and budget is not None else None
+    meshes = bound_meshes(kept_plan, budget) if kept_plan is not None else None
     if meshes == ():
         return
     kinds = []

@@ -8,7 +8,7 @@ turns those measurements into the cost model's figures, so every formula stays i
 * compute — the roofs are the median rank's matmul FLOP/s and copy bandwidth (median over rounds);
   each probe's time is the slowest rank's (a kernel is as slow as its slowest rank: all ranks
   probe at once, as they train), median over rounds; the device model's efficiencies are each the
-  ratio of the model's own time for a probe (``autopar.cost.compute.op_kernels`` at efficiency 1)
+  ratio of the model's own time for a probe (``autopar.cost.op_kernels`` at efficiency 1)
   to that time (``_device_fit``), and the per-node and AdamW per-tensor overheads what is left;
 * collectives — for every group size, the slowest rank's time per call at each buffer size,
   fitted by least squares to ``α + β·S`` (``autopar.cost.fit.fit_alpha_beta``; where the times do
@@ -24,8 +24,9 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.cost.compute import KernelKind, TensorArg, kernel_time, op_kernels
+from autopar.cost.compute import KernelKind, TensorArg, kernel_time
 from autopar.cost.fit import fit_alpha_beta
+from autopar.cost.op_kernels import op_kernels
 from autopar.cost.optimizer import optimizer_step_time
 from autopar.devices import Link
 

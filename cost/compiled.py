@@ -1,7 +1,7 @@
 """Memory traffic of a training step compiled by Inductor (``parallelize(..., compile=True)``):
 each chain of memory-bound ops runs as one generated kernel that reads what the chain reads from
 outside once and writes what is read outside once, where eager PyTorch runs one kernel per op
-and goes through device memory between them (``autopar.cost.compute.op_kernels``).
+and goes through device memory between them (``autopar.cost.op_kernels``).
 
 Source: Ansel et al., "PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode
 Transformation and Graph Compilation", ASPLOS 2024, §5 (TorchInductor): pointwise, reduction

@@ -1,6 +1,6 @@
 """Memory traffic of the fused kernels (``autopar.program.kernels``): one launch reads each input
 once and writes each output once, where eager PyTorch runs one kernel per op and re-reads the
-intermediate values from device memory (``autopar.cost.compute.op_kernels``).
+intermediate values from device memory (``autopar.cost.op_kernels``).
 
 Words:
 

@@ -29,8 +29,8 @@ import autopar
 from autopar.capture import capture
 from autopar.config import PlanConfig
 from autopar.display import solver_status
+from autopar.plan_search import plan_model
 from autopar.planner import plan_captured
-from autopar.search import plan_model
 
 
 def llama(layers: int) -> torch.nn.Module:

@@ -3,7 +3,7 @@ training step they add up to (``autopar.passes.eager_step``).
 
 ``annotate_tensors`` writes :class:`autopar.ir.TensorInfo` (shape, dtype, module, layer pattern,
 whether a gradient flows, the node's role). ``annotate_cost`` writes :class:`autopar.ir.NodeCost`:
-the kernels eager PyTorch runs for the op forward and backward (``autopar.cost.compute.op_kernels``)
+the kernels eager PyTorch runs for the op forward and backward (``autopar.cost.op_kernels``)
 timed on the cluster's device with global (unsharded) shapes, and the bytes it keeps for backward
 (the members of a fusion group found by ``autopar.passes.fusion.annotate_fusions``: its fused
 kernel instead, when the cluster is assumed to run them). ``single_device_step`` walks the
@@ -43,7 +43,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.cost.compiled import chain_share_kernels
-from autopar.cost.compute import OpKernels, TensorArg, kernel_time, op_kernels
+from autopar.cost.compute import OpKernels, TensorArg, kernel_time
+from autopar.cost.op_kernels import op_kernels
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
 from autopar.ir import COST, TENSOR, NodeCost, TensorInfo
 from autopar.passes import PassContext
@@ -397,7 +398,7 @@ class OpFacts:
     groups: int = 1
     """Convolution only: its groups."""
     equation: str | None = None
-    """``einsum`` only: its equation (costed as the GEMM it runs: ``cost.compute.einsum_gemm_dims``)."""
+    """``einsum`` only: its equation (costed as the GEMM it runs: ``cost.op_kernels.einsum_gemm_dims``)."""
 
 
 def op_facts(node: Node, fused: bool = False) -> OpFacts:
@@ -460,7 +461,7 @@ def node_kernels(
     compiled: bool = False,
     causal: bool | float | None = None,
 ) -> OpKernels:
-    """The kernels of ``node`` forward and backward (``autopar.cost.compute.op_kernels``), with its
+    """The kernels of ``node`` forward and backward (``autopar.cost.op_kernels``), with its
     global shapes, or with ``args``/``outs`` given (a sharded strategy's local shapes, in the order
     of ``ordered_tensor_args`` and ``tensor_outputs``). ``fused``: a member of a fusion group runs
     its group's fused kernel (at the group's anchor) or nothing (``autopar.passes.fusion``).

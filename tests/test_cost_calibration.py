@@ -103,7 +103,8 @@ def test_float32_matmuls_run_at_the_precision_torch_is_set_to():
     measured 21.15 ms against 22.52 predicted, where the TF32 rate had predicted 5.28
     (``examples/gpu_checks.py --plan``, 2026-11-26). Convolutions use TF32 (cuDNN's default)."""
     from autopar.config import PlanConfig
-    from autopar.cost.compute import TensorArg, kernel_time, op_kernels
+    from autopar.cost.compute import TensorArg, kernel_time
+    from autopar.cost.op_kernels import op_kernels
 
     dev = Cluster.preset("H100-SXM", gpus_per_node=1).device
     assert dev.flops_for("float32") == pytest.approx(67e12) and dev.flops_for("tfloat32") == pytest.approx(

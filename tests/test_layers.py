@@ -51,7 +51,7 @@ APART = {
 """Group pairs whose arrow the levels allow but the design forbids, and why."""
 DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "causal_mask", "microbatch", "input_bounds", "reshard",
         "planfile", "strategy_graph", "display", "summary_lines", "text_units", "cluster_profile", "mesh_groups", "schedule", "models", "reference_data",
-        "grad_compression", "node_groups"}  # fmt: skip
+        "grad_compression", "node_groups", "plan_schema"}  # fmt: skip
 COST = {"mesh", "config"}
 PLANNER = {
     "planner",
@@ -61,6 +61,7 @@ PLANNER = {
     "layouts",
     "simulate",
     "search",
+    "plan_search",
     "refine",
     "dp_shares",
     "audit",

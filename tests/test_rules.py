@@ -256,7 +256,8 @@ def test_einsum_splits_by_its_equation_and_costs_as_its_gemm():
     """Letters kept in the output split every operand holding them; a summed letter splits both
     operands into a Partial result; a letter of one operand and the output splits only it. Two
     operands cost as the bmm ``torch.einsum`` runs."""
-    from autopar.cost.compute import TensorArg, op_kernels
+    from autopar.cost.compute import TensorArg
+    from autopar.cost.op_kernels import op_kernels
 
     g = _graph(lambda a, b: torch.einsum("bij,bjk->bik", a, b), torch.randn(2, 3, 4), torch.randn(2, 4, 5))
     table = _table(_node(g, "einsum"))

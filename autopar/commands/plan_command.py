@@ -98,7 +98,7 @@ def _plan_one(
     """Plan workload ``w`` on ``cluster``, print the plan and write its files; the plan and the
     seconds its planning took."""
     from autopar.audit import record
-    from autopar.search import plan_model
+    from autopar.plan_search import plan_model
 
     t0 = time.perf_counter()
     with console.planning():

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from torch.fx import Node
 
-from autopar.cost.compute import einsum_subscripts
+from autopar.cost.op_kernels import einsum_subscripts
 from autopar.placement import Placement, Shard
 from autopar.rules.base import AxisStrategy, P, R, aten, op_key, register, shape_of, with_hints
 
