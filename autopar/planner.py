@@ -198,7 +198,7 @@ def plan_captured(
     ``fewer_layers``: under ``recompute="auto"``, try the mode chosen in fewer layers
     (``plan_recomputing``); the 3D search does so for its fastest candidate only.
     """
-    config = PlanConfig.build(config, **options)
+    config = PlanConfig.build(config, **options).resolved(cluster.device.memory)
     if config.recompute == "auto":  # the cheapest recomputation that fits: none, selective, full
         common = dict(node_constraint=node_constraint, layout=layout, path_cutoff=path_cutoff, score=score)
         try:
@@ -218,7 +218,6 @@ def plan_captured(
         return p
     workers = config.workers if config.workers is not None else min(2, os.cpu_count() or 1)
     t_start = time.perf_counter()
-    config = config.resolved(cluster.device.memory)
     budget = config.device_budget
     if config.mesh_shape is not None:
         cluster.validate_mesh(config.mesh_shape)

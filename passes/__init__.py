@@ -52,6 +52,11 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds each pass took, filled by ``run_passes``."""
 
+    def __post_init__(self) -> None:
+        # The passes read the memory budget as bytes per device of this cluster's device
+        # (``PlanConfig.device_budget``): resolved here where a caller has not already.
+        self.config = self.config.resolved(self.cluster.device.memory)
+
 
 Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
 

@@ -499,7 +499,7 @@ def formulate(gm: GraphModule, ctx: PassContext) -> GraphModule:
     b.build_decisions()
     b.add_unary()
     graph = b.graph()
-    budget = ctx.config.device_budget  # resolved by the planning entry (plan_captured)
+    budget = ctx.config.device_budget  # resolved by the planning entry, or by PassContext
     if graph.min_memory() > budget:  # infeasible whatever the edges: leave them out (most of the work)
         graph.complete = False
     else:
