@@ -241,13 +241,17 @@ def axis_groups(plan: Plan) -> list[Any] | None:
 
 def _bound_times(groups: list[Any] | None, grads: list[float], partial: list[float]) -> list[float]:
     """Seconds of the bound per axis: all-reduce of the gradients (one ring, or two levels where
-    that is faster), reduce-scatter of the partial sums, bandwidth only (``autopar.cost.comm``)."""
+    that is faster), reduce-scatter of the partial sums (one ring, or two levels where that is
+    faster), bandwidth only (``autopar.cost.comm``)."""
     if groups is None:
         return [0.0] * len(grads)
     from autopar.cost import comm
 
     return [
-        comm.gradient_all_reduce_cost(grads[a], g) + comm.group_reduce_scatter_cost(partial[a], g)
+        comm.gradient_all_reduce_cost(grads[a], g)
+        + min(
+            comm.group_reduce_scatter_cost(partial[a], g), comm.two_level_reduce_scatter_cost(partial[a], g)
+        )
         for a, g in enumerate(groups)
     ]
 

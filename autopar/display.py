@@ -402,8 +402,8 @@ def plan_summary(plan: PlanRecord) -> str:
         sets = ", ".join(" × ".join(plan.mesh_axes[a] for a in axes) for axes in plan.two_level)
         lines.append(
             f"  gradient all-reduce over {sets} in two levels (reduce-scatter on each node, all-reduce across "
-            "the nodes, all-gather on each node): faster than one ring where the nodes' NICs are slow "
-            "beside their links inside"
+            "the nodes, all-gather on each node), and its reduce-scatters and all-gathers (on each node "
+            "and across): faster than one ring where the nodes' NICs are slow beside their links inside"
         )
     if getattr(plan, "offload_optimizer", False) or getattr(plan, "offload_layers", ()):
         lines.append("  " + offload_text(plan))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from autopar.cluster import Cluster, mesh_arithmetic
 from autopar.cost import comm
+from autopar.cost.compute import memory_time
 from autopar.devices import Link
 
 __all__ = ["AxisKind", "Mesh"]
@@ -155,9 +156,10 @@ class Mesh:
         return comm.group_all_reduce_cost(nbytes, g)
 
     def two_level(self, axes: int | Sequence[int]) -> bool:
-        """Whether a gradient all-reduce over ``axes`` runs in two levels (on each node, then
-        across the nodes, then on each node again: ``autopar.cost.comm.two_level_pays``): the
-        cluster allows it (``Cluster.two_level``), its groups span several nodes with the same
+        """Whether the collectives over ``axes`` that the rank program splits — gradient
+        all-reduces (on each node, then across the nodes, then on each node again), reduce-scatters
+        and all-gathers — run in two levels (``autopar.cost.comm.two_level_pays``): the cluster
+        allows it (``Cluster.two_level``), its groups span several nodes with the same
         number of members on each, and the two levels are faster than one collective."""
         key = tuple(a for a in _axes(axes) if self.shape[a] > 1)
         got = self._two_levels.get(key)
@@ -177,17 +179,40 @@ class Mesh:
         *,
         axes: Sequence[int] | None = None,
         bucketed: bool = False,
+        two_level: bool = True,
     ) -> float:
         """All-gather producing an ``nbytes`` buffer over ``axis``; ``bucketed``: one of a bucket's
-        (as ``all_reduce_cost``: bandwidth, no per-message latency)."""
-        g = self.group(axes if axes is not None else axis)
-        return comm.group_all_gather_cost(nbytes, g.without_latency() if bucketed else g)
+        (as ``all_reduce_cost``: bandwidth, no per-message latency); ``two_level``: one the rank
+        program runs in two levels where its axes do (``two_level``, the method: every all-gather
+        of the step program, not those inside a compression module)."""
+        key = axes if axes is not None else axis
+        g = self.group(key)
+        if bucketed:
+            g = g.without_latency()
+        if two_level and self.two_level(key):
+            return comm.two_level_all_gather_cost(nbytes, g) + self._reorder(nbytes)
+        return comm.group_all_gather_cost(nbytes, g)
 
     def reduce_scatter_cost(
-        self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None
+        self,
+        nbytes: float,
+        axis: int | Sequence[int] = (),
+        *,
+        axes: Sequence[int] | None = None,
+        two_level: bool = True,
     ) -> float:
-        """Reduce-scatter of an ``nbytes`` input over ``axis``."""
-        return comm.group_reduce_scatter_cost(nbytes, self.group(axes if axes is not None else axis))
+        """Reduce-scatter of an ``nbytes`` input over ``axis``, in two levels where its axes run
+        them so (``two_level``, the method) unless ``two_level=False``."""
+        key = axes if axes is not None else axis
+        g = self.group(key)
+        if two_level and self.two_level(key):
+            return comm.two_level_reduce_scatter_cost(nbytes, g) + self._reorder(nbytes)
+        return comm.group_reduce_scatter_cost(nbytes, g)
+
+    def _reorder(self, nbytes: float) -> float:
+        """The device copy that lays a two-level reduce-scatter's pieces out place-major (or an
+        all-gather's back): ``nbytes`` read and written (``autopar.cost.compute.memory_time``)."""
+        return memory_time(2 * nbytes, self.cluster.device)
 
     def all_to_all_cost(
         self, nbytes: float, axis: int | Sequence[int] = (), *, axes: Sequence[int] | None = None

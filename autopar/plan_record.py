@@ -37,6 +37,8 @@ from autopar.rules.routing import grouped_mm_operands
 
 __all__ = ["axis_names", "build_plan"]
 
+_GATHER_OR_SCATTER = (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER)
+
 
 def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
     """Name each axis from the strategies the solver chose for the matmuls, weighted by their
@@ -133,7 +135,7 @@ def build_plan(
     comm_bytes = [0.0] * mesh.ndim
     comm_time = sum(s.comm_time for s in chosen.values())
     synced: set[tuple] = set()  # (value, layout, axes) whose gradient all-reduce is charged: once
-    two_level: set[tuple[int, ...]] = set()  # axes whose gradient all-reduces run in two levels
+    two_level: set[tuple[int, ...]] = set()  # axes whose reductions and gathers run in two levels
     for c, s in chosen.items():
         for j, i in enumerate(tensor_inputs(c)):
             if i not in chosen or s.inputs[j] is None:
@@ -193,6 +195,10 @@ def build_plan(
                 b = math.prod(st.out_shape if st.kind == StepKind.ALL_GATHER else st.in_shape) * itemsize
                 if step_cost(st, itemsize, mesh) > 0:
                     per_axis[st.axis] += b
+                if (st.kind in _GATHER_OR_SCATTER or (st.kind == StepKind.SLICE and info.requires_grad)) and (
+                    mesh.two_level(st.axis)
+                ):  # its all-gather or reduce-scatter (or its backward's) runs in two levels
+                    two_level.add((st.axis,))
             if (
                 first_sync
                 and bucketed_grad_sync(i)

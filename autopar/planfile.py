@@ -255,9 +255,10 @@ class Plan:
     ``autopar.cost.offload``; the runtime's ``passes.offload_activations``)."""
     two_level: tuple[tuple[int, ...], ...] = ()
     """The mesh axis sets (indices into ``mesh_shape``) whose gradient all-reduces run in two levels — reduce-scatter on each
-    node, all-reduce across the nodes, all-gather on each node — where the cost model found that
-    faster than one collective (``autopar.cost.comm.two_level_pays``; the runtime's
-    ``passes.two_level``)."""
+    node, all-reduce across the nodes, all-gather on each node — and whose reduce-scatters and
+    all-gathers do too (on each node then across, or across then on each node), where the cost
+    model found that faster than one collective (``autopar.cost.comm.two_level_pays``; the
+    runtime's ``passes.two_level``)."""
     offload_optimizer: bool = False
     """The optimizer state and master weights live in host memory and the optimizer step runs on
     the host (``PlanConfig.offload_optimizer``, ``autopar.cost.offload``); the runtime's

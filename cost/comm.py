@@ -55,6 +55,19 @@ NVLink, the one ring is faster. :func:`two_level_pays` compares the two bandwidt
 bucketed gradient pays no per-message latency, so the answer does not depend on the buffer's size
 — and the plan runs the two-level form on the groups where it pays (``Plan.two_level``;
 ``autopar.passes.two_level``).
+
+**Two-level reduce-scatter and all-gather** (:func:`two_level_reduce_scatter_cost`,
+:func:`two_level_all_gather_cost`; Jia et al.'s hierarchy applied to the two halves of the
+all-reduce, as ZeRO++ reduces gradients on the node before across the nodes: Wang et al., arXiv
+2306.10209, "qgZ"). The pieces are first reordered so
+that the members at one place on every node hold neighbouring pieces (a copy of the buffer on the
+device); a reduce-scatter inside each node then leaves each member the node's sum of its place's
+pieces, ``S/p`` of them, and a reduce-scatter across the nodes of those ``S/p`` bytes the whole
+sum of its own piece — the same piece the one collective gives it. The all-gather runs the other
+way round (across, then inside, then the copy back). The bytes each node sends over its NICs fall
+as for the all-reduce, ``(N−1)/N · S/p`` per member in place of ``(n−1)/n · S``, so the form pays
+on the same groups (``two_level_pays``); a plan that runs a group's gradient reductions in two
+levels runs its reduce-scatters and all-gathers so too.
 """
 
 from __future__ import annotations
@@ -77,8 +90,10 @@ __all__ = [
     "group_reduce_scatter_cost",
     "p2p_cost",
     "reduce_scatter_cost",
+    "two_level_all_gather_cost",
     "two_level_all_reduce_cost",
     "two_level_pays",
+    "two_level_reduce_scatter_cost",
 ]
 
 
@@ -254,6 +269,31 @@ def two_level_all_reduce_cost(nbytes: float, g: Group) -> float:
         + group_all_reduce_cost(nbytes / g.per_node, across)
         + group_all_gather_cost(nbytes, inside)
     )
+
+
+def two_level_reduce_scatter_cost(nbytes: float, g: Group) -> float:
+    """Reduce-scatter of an ``nbytes`` input over ``g`` in two levels (module docstring): on each
+    node over the pieces laid out place-major (each member's ``1/per_node`` share, the pieces of
+    the members at its place on every node), then across the nodes of that share. A node sends
+    ``(N−1)/N · S/per_node`` per member over its NICs where the one ring sends ``(n−1)/n · S``.
+    The reordering before it is a copy on the device (``autopar.mesh.Mesh``)."""
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    if g.nodes == 1 or g.per_node == 1:
+        return group_reduce_scatter_cost(nbytes, g)
+    inside, across = _two_level_parts(g)
+    return group_reduce_scatter_cost(nbytes, inside) + group_reduce_scatter_cost(nbytes / g.per_node, across)
+
+
+def two_level_all_gather_cost(nbytes: float, g: Group) -> float:
+    """All-gather producing an ``nbytes`` buffer over ``g`` in two levels, the reduce-scatter's
+    mirror: across the nodes (``nbytes / per_node``), then on each node."""
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    if g.nodes == 1 or g.per_node == 1:
+        return group_all_gather_cost(nbytes, g)
+    inside, across = _two_level_parts(g)
+    return group_all_gather_cost(nbytes / g.per_node, across) + group_all_gather_cost(nbytes, inside)
 
 
 def two_level_pays(g: Group) -> bool:

@@ -122,7 +122,7 @@ def compressed_sync(
     if c.method == "topk":
         ranks = math.prod(mesh.shape[a] for a in axes)
         wire = float(ranks * topk_count(int(numel), c) * 8)
-        comm = mesh.all_gather_cost(wire, axes=axes, bucketed=True)
+        comm = mesh.all_gather_cost(wire, axes=axes, bucketed=True, two_level=False)
         return CompressedSync(wire, 0.0, _TOPK_PASSES * numel * 4 / bw + comm, numel * 4)
     mn = powersgd_matrix(local_shape, c)
     if mn is None:

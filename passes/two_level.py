@@ -1,4 +1,5 @@
-"""``two_level_reduce``: gradient all-reduces over several nodes written as two levels.
+"""``two_level_reduce``: gradient all-reduces, reduce-scatters and all-gathers over several nodes
+written as two levels.
 
 A rank-program pass (``passes.overlap.RANK_PASSES``, after ``compress_gradients``). Its words are
 ``autopar.cost.comm``'s (two-level all-reduce) and ``passes.collective_nodes``'s (gradient
@@ -12,6 +13,17 @@ levels (``Plan.two_level``; the groups in ``RankInfo.two_level``) becomes:
 * where its wait was (``sink_waits`` put it where the gradient is first needed, or at the end):
   that all-reduce waited for, the pieces **all-gathered on the node**, the padding cut and the
   gradient's shape restored.
+
+Each reduce-scatter (sum) and all-gather over such a group — a ZeRO weight's gathers and its
+gradient's reduce-scatter, any reshard's — becomes the two-level form of ``autopar.cost.comm``:
+
+* a reduce-scatter: its ``n = N·p`` pieces (member ``m·p + l`` is the ``l``-th on node ``m``)
+  laid out place-major (a copy), **reduce-scattered on the node** and waited for (member ``l``
+  keeps the node's sum of the pieces of place ``l``), then **reduce-scattered across the nodes**
+  (it keeps the whole sum of piece ``m·p + l``, its own) — issued where the one was, waited for
+  where it was;
+* an all-gather: **gathered across the nodes** where the one was issued; where it was waited for,
+  **gathered on the node**, and the pieces laid back in member order (a copy).
 
 The slow collective — across the nodes — overlaps the rest of the backward as the one all-reduce
 did; the two on-node ones run on the node's fast link. The sum is the same; only the order of
@@ -35,7 +47,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.ir import COMPRESS_CAST, PHASE, RANK, TWO_LEVEL, Phase
 from autopar.passes import PassContext
-from autopar.passes.collective_nodes import gradient_all_reduces
+from autopar.passes.collective_nodes import gradient_all_reduces, is_wait
 
 __all__ = ["two_level_reduce"]
 
@@ -89,13 +101,113 @@ def _rewrite(gm: GraphModule, issue: Node, wait: Node, inside: str, p: int, acro
         gm.graph.erase_node(cast)
 
 
+def _like(
+    gm: GraphModule, model: Node, target: object, args: tuple, val: torch.Tensor, **kwargs: object
+) -> Node:
+    """A node beside ``model`` (an issue or a wait it replaces): its metadata (phase, stage, …) but
+    ``val``."""
+    n = gm.graph.call_function(target, args, kwargs or None)
+    n.meta.update({k: v for k, v in model.meta.items() if k != "val"})
+    n.meta["val"] = val
+    return n
+
+
+def _place_major(
+    gm: GraphModule, model: Node, x: Node, xv: torch.Tensor, a: int, b: int
+) -> tuple[Node, torch.Tensor]:
+    """``x`` (``a·b`` pieces, in order) with its pieces as a ``b × a`` grid flattened: piece ``i·b + j``
+    moves to ``j·a + i`` (a copy)."""
+    grid = xv.reshape(a, b, -1)
+    moved_val = grid.permute(1, 0, 2).contiguous().reshape(-1)
+    r = _like(gm, model, aten.reshape.default, (x, [a, b, -1]), grid)
+    t = _like(gm, model, aten.permute.default, (r, [1, 0, 2]), grid.permute(1, 0, 2))
+    c = _like(
+        gm,
+        model,
+        aten.clone.default,
+        (t,),
+        grid.permute(1, 0, 2).contiguous(),
+        memory_format=torch.contiguous_format,
+    )
+    return _like(gm, model, aten.reshape.default, (c, [-1]), moved_val), moved_val
+
+
+def _rewrite_scatter(gm: GraphModule, issue: Node, wait: Node, inside: str, p: int, across: str) -> None:
+    """A reduce-scatter over ``n = N·p`` members as two levels (module docstring): the pieces laid
+    out place-major, reduce-scattered on the node, then across the nodes."""
+    x, n = issue.args[0], int(issue.args[2])
+    xv, out_val = x.meta["val"], wait.meta["val"]
+    nodes = n // p
+    with gm.graph.inserting_before(issue):
+        flat, flat_val = _place_major(gm, issue, x, xv, nodes, p)
+        part = flat_val.new_empty(flat_val.numel() // p)
+        inner = _like(gm, issue, _fc.reduce_scatter_tensor.default, (flat, "sum", p, inside), part)
+        inner_done = _like(gm, issue, _fc.wait_tensor.default, (inner,), part)
+        mine = part.new_empty(part.numel() // nodes)
+        outer = _like(gm, issue, _fc.reduce_scatter_tensor.default, (inner_done, "sum", nodes, across), mine)
+    with gm.graph.inserting_before(wait):
+        done = _like(gm, wait, _fc.wait_tensor.default, (outer,), mine)
+        shaped = _like(gm, wait, aten.reshape.default, (done, list(out_val.shape)), out_val)
+    wait.replace_all_uses_with(shaped)
+    gm.graph.erase_node(wait)
+    gm.graph.erase_node(issue)
+
+
+def _rewrite_gather(gm: GraphModule, issue: Node, wait: Node, inside: str, p: int, across: str) -> None:
+    """An all-gather over ``n = N·p`` members as two levels, the reduce-scatter's mirror: across
+    the nodes (issued where the one was, waited for where it was), on the node, the pieces laid
+    back in member order."""
+    x, n = issue.args[0], int(issue.args[1])
+    xv, out_val = x.meta["val"], wait.meta["val"]
+    nodes = n // p
+    with gm.graph.inserting_before(issue):
+        mine = xv.reshape(-1)
+        flat = _like(gm, issue, aten.reshape.default, (x, [-1]), mine)
+        row = mine.new_empty(mine.numel() * nodes)
+        outer = _like(gm, issue, _fc.all_gather_into_tensor.default, (flat, nodes, across), row)
+    with gm.graph.inserting_before(wait):
+        outer_done = _like(gm, wait, _fc.wait_tensor.default, (outer,), row)
+        grid = row.new_empty(row.numel() * p)
+        inner = _like(gm, wait, _fc.all_gather_into_tensor.default, (outer_done, p, inside), grid)
+        inner_done = _like(gm, wait, _fc.wait_tensor.default, (inner,), grid)
+        ordered, _ = _place_major(gm, wait, inner_done, grid, p, nodes)
+        shaped = _like(gm, wait, aten.reshape.default, (ordered, list(out_val.shape)), out_val)
+    wait.replace_all_uses_with(shaped)
+    gm.graph.erase_node(wait)
+    gm.graph.erase_node(issue)
+
+
+def _scatters_and_gathers(
+    gm: GraphModule, groups: dict[str, tuple[str, int, str]]
+) -> list[tuple[Node, Node, str]]:
+    """``(issue, wait, kind)`` of each reduce-scatter (sum) and all-gather over a group the plan
+    runs in two levels whose issue has one user, its wait."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is _fc.reduce_scatter_tensor.default and n.args[1] == "sum":
+            kind, group = "scatter", n.args[3]
+        elif n.target is _fc.all_gather_into_tensor.default:
+            kind, group = "gather", n.args[2]
+        else:
+            continue
+        if group not in groups or len(n.users) != 1 or not is_wait(next(iter(n.users))):
+            continue
+        if not isinstance(n.args[0].meta.get("val"), torch.Tensor):
+            continue
+        found.append((n, next(iter(n.users)), kind))
+    return found
+
+
 def two_level_reduce(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Write the plan's two-level gradient reductions into ``gm`` (module docstring)."""
+    """Write the plan's two-level gradient reductions, reduce-scatters and all-gathers into ``gm``
+    (module docstring)."""
     info = gm.meta.get(RANK)
     groups = getattr(info, "two_level", None)
     if not groups:
         return gm
-    done = 0
+    done = moved = 0
     for issue, wait in gradient_all_reduces(gm):
         level = groups.get(issue.args[2])
         if level is None or not isinstance(issue.args[0].meta.get("val"), torch.Tensor):
@@ -103,8 +215,16 @@ def two_level_reduce(gm: GraphModule, ctx: PassContext) -> GraphModule:
         inside, p, across = level
         _rewrite(gm, issue, wait, inside, p, across)
         done += 1
-    if done:
-        log.info("two_level_reduce: %d gradient all-reduces in two levels", done)
+    for issue, wait, kind in _scatters_and_gathers(gm, groups):
+        inside, p, across = groups[issue.args[-1]]
+        (_rewrite_scatter if kind == "scatter" else _rewrite_gather)(gm, issue, wait, inside, p, across)
+        moved += 1
+    if done or moved:
+        log.info(
+            "two_level_reduce: %d gradient all-reduces, %d reduce-scatters and all-gathers in two levels",
+            done,
+            moved,
+        )
         gm.graph.lint()
         gm.recompile()
     return gm

@@ -169,3 +169,115 @@ def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microba
             continue
         problems = compare_training(ref, (got["losses"], got["state"]), "sgd", f"two-level rank {r}")
         assert not problems, "\n".join(problems)
+
+
+def test_reduce_scatters_and_all_gathers_in_two_levels_priced_by_hand():
+    """On each node then across (a reduce-scatter), across then on each node (an all-gather): a
+    node sends ``(N−1)/N · S/p`` per member over its NIC, not ``(n−1)/n · S``."""
+    nvlink = Link(name="nvlink", bandwidth=450e9, latency=0.0)
+    nic = Link(name="nic", bandwidth=50e9, latency=0.0)
+    S = 1e9
+    g = comm.Group(per_node=8, nodes=2, intra=nvlink, inter=nic, nics=1)
+    for two, flat in (
+        (comm.two_level_reduce_scatter_cost(S, g), comm.group_reduce_scatter_cost(S, g)),
+        (comm.two_level_all_gather_cost(S, g), comm.group_all_gather_cost(S, g)),
+    ):
+        assert flat == pytest.approx(15 / 16 * S / 50e9)
+        assert two == pytest.approx(7 / 8 * S / 450e9 + 1 / 2 * (S / 8) / (50e9 / 8))
+        assert two < flat / 1.5
+    # A mesh prices its reduce-scatters and all-gathers so where its gradient reductions run in
+    # two levels, with the device copy that reorders the pieces; not otherwise.
+    eth = autopar.Cluster.preset("H100-SXM", nodes=2, network="ethernet-400g")
+    m = Mesh.full((16,), eth)
+    assert m.two_level(0)
+    copy = 2 * S / eth.device.achieved_bandwidth + eth.device.kernel_overhead
+    assert m.reduce_scatter_cost(S, 0) == pytest.approx(
+        comm.two_level_reduce_scatter_cost(S, m.group(0)) + copy
+    )
+    assert m.all_gather_cost(S, 0) == pytest.approx(comm.two_level_all_gather_cost(S, m.group(0)) + copy)
+    assert m.all_gather_cost(S, 0, two_level=False) == pytest.approx(
+        comm.group_all_gather_cost(S, m.group(0))
+    )
+    assert m.reduce_scatter_cost(S, 0) < m.reduce_scatter_cost(S, 0, two_level=False) / 1.5
+    ib = Mesh.full((16,), autopar.Cluster.preset("H100-SXM", nodes=2))
+    assert ib.reduce_scatter_cost(S, 0) == ib.reduce_scatter_cost(S, 0, two_level=False)
+
+
+def _zero_plan(cluster: autopar.Cluster, zero_stage: int) -> Plan:
+    """The small GPT data-parallel over ``cluster`` with its weights stored sharded (ZeRO): each
+    gathered for use, its gradient reduce-scattered."""
+    from _runtime_helpers import build, input_paths
+
+    model, inputs = build("gpt", batch=BATCH)
+    n = cluster.world_size
+    fixed = {k: ("S(0)",) for k, p in model.named_parameters() if p.shape[0] % n == 0}
+    fixed |= {p: ("S(0)",) for p in input_paths(inputs)}
+    return autopar.plan(
+        model, inputs, cluster, mesh_shape=(n,), fixed=fixed, pp=1, microbatches=1, recompute="none",
+        zero_stage=zero_stage,
+    )  # fmt: skip
+
+
+def test_a_zero_plan_gathers_and_scatters_in_two_levels_where_that_pays():
+    cluster = _two_nodes()
+    plan = _zero_plan(cluster, 3)
+    assert plan.two_level == ((0,),) and set(plan.zero_stages().values()) == {3}
+    assert any(c.startswith("all_gather") for r in plan.reshards for c in r.collectives)
+    assert "reduce-scatters and all-gathers" in plan.summary()
+    # On nodes whose NICs keep up with the node's link the same plan gathers in one collective,
+    # and the two-level one is predicted faster.
+    fast = replace(cluster, inter_node=replace(cluster.inter_node, bandwidth=20e9), nics_per_node=2)
+    flat = _zero_plan(fast, 3)
+    assert flat.two_level == ()
+
+
+def _zero_worker(rank: int, world: int, plan: Any) -> dict[str, Any]:
+    import warnings
+
+    from _runtime_helpers import build, make_optimizer, train
+
+    from autopar.runtime.launch import spawn  # noqa: F401  (the helpers' import order)
+
+    warnings.simplefilter("ignore")
+    model, inputs = build("gpt", batch=BATCH)
+    pm = autopar.parallelize(model, autopar.Cluster.local(world), inputs, plan=plan)
+    losses = train(pm, inputs, make_optimizer("sgd", pm.parameters()))
+    inside, across = pm.axes[0].levels
+    by_group: dict[str, int] = {}
+    for g in (pm.step.forward, pm.step.backward):
+        for n in g.graph.nodes:
+            if n.op == "call_function" and (
+                "reduce_scatter" in str(n.target) or "all_gather" in str(n.target)
+            ):
+                group = n.args[-1]
+                by_group[group] = by_group.get(group, 0) + 1
+    return {
+        "losses": losses,
+        "state": pm.full_state_dict(),
+        "inside": by_group.get(inside.group_name, 0),
+        "across": by_group.get(across.group_name, 0),
+        "whole": by_group.get(pm.axes[0].group_name, 0),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero_stage", [3, 2])
+def test_two_level_gathers_and_scatters_on_two_nodes_of_two_train_like_one_process(zero_stage):
+    from _runtime_helpers import build, compare_training, make_optimizer, train
+
+    from autopar.runtime.launch import spawn
+
+    plan = _zero_plan(_two_nodes(), zero_stage)
+    assert plan.two_level == ((0,),)
+    out = spawn(_zero_worker, 4, plan, timeout=240)
+    model, inputs = build("gpt", batch=BATCH)
+    losses = train(model, inputs, make_optimizer("sgd", model.parameters()))
+    ref = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    for r, got in enumerate(out):
+        # Every gather and scatter over dp runs as its two levels: none over the whole group.
+        assert got["across"] > 0 and got["inside"] >= got["across"] and got["whole"] == 0, got
+        problems = compare_training(
+            ref, (got["losses"], got["state"]), "sgd", f"two-level ZeRO-{zero_stage} rank {r}"
+        )
+        assert not problems, "\n".join(problems)
