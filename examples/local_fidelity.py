@@ -28,8 +28,9 @@ completes no earlier than its bytes get through the nodes' NICs). The plans are 
 cluster — the measured one with ``nodes=2`` and the slow link between the nodes — and two more
 join them: ``hsdp`` (``layouts.fsdp(replicate=2)``: sharded inside a node, replicated across),
 ``tp2`` (``layouts.megatron(tp=world / 2)``: tensor parallelism inside a node, data parallelism
-across) and ``dp-ring`` (``dp`` with its gradient all-reduce held to one collective,
-``Cluster.two_level=False``, where ``dp`` reduces in two levels: ``Plan.two_level``). The emulated NIC is a wire, not a core: its transfers overlap compute (``overlap_comm``).
+across), ``dp-ring`` (``dp`` with its gradient all-reduce held to one collective,
+``Cluster.two_level=False``, where ``dp`` reduces in two levels: ``Plan.two_level``) and
+``zero3-ring`` (``zero3`` with its gathers and reduce-scatters held to one collective each). The emulated NIC is a wire, not a core: its transfers overlap compute (``overlap_comm``).
 
 With ``--slow-device F`` the processes stand for two nodes, the first's a device ``F`` times
 slower (``autopar.runtime.device_emulation.SlowDevice``: every op but the collectives stretched
@@ -56,7 +57,7 @@ from typing import Any
 import torch
 
 LAYOUTS = ("dp", "tp", "zero3", "pp", "auto", "offload", "activations")
-NODE_LAYOUTS = ("dp", "dp-ring", "tp", "tp2", "zero3", "hsdp", "auto")
+NODE_LAYOUTS = ("dp", "dp-ring", "tp", "tp2", "zero3", "zero3-ring", "hsdp", "auto")
 """With ``--slow-link``: the pipeline's sends are not emulated (``emulate_nodes``), so no ``pp``."""
 TIE = 0.05
 """Predictions closer than this (relative) are a tie: their order is not checked."""
@@ -77,10 +78,10 @@ def make_plan(layout: str, model: Any, inputs: tuple, cluster: Any) -> Any:
 
     world = cluster.world_size
     batch_split = {"args[0]": ("S(0)",), "args[1]": ("S(0)",)}
-    if layout == "dp-ring":  # the gradient all-reduce as one collective, never in two levels
+    if layout in ("dp-ring", "zero3-ring"):  # every collective as one, never in two levels
         from dataclasses import replace
 
-        return make_plan("dp", model, inputs, replace(cluster, two_level=False))
+        return make_plan(layout.removesuffix("-ring"), model, inputs, replace(cluster, two_level=False))
     if layout in ("dp", "offload", "activations"):
         fixed = {n: ("R",) for n, _ in model.named_parameters()} | batch_split
         if layout != "dp":  # this machine's memory as the processes' host (Cluster.local's host=True)
