@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from autopar import Cluster
+from autopar.cost import comm
 from autopar.cost.comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
 from autopar.cost.reshard_cost import edge_cost, reshard_cost
 from autopar.mesh import Mesh
@@ -256,11 +257,19 @@ def test_edge_cost_uses_the_link_of_each_axis():
     outer = edge_cost(shape, 4, (Shard(0), R), (R, R), (False, False), False, Mesh((8, 2), two_nodes))
     nbytes = 1024 * 1024 * 4
     assert inner == pytest.approx(all_gather_cost(nbytes, 8, two_nodes.intra_node))
-    # The outer axis of (8, 2) puts 4 of its 8 devices on each node: NCCL drives their 4 NICs at
-    # once (autopar.cost.comm), 4 × 25 GB/s, every ring step paying the NIC's latency.
+    # The outer axis of (8, 2) puts 4 of its 8 devices on each node: as one ring, NCCL drives their
+    # 4 NICs at once (autopar.cost.comm), 4 × 25 GB/s, every ring step paying the NIC's latency.
     ib = two_nodes.inter_node
-    assert outer == pytest.approx(7 * ib.latency + 7 / 8 * nbytes / (4 * ib.bandwidth))
-    assert outer > 2 * inner
+    mesh = Mesh((8, 2), two_nodes)
+    ring = mesh.all_gather_cost(nbytes, 0, two_level=False)
+    assert ring == pytest.approx(7 * ib.latency + 7 / 8 * nbytes / (4 * ib.bandwidth))
+    # The two groups of that axis share the node's NICs, and NVLink (300 GB/s) is faster than the
+    # 4 NICs: the gather runs in two levels (across, then on the node), as the plan records and
+    # the runtime writes it (``passes.two_level``), with the copy that reorders the pieces.
+    assert mesh.two_level(0)
+    copy = 2 * nbytes / two_nodes.device.achieved_bandwidth + two_nodes.device.kernel_overhead
+    assert outer == pytest.approx(comm.two_level_all_gather_cost(nbytes, mesh.group(0)) + copy)
+    assert inner < outer < ring
 
 
 # ------------------------------------------------------------------------------------------------
