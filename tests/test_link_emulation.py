@@ -181,10 +181,17 @@ def test_a_slow_device_stretches_its_ops_and_changes_no_result():
     want = work()
     with SlowDevice(3.0):  # the mode's first use sets up dispatch (seconds): not timed
         work()
-    with SlowDevice(3.0) as slow:
-        t0 = time.perf_counter()
-        got = work()
-        took = time.perf_counter() - t0
-    assert torch.equal(got, want)
-    # Slept twice the ops' own time, so two thirds of the whole, less the debt still owed.
-    assert slow.slept + slow.debt == pytest.approx(2 / 3 * took, rel=0.25)
+    # Slept twice the ops' own time, so two thirds of the whole, less the debt still owed. A
+    # wall-clock share: on a loaded machine (the suite runs two workers on two cores) a
+    # preemption between ops lengthens the whole but not the ops, so the best of three tries.
+    shares = []
+    for _ in range(3):
+        with SlowDevice(3.0) as slow:
+            t0 = time.perf_counter()
+            got = work()
+            took = time.perf_counter() - t0
+        assert torch.equal(got, want)
+        shares.append((slow.slept + slow.debt) / took)
+        if shares[-1] == pytest.approx(2 / 3, rel=0.25):
+            break
+    assert shares[-1] == pytest.approx(2 / 3, rel=0.25), shares
