@@ -187,7 +187,7 @@ def _note_gathered_outputs(cap: Captured, plan: Plan) -> None:
         summed = [a for a, p in enumerate(spec) if isinstance(p, Partial) and mesh.shape[a] > 1]
         if not gathered and not summed:
             continue
-        seconds += (mesh.all_gather_cost(nbytes, axes=gathered, two_level=False) if gathered else 0.0) + (
+        seconds += (mesh.all_gather_cost(nbytes, axes=gathered) if gathered else 0.0) + (
             mesh.all_reduce_cost(nbytes, axes=summed) if summed else 0.0
         )
         moved += nbytes
