@@ -159,35 +159,32 @@ def _reference(name: str):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, plans: dict[str, autopar.Plan | None]) -> dict:
+    """Each ``name/layout`` of ``plans`` (made once, before the spawn) trained with AdamW."""
     warnings.simplefilter("ignore")
     cluster = autopar.Cluster.local(world)
     out = {}
-    for name in ("mixtral", "example"):
-        for layout in LAYOUTS[world]:
-            if name == "mixtral" and layout == "tp1,ep4" and world == 4:
-                pass
-            plan = _plan(name, layout, world)
-            model, batch = build(name)
-            pm = autopar.parallelize(model, cluster, batch, plan=plan)
-            with CollectiveLog() as log:
-                losses = train(pm, batch, make_optimizer("adamw", pm.parameters()))
-            a2a = {
-                d: sum(1 for k, dd, _ in log.calls if k == "all_to_all" and dd == d) for d in ("fwd", "bwd")
-            }
-            out[f"{name}/{layout}"] = {
-                "losses": losses,
-                "state": pm.full_state_dict(),
-                "captured": pm.step is not None,
-                "a2a": a2a,
-                "expected": expected_all_to_alls(pm.plan),
-                "axes": pm.plan.mesh_axes,
-            }
+    for key, plan in plans.items():
+        name = key.split("/")[0]
+        model, batch = build(name)
+        pm = autopar.parallelize(model, cluster, batch, plan=plan)
+        with CollectiveLog() as log:
+            losses = train(pm, batch, make_optimizer("adamw", pm.parameters()))
+        a2a = {d: sum(1 for k, dd, _ in log.calls if k == "all_to_all" and dd == d) for d in ("fwd", "bwd")}
+        out[key] = {
+            "losses": losses,
+            "state": pm.full_state_dict(),
+            "captured": pm.step is not None,
+            "a2a": a2a,
+            "expected": expected_all_to_alls(pm.plan),
+            "axes": pm.plan.mesh_axes,
+        }
     return out
 
 
 def _check(world: int) -> None:
-    results = spawn(_worker, world, timeout=560)[0]
+    plans = {f"{n}/{lay}": _plan(n, lay, world) for n in ("mixtral", "example") for lay in LAYOUTS[world]}
+    results = spawn(_worker, world, plans, timeout=560)[0]
     problems = []
     for name in ("mixtral", "example"):
         ref = _reference(name)

@@ -1,6 +1,6 @@
 """Two-level gradient all-reduce (``autopar.cost.comm.two_level_all_reduce_cost``, ``Plan.two_level``,
 ``passes.two_level``): priced, chosen only where it beats the one collective, recorded in the plan,
-and run on 4 gloo processes as two nodes of two — training like one process, with and without
+and run on 4 gloo processes as two nodes of two (every case in one spawn) — training like one process, with and without
 micro-batches (the reduction deferred to the last one)."""
 
 from __future__ import annotations
@@ -145,20 +145,27 @@ def _worker(rank: int, world: int, plan: Any, optimizer: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("microbatches", "compression"), [(2, None), (1, "bf16")])
-def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microbatches, compression):
-    from _runtime_helpers import build, compare_training, make_optimizer, train
+def _reference() -> tuple[list[float], dict[str, Any]]:
+    """One process's SGD losses and final state on the same model and batch."""
+    from _runtime_helpers import build, make_optimizer, train
 
-    from autopar.runtime.launch import spawn
-
-    plan = _dp_plan(_two_nodes(), microbatches, compression)
-    assert plan.two_level == ((0,),) and getattr(plan.compression, "method", None) == compression
-    out = spawn(_worker, 4, plan, "sgd", timeout=240)
     model, inputs = build("gpt", batch=BATCH)
     losses = train(model, inputs, make_optimizer("sgd", model.parameters()))
-    ref = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(560)
+@pytest.mark.parametrize(("microbatches", "compression"), [(2, None), (1, "bf16")])
+def test_two_level_reduction_on_two_nodes_of_two_trains_like_one_process(microbatches, compression, runs):
+    from _runtime_helpers import compare_training
+
+    plans, results = runs
+    plan = plans[f"dp {microbatches} {compression}"]
+    assert plan.two_level == ((0,),) and getattr(plan.compression, "method", None) == compression
+    out = [r[f"dp {microbatches} {compression}"] for r in results]
+    ref = _reference()
+    losses = ref[0]
     for r, got in enumerate(out):
         assert got["levels"] == [2, 2], got["levels"]
         assert got["heads"] > 0, f"rank {r}: no two-level reduction in its program"
@@ -260,20 +267,44 @@ def _zero_worker(rank: int, world: int, plan: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero_stage", [3, 2])
-def test_two_level_gathers_and_scatters_on_two_nodes_of_two_train_like_one_process(zero_stage):
-    from _runtime_helpers import build, compare_training, make_optimizer, train
+def _cases_worker(rank: int, world: int, plans: dict[str, Plan]) -> dict[str, dict[str, Any]]:
+    """Every case of ``runs`` in one process group: ZeRO plans by ``_zero_worker``, the others by
+    ``_worker`` (SGD)."""
+    return {
+        case: _zero_worker(rank, world, plan)
+        if case.startswith("zero")
+        else _worker(rank, world, plan, "sgd")
+        for case, plan in plans.items()
+    }
 
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, Plan], list[dict[str, dict[str, Any]]]]:
+    """``(plans by case, results by rank)``: the data-parallel plans (2 micro-batches; bf16
+    compression) and the ZeRO-3 and ZeRO-2 plans on two nodes of two, trained in one spawn
+    (starting 4 processes costs seconds; a plan's training a fraction of that)."""
     from autopar.runtime.launch import spawn
 
-    plan = _zero_plan(_two_nodes(), zero_stage)
-    assert plan.two_level == ((0,),)
-    out = spawn(_zero_worker, 4, plan, timeout=240)
-    model, inputs = build("gpt", batch=BATCH)
-    losses = train(model, inputs, make_optimizer("sgd", model.parameters()))
-    ref = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    cluster = _two_nodes()
+    plans = {
+        "dp 2 None": _dp_plan(cluster, 2, None),
+        "dp 1 bf16": _dp_plan(cluster, 1, "bf16"),
+        "zero 3": _zero_plan(cluster, 3),
+        "zero 2": _zero_plan(cluster, 2),
+    }
+    return plans, spawn(_cases_worker, 4, plans, timeout=480)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(560)
+@pytest.mark.parametrize("zero_stage", [3, 2])
+def test_two_level_gathers_and_scatters_on_two_nodes_of_two_train_like_one_process(zero_stage, runs):
+    from _runtime_helpers import compare_training
+
+    plans, results = runs
+    assert plans[f"zero {zero_stage}"].two_level == ((0,),)
+    out = [r[f"zero {zero_stage}"] for r in results]
+    ref = _reference()
     for r, got in enumerate(out):
         # Every gather and scatter over dp runs as its two levels: none over the whole group.
         assert got["across"] > 0 and got["inside"] >= got["across"] and got["whole"] == 0, got
