@@ -25,6 +25,10 @@ gradient's reduce-scatter, any reshard's — becomes the two-level form of ``aut
 * an all-gather: **gathered across the nodes** where the one was issued; where it was waited for,
   **gathered on the node**, and the pieces laid back in member order (a copy).
 
+An issue waited for more than once keeps its first wait, which the later ones' users read. One
+whose issue has a user other than its waits stays one collective, and the pass warns, naming it:
+the plan priced it in two levels.
+
 The slow collective — across the nodes — overlaps the rest of the backward as the one all-reduce
 did; the two on-node ones run on the node's fast link. The sum is the same; only the order of
 additions differs (a float sum's rounding).
@@ -179,11 +183,15 @@ def _rewrite_gather(gm: GraphModule, issue: Node, wait: Node, inside: str, p: in
 
 def _scatters_and_gathers(
     gm: GraphModule, groups: dict[str, tuple[str, int, str]]
-) -> list[tuple[Node, Node, str]]:
+) -> tuple[list[tuple[Node, Node, str]], list[str]]:
     """``(issue, wait, kind)`` of each reduce-scatter (sum) and all-gather over a group the plan
-    runs in two levels whose issue has one user, its wait."""
-    found = []
-    for n in gm.graph.nodes:
+    runs in two levels, and the names of those left as one collective. An issue waited for more
+    than once keeps its first wait (in program order, so it comes before the others' users); the
+    later waits read it. One whose issue has another user, or whose input has no tensor value,
+    stays one collective: the plan priced it in two levels, so ``two_level_reduce`` says so."""
+    found, kept = [], []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
         if n.target is _fc.reduce_scatter_tensor.default and n.args[1] == "sum":
@@ -192,12 +200,21 @@ def _scatters_and_gathers(
             kind, group = "gather", n.args[2]
         else:
             continue
-        if group not in groups or len(n.users) != 1 or not is_wait(next(iter(n.users))):
+        if group not in groups:
             continue
-        if not isinstance(n.args[0].meta.get("val"), torch.Tensor):
+        waits = sorted(n.users, key=order.__getitem__)
+        if (
+            not waits
+            or not all(is_wait(w) for w in waits)
+            or not isinstance(n.args[0].meta.get("val"), torch.Tensor)
+        ):
+            kept.append(n.name)
             continue
-        found.append((n, next(iter(n.users)), kind))
-    return found
+        for w in waits[1:]:
+            w.replace_all_uses_with(waits[0])
+            gm.graph.erase_node(w)
+        found.append((n, waits[0], kind))
+    return found, kept
 
 
 def two_level_reduce(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -215,10 +232,18 @@ def two_level_reduce(gm: GraphModule, ctx: PassContext) -> GraphModule:
         inside, p, across = level
         _rewrite(gm, issue, wait, inside, p, across)
         done += 1
-    for issue, wait, kind in _scatters_and_gathers(gm, groups):
+    found, kept = _scatters_and_gathers(gm, groups)
+    for issue, wait, kind in found:
         inside, p, across = groups[issue.args[-1]]
         (_rewrite_scatter if kind == "scatter" else _rewrite_gather)(gm, issue, wait, inside, p, across)
         moved += 1
+    if kept:
+        log.warning(
+            "two_level_reduce: %d reduce-scatters or all-gathers the plan prices in two levels run as one "
+            "collective (their issue has a user other than its waits): %s",
+            len(kept),
+            ", ".join(kept),
+        )
     if done or moved:
         log.info(
             "two_level_reduce: %d gradient all-reduces, %d reduce-scatters and all-gathers in two levels",

@@ -312,3 +312,48 @@ def test_two_level_gathers_and_scatters_on_two_nodes_of_two_train_like_one_proce
             ref, (got["losses"], got["state"]), "sgd", f"two-level ZeRO-{zero_stage} rank {r}"
         )
         assert not problems, "\n".join(problems)
+
+
+def test_a_scatter_waited_twice_is_rewritten_and_one_with_another_user_is_named(caplog):
+    """``passes.two_level``: a reduce-scatter over a two-level group waited for twice becomes the
+    two levels (the later wait reads the first); an all-gather whose issue has a user other than
+    its wait stays one collective — priced in two levels by the plan, so the pass warns, naming it."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from torch.fx import Graph, GraphModule
+
+    from autopar.ir import RANK
+    from autopar.passes.two_level import two_level_reduce
+
+    fc, aten = torch.ops._c10d_functional, torch.ops.aten
+    g = Graph()
+
+    def node(target: Any, args: tuple, val: torch.Tensor) -> Any:
+        n = g.call_function(target, args)
+        n.meta["val"] = val
+        return n
+
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(8)
+    rs = node(fc.reduce_scatter_tensor.default, (x, "sum", 4, "whole"), torch.empty(2))
+    first = node(fc.wait_tensor.default, (rs,), torch.empty(2))
+    doubled = node(aten.mul.Tensor, (first, 2), torch.empty(2))
+    second = node(fc.wait_tensor.default, (rs,), torch.empty(2))
+    summed = node(aten.add.Tensor, (doubled, second), torch.empty(2))
+    ag = node(fc.all_gather_into_tensor.default, (x, 4, "whole"), torch.empty(32))
+    copied = node(aten.clone.default, (ag,), torch.empty(32))
+    gathered = node(fc.wait_tensor.default, (ag,), torch.empty(32))
+    g.output((summed, gathered, copied))
+    gm = GraphModule(torch.nn.Module(), g)
+    gm.meta[RANK] = SimpleNamespace(two_level={"whole": ("inside", 2, "across")})
+    with caplog.at_level(logging.WARNING, logger="autopar.passes"):
+        two_level_reduce(gm, None)
+    scatters = [n.args[3] for n in gm.graph.nodes if n.target is fc.reduce_scatter_tensor.default]
+    assert scatters == ["inside", "across"], scatters
+    reshaped = summed.args[1]
+    assert reshaped.target is aten.reshape.default and summed.args[0].args[0] is reshaped, gm.code
+    gathers = [n.args[2] for n in gm.graph.nodes if n.target is fc.all_gather_into_tensor.default]
+    assert gathers == ["whole"], gathers
+    assert "run as one collective" in caplog.text and ag.name in caplog.text, caplog.text
