@@ -353,6 +353,8 @@ def plan_captured(
                 "first_reader": facts.first_reader,
             }
         )
+        if config.optimizer_state_dtype is not None:  # the optimizer step's moments (simulate)
+            p.info["optimizer_state_dtype"] = config.optimizer_state_dtype
         sim = simulate_captured(p, gm, cluster)
         p.predicted = replace(p.predicted, step_time=sim.step_time)
         p.info["simulated"] = {

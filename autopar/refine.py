@@ -150,7 +150,9 @@ def host_step_floor(plan: Plan, cluster: Cluster) -> float:
         return 0.0
     numel = sum(math.prod(n.shape) for n in plan.nodes if n.kind == "param" and n.shape)
     pbytes = int(plan.info.get("param_bytes", 4))
-    settings = plan_settings(plan.info.get("optimizer", "adamw"), pbytes)
+    settings = plan_settings(
+        plan.info.get("optimizer", "adamw"), pbytes, plan.info.get("optimizer_state_dtype")
+    )
     share = numel / cluster.world_size
     return offload_step_time(share, 0, pbytes, cluster.host, cluster.gpus_per_node, settings).total
 

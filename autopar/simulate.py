@@ -266,7 +266,9 @@ def optimizer_shard(plan: Plan, stages: Sequence[int] | None = None) -> tuple[fl
 def _optimizer_settings(plan: Plan) -> tuple[int, OptimizerSettings]:
     """The plan's parameter bytes and the optimizer its step runs (``cost.optimizer.plan_settings``)."""
     pbytes = int(plan.info.get("param_bytes", 4))
-    return pbytes, plan_settings(plan.info.get("optimizer", "adamw"), pbytes)
+    return pbytes, plan_settings(
+        plan.info.get("optimizer", "adamw"), pbytes, plan.info.get("optimizer_state_dtype")
+    )
 
 
 def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = None) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost.compute import itemsize
 from autopar.cost.memory import OPTIMIZER_MOMENTS
 from autopar.devices import DeviceSpec
 
@@ -60,12 +61,15 @@ class OptimizerSettings:
         return 4 if self.master_weights else param_bytes
 
 
-def plan_settings(optimizer: str, param_bytes: int) -> OptimizerSettings:
+def plan_settings(optimizer: str, param_bytes: int, state_dtype: str | None = None) -> OptimizerSettings:
     """The settings a plan's step runs with: its optimizer (AdamW where it names one this module
     does not cost), fused, with an fp32 master copy where the parameters are narrower than fp32
-    (mixed precision, as ``autopar.runtime`` keeps it)."""
+    (mixed precision, as ``autopar.runtime`` keeps it) and its moments in ``state_dtype``
+    (``PlanConfig.optimizer_state_dtype``; ``None``: ``OptimizerSettings.moment_bytes``' default)."""
     return OptimizerSettings(
-        optimizer=optimizer if optimizer in OPTIMIZER_MOMENTS else "adamw", master_weights=param_bytes < 4
+        optimizer=optimizer if optimizer in OPTIMIZER_MOMENTS else "adamw",
+        master_weights=param_bytes < 4,
+        state_bytes=itemsize(state_dtype) if state_dtype else None,
     )
 
 

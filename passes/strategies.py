@@ -230,7 +230,7 @@ def _cost_strategy(
             # micro-batch a ``1/m`` share. Without it a replicated weight and its ZeRO-sharded
             # twin cost the solver the same where their collectives do, and it kept the slower.
             if info.requires_grad:
-                settings = plan_settings(ctx.config.optimizer, val.element_size())
+                settings = plan_settings(ctx.config.optimizer, val.element_size(), state)
                 if state_on_host:  # the step on the host, its copies over the host link (cost.offload)
                     step = offload_step_time(
                         numel / flat,

@@ -71,3 +71,30 @@ def test_zero1_parameters_under_accumulation_train_like_one_process():
     ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     problems = compare_training((ref, ref_state), (result["losses"], result["state"]), "adamw", "zero1 m=2")
     assert not problems, "\n".join(problems)
+
+
+def test_moments_kept_in_bfloat16_make_the_predicted_optimizer_step_shorter():
+    """``PlanConfig.optimizer_state_dtype="bfloat16"``: the plan records it and the simulator's
+    optimizer step moves 2-byte moments (``cost.optimizer.plan_settings``), as the solver's
+    per-weight share does; fp32 moments otherwise."""
+    from _runtime_helpers import build
+
+    from autopar.cost.optimizer import optimizer_step_time, plan_settings
+    from autopar.simulate import optimizer_shard, optimizer_time
+
+    model, inputs = build("gpt")
+    cluster = autopar.Cluster.preset("A100-80GB", nodes=1)
+    plans = {
+        d: autopar.plan(model, inputs, cluster, mesh_shape=(8,), optimizer_state_dtype=d, workers=1)
+        for d in (None, "bfloat16")
+    }
+    assert "optimizer_state_dtype" not in plans[None].info
+    assert plans["bfloat16"].info["optimizer_state_dtype"] == "bfloat16"
+    numel, tensors = optimizer_shard(plans["bfloat16"])
+    pbytes = int(plans["bfloat16"].info["param_bytes"])
+    want = optimizer_step_time(
+        numel, tensors, pbytes, cluster.device, plan_settings("adamw", pbytes, "bfloat16")
+    )
+    assert optimizer_time(plans["bfloat16"], cluster) == pytest.approx(want)
+    assert plan_settings("adamw", 4, "bfloat16").moment_bytes(4) == 2
+    assert optimizer_time(plans["bfloat16"], cluster) < optimizer_time(plans[None], cluster)
