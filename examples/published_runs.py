@@ -12,9 +12,11 @@ Each row's layout is ``autopar.layouts.megatron`` with the row's tensor (tp), pi
 virtual pipeline (vp) sizes, sequence parallelism and the distributed optimizer (Megatron-Core's
 defaults for these runs), micro-batch size ``mbs`` (1 where the source gives none) and the row's
 global batch, so ``gbs / (dp · mbs)`` micro-batches per step (gradient accumulation when pp = 1),
-and the lightest recomputation that fits the device (none, then selective, then full), with the
-row's context parallelism (``cp``, its sequence split over ``cp`` ranks; ``dp = gpus / (tp · pp ·
-cp)``).
+the row's context parallelism (``cp``, its sequence split over ``cp`` ranks; ``dp = gpus / (tp · pp
+· cp)``), and the recomputation and optimizer-state dtype of the row's recipe where the table gives
+them (its ``recompute`` and ``optimizer_state_dtype`` columns: the Nemotron-4 340B recipe keeps the
+optimizer's state in bfloat16 and recomputes the core attention); elsewhere fp32 optimizer state
+and the lightest recomputation that fits the device (none, then selective, then full).
 
 Models, on the meta device in bf16:
 
@@ -136,20 +138,23 @@ def published_tflops(r: dict[str, str], per_token: float) -> float:
 
 
 def plan_row(r: dict[str, str], model: torch.nn.Module) -> autopar.Plan:
-    """The row's own layout (module docstring), the lightest recomputation that fits."""
+    """The row's own layout (module docstring): its recipe's recomputation and optimizer-state
+    dtype where the row gives them, else the lightest recomputation that fits."""
     gpus, tp, pp, cp = int(r["gpus"]), int(r["tp"]), int(r["pp"]), _int(r, "cp", 1)
     vp, mbs = _int(r, "vp", 1), _int(r, "mbs", 1)
     dp = gpus // (tp * pp * cp)
     m = int(r["gbs"]) // (dp * mbs)
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=gpus // 8)
     inputs = example_inputs(r)
+    given = (r.get("recompute") or "").strip()
+    state = (r.get("optimizer_state_dtype") or "").strip() or None
     last: Exception | None = None
-    for recompute in RECOMPUTE:
+    for recompute in (given,) if given else RECOMPUTE:
         try:
             return autopar.layouts.megatron(
                 model, inputs, cluster, tp=tp, pp=pp, cp=cp, microbatches=m, sequence_parallel=tp > 1,
                 distributed_optimizer=True, schedule="interleaved" if vp > 1 else "1f1b", virtual=vp,
-                recompute=recompute,
+                recompute=recompute, optimizer_state_dtype=state,
             )  # fmt: skip
         except autopar.solver.InfeasibleError as e:
             last = e

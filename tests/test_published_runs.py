@@ -113,3 +113,24 @@ def test_context_parallel_sequence_parallel_reduce_scatters_stay_reduce_scatters
     per_token = R.flops_per_token(net, r)
     predicted = per_token * int(r["gbs"]) * int(r["seq"]) / (plan.predicted.step_time * int(r["gpus"])) / 1e12
     assert abs(predicted / R.published_tflops(r, per_token) - 1) <= 0.15, predicted
+
+
+def test_a_row_plans_with_its_recipes_recomputation_and_optimizer_state(monkeypatch) -> None:
+    """``published_runs.plan_row`` reads the row's recipe: the Nemotron-4 340B rows plan once, with
+    the recipe's selective recomputation and its optimizer state in bfloat16 (NeMo's
+    ``distributed_fused_adam`` with ``dtype: bf16``); a row whose recipe gives neither tries the
+    lightest recomputation first, with fp32 state. (The layouts are recorded, not planned: the
+    figures are ``examples/published_runs.py --rows 16 17``'s.)"""
+    calls: list[dict[str, object]] = []
+
+    def record(*args: object, **kw: object) -> str:
+        calls.append(kw)
+        return "plan"
+
+    monkeypatch.setattr(R.autopar.layouts, "megatron", record)
+    big = next(r for r in R.rows() if r["model"] == "Nemotron-4 340B" and r["gpus"] == "128")
+    assert R.plan_row(big, torch.nn.Linear(1, 1)) == "plan"
+    assert [(c["recompute"], c["optimizer_state_dtype"]) for c in calls] == [("selective", "bfloat16")]
+    calls.clear()
+    R.plan_row(_row("GPT 16B"), torch.nn.Linear(1, 1))
+    assert [(c["recompute"], c["optimizer_state_dtype"]) for c in calls] == [("none", None)]
