@@ -1,7 +1,7 @@
 """Two-level gradient all-reduce (``autopar.cost.comm.two_level_all_reduce_cost``, ``Plan.two_level``,
 ``passes.two_level``): priced, chosen only where it beats the one collective, recorded in the plan,
-and run on 4 gloo processes as two nodes of two (every case in one spawn) — training like one process, with and without
-micro-batches (the reduction deferred to the last one)."""
+and run on 4 gloo processes as two nodes of two (every case in one spawn) — training like one
+process, with and without micro-batches (the reduction deferred to the last one)."""
 
 from __future__ import annotations
 
