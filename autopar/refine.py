@@ -35,12 +35,11 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.cost.offload import offload_step_time
-from autopar.cost.optimizer import plan_settings
 from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, bound_meshes, fewer_layers_count, memory_bound, plan_captured
-from autopar.simulate import offload_figures
+from autopar.simulate import offload_figures, optimizer_settings
 from autopar.solver import NotBetter
 
 if TYPE_CHECKING:
@@ -149,10 +148,7 @@ def host_step_floor(plan: Plan, cluster: Cluster) -> float:
     if cluster.host is None:
         return 0.0
     numel = sum(math.prod(n.shape) for n in plan.nodes if n.kind == "param" and n.shape)
-    pbytes = int(plan.info.get("param_bytes", 4))
-    settings = plan_settings(
-        plan.info.get("optimizer", "adamw"), pbytes, plan.info.get("optimizer_state_dtype")
-    )
+    pbytes, settings = optimizer_settings(plan)
     share = numel / cluster.world_size
     return offload_step_time(share, 0, pbytes, cluster.host, cluster.gpus_per_node, settings).total
 

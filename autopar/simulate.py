@@ -263,8 +263,10 @@ def optimizer_shard(plan: Plan, stages: Sequence[int] | None = None) -> tuple[fl
     return numel, tensors
 
 
-def _optimizer_settings(plan: Plan) -> tuple[int, OptimizerSettings]:
-    """The plan's parameter bytes and the optimizer its step runs (``cost.optimizer.plan_settings``)."""
+def optimizer_settings(plan: Plan) -> tuple[int, OptimizerSettings]:
+    """The plan's parameter bytes and the optimizer its step runs (``cost.optimizer.plan_settings``:
+    its optimizer, master weights where the parameters are narrower than fp32, the moments' dtype
+    where the plan records one)."""
     pbytes = int(plan.info.get("param_bytes", 4))
     return pbytes, plan_settings(
         plan.info.get("optimizer", "adamw"), pbytes, plan.info.get("optimizer_state_dtype")
@@ -275,7 +277,7 @@ def optimizer_time(plan: Plan, cluster: Cluster, stages: Sequence[int] | None = 
     """One optimizer step over the parameter shards of one device (of pipeline rank holding
     ``stages``, when given); on the host where the plan offloads it (``autopar.cost.offload``)."""
     numel, tensors = optimizer_shard(plan, stages)
-    pbytes, settings = _optimizer_settings(plan)
+    pbytes, settings = optimizer_settings(plan)
     if plan.offload_optimizer:
         return offload_step_time(
             numel, tensors, pbytes, host_of(cluster), cluster.gpus_per_node, settings
@@ -298,7 +300,7 @@ def offload_figures(plan: Plan, cluster: Cluster) -> dict[str, float]:
         stages = pipe.num_stages if pipe is not None else 1
         shards = [optimizer_shard(plan, range(r, stages, pp) if pp > 1 else None) for r in range(pp)]
         numel, tensors = max(shards)
-        pbytes, settings = _optimizer_settings(plan)
+        pbytes, settings = optimizer_settings(plan)
         t = offload_step_time(numel, tensors, pbytes, host, cluster.gpus_per_node, settings)
         kept = state_bytes_per_param(
             pbytes,

@@ -183,15 +183,14 @@ def _rewrite_gather(gm: GraphModule, issue: Node, wait: Node, inside: str, p: in
 
 def _scatters_and_gathers(
     gm: GraphModule, groups: dict[str, tuple[str, int, str]]
-) -> tuple[list[tuple[Node, Node, str]], list[str]]:
-    """``(issue, wait, kind)`` of each reduce-scatter (sum) and all-gather over a group the plan
-    runs in two levels, and the names of those left as one collective. An issue waited for more
-    than once keeps its first wait (in program order, so it comes before the others' users); the
-    later waits read it. One whose issue has another user, or whose input has no tensor value,
-    stays one collective: the plan priced it in two levels, so ``two_level_reduce`` says so."""
+) -> tuple[list[tuple[Node, list[Node], str]], list[str]]:
+    """``(issue, waits, kind)`` of each reduce-scatter (sum) and all-gather over a group the plan
+    runs in two levels, its waits in program order, and the names of those left as one
+    collective: an issue read by something other than a wait, or whose input has no tensor value
+    (the plan priced them in two levels, so ``two_level_reduce`` says so)."""
     found, kept = [], []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n in list(gm.graph.nodes):
+    for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if n.target is _fc.reduce_scatter_tensor.default and n.args[1] == "sum":
@@ -210,10 +209,7 @@ def _scatters_and_gathers(
         ):
             kept.append(n.name)
             continue
-        for w in waits[1:]:
-            w.replace_all_uses_with(waits[0])
-            gm.graph.erase_node(w)
-        found.append((n, waits[0], kind))
+        found.append((n, waits, kind))
     return found, kept
 
 
@@ -233,14 +229,17 @@ def two_level_reduce(gm: GraphModule, ctx: PassContext) -> GraphModule:
         _rewrite(gm, issue, wait, inside, p, across)
         done += 1
     found, kept = _scatters_and_gathers(gm, groups)
-    for issue, wait, kind in found:
+    for issue, (wait, *later), kind in found:
+        for w in later:  # waited for again: the later waits read the first (before their users)
+            w.replace_all_uses_with(wait)
+            gm.graph.erase_node(w)
         inside, p, across = groups[issue.args[-1]]
         (_rewrite_scatter if kind == "scatter" else _rewrite_gather)(gm, issue, wait, inside, p, across)
         moved += 1
     if kept:
         log.warning(
             "two_level_reduce: %d reduce-scatters or all-gathers the plan prices in two levels run as one "
-            "collective (their issue has a user other than its waits): %s",
+            "collective (their issue is read by something other than a wait, or has no tensor input): %s",
             len(kept),
             ", ".join(kept),
         )
