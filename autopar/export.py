@@ -230,13 +230,21 @@ def to_torchtitan(plan: Plan) -> Export:
             "device in this layout, and its prediction plans it so)"
         )
         layout = dataclasses.replace(layout, offload_optimizer=False)
-    if layout.cp > 1 and set(layout.cp_comm_type) - {"allgather"}:
+    if layout.cp > 1 and set(layout.cp_comm_type) - {"allgather", "p2p"}:
         notes.append(
             "torchtitan's context parallelism is ring attention over the keys and values "
             "(context_parallel_rotate_method allgather or alltoall), never the heads: autopar's all-to-all "
             "form (a2a, DeepSpeed Ulysses) is exported as the all-gather form"
         )
-        layout = dataclasses.replace(layout, cp_comm_type=("allgather",))
+        layout = dataclasses.replace(
+            layout, cp_comm_type=tuple(f if f == "p2p" else "allgather" for f in layout.cp_comm_type)
+        )
+    if layout.cp > 1 and len(set(layout.cp_comm_type)) > 1:
+        notes.append(
+            "torchtitan rotates the keys and values one way for every layer: the plan's mix of the "
+            "all-gather and ring forms is exported as the ring (alltoall)"
+        )
+        layout = dataclasses.replace(layout, cp_comm_type=("p2p",))
     if layout.tp > 1 and not layout.sequence_parallel:
         notes.append(
             "torchtitan's tensor parallelism always splits norms along the sequence (sequence parallel)"
@@ -277,6 +285,15 @@ def to_torchtitan(plan: Plan) -> Export:
             "enable_async_tensor_parallel": False,
             "pipeline_parallel_degree": layout.pp,
             "context_parallel_degree": layout.cp,
+            **(
+                {
+                    "context_parallel_rotate_method": "alltoall"
+                    if layout.cp_comm_type == ("p2p",)
+                    else "allgather"
+                }
+                if layout.cp > 1
+                else {}
+            ),
         },
         "activation_checkpoint": {"mode": layout.recompute},
     }

@@ -80,6 +80,10 @@ class Rewrite(str, enum.Enum):
     """Causal attention over this device's share of the queries, keys and values whole (context
     parallelism's all-gather form): the mask is aligned to the queries' global positions, and
     keys after the last of them are not read."""
+    RING_ATTENTION = "ring_attention"
+    """Attention over a sequence split along the axis, queries, keys and values alike, the keys and
+    values passed around the axis's ring while each device attends to them (context
+    parallelism's point-to-point form: ``autopar.program.ring_attention``)."""
 
     def __str__(self) -> str:
         return self.value

@@ -13,9 +13,9 @@ from typing import Any
 __all__ = ["CP_FORMS", "parse_megatron_args"]
 
 
-CP_FORMS = {"allgather": "all_gather", "a2a": "a2a"}
+CP_FORMS = {"allgather": "all_gather", "a2a": "a2a", "p2p": "p2p"}
 """Megatron-Core's ``--cp-comm-type`` values autopar plans, as ``layouts.megatron``'s
-``cp_comm_type`` names them (its ring forms ``p2p`` and ``a2a+p2p`` are not planned)."""
+``cp_comm_type`` names them (its hierarchical ``a2a+p2p`` is not planned)."""
 
 _MEGATRON_FLAGS = {
     "--sequence-parallel",
@@ -99,9 +99,8 @@ def parse_megatron_args(argv: Sequence[str] | str, world_size: int | None = None
     unplanned = sorted(set(cp_forms) - set(CP_FORMS))
     if unplanned:
         raise ValueError(
-            f"--cp-comm-type {' '.join(cp_forms)}: autopar plans context parallelism's allgather and a2a forms, "
-            f"not {', '.join(unplanned)} (Megatron-Core's default is p2p, its ring): give --cp-comm-type allgather "
-            "or a2a"
+            f"--cp-comm-type {' '.join(cp_forms)}: autopar plans context parallelism's p2p (ring), allgather and "
+            f"a2a forms, not {', '.join(unplanned)}: give one of those"
         )
     if len(set(cp_forms)) > 1:
         raise ValueError(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.graph import OpFamily, op_info, outer_instance
+from autopar.ir import Rewrite
 from autopar.megatron_parse import CP_FORMS
 from autopar.placement import Shard, parse_spec
 from autopar.planfile import Plan
@@ -50,8 +51,9 @@ class Layout:
     ``--context-parallel-size``)."""
     cp_comm_type: tuple[str, ...] = ()
     """With ``cp > 1``: Megatron-Core's ``--cp-comm-type`` — ``allgather`` (keys and values
-    gathered, each rank attending with its own queries) or ``a2a`` (sequence traded for heads,
-    DeepSpeed Ulysses) — one for every layer, or one per layer where the plan's layers differ."""
+    gathered, each rank attending with its own queries), ``a2a`` (sequence traded for heads,
+    DeepSpeed Ulysses) or ``p2p`` (keys and values passed around a ring) — one for every layer, or
+    one per layer where the plan's layers differ."""
     sequence_parallel: bool = False
     """Normalizations and residual additions split along the sequence on the tensor axis."""
     pp: int = 1
@@ -294,7 +296,8 @@ def _dtype(plan: Plan) -> str:
 def _cp_comm_types(plan: Plan, notes: list[str]) -> tuple[str, ...]:
     """Megatron-Core's ``--cp-comm-type`` of each attention op of ``plan`` along its ``cp`` axis,
     in the order they run: ``allgather`` where the queries' sequence is split there (the keys and
-    values gathered, in blocks or not), ``a2a`` where the heads are (``autopar.rules.attention``).
+    values gathered, in blocks or not), ``p2p`` where the keys and values are split with them (a
+    ring), ``a2a`` where the heads are (``autopar.rules.attention``).
     One value where every layer agrees."""
     axis = plan.mesh_axes.index("cp")
     forms = []
@@ -304,7 +307,8 @@ def _cp_comm_types(plan: Plan, notes: list[str]) -> tuple[str, ...]:
         q = parse_spec(n.inputs[0])[axis]
         seq = len(n.shape) - 2
         if isinstance(q, Shard) and q.dim in (seq, seq - 1):
-            forms.append("allgather" if q.dim == seq else "a2a")
+            ring = n.rewrites[axis] == Rewrite.RING_ATTENTION.value
+            forms.append("a2a" if q.dim != seq else "p2p" if ring else "allgather")
         else:
             notes.append(
                 f"{n.name} runs {q} along cp (its sequences, not its tokens, split there); the layout "

@@ -53,6 +53,7 @@ from autopar.planfile import NodePlan, Plan
 from autopar.program import collectives as C
 from autopar.program import experts as M
 from autopar.program import local_ops as O
+from autopar.program import ring_attention as R
 from autopar.program.collectives import AxisGroup
 from autopar.reshard import (
     BroadcastChain,
@@ -474,6 +475,33 @@ class _Lowerer:
             },
         )
 
+    def lower_ring_attention(
+        self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]
+    ) -> Node:
+        """Attention as a ring along the one axis the plan names (``Rewrite.RING_ATTENTION``,
+        ``autopar.program.ring_attention``): the global positions each device of that axis holds,
+        read off the plan's spec for the queries (the keys and values share it)."""
+        (a,) = [i for i, r in enumerate(p.rewrites) if r == Rewrite.RING_ATTENTION and self.mesh[i] > 1]
+        q = node.args[0]
+        spec = parse_spec(p.inputs[ins.index(q)])
+        if any(parse_spec(p.inputs[ins.index(x)]) != spec for x in node.args[1:3]):
+            raise self.fail(node, "a ring needs its queries, keys and values split alike")
+        shape = tuple(q.meta["val"].shape)
+        pieces = []
+        for c in range(self.mesh[a]):
+            coord = list(self.coord)
+            coord[a] = c
+            pieces.append(tuple(shard_slices(shape, spec, self.mesh, tuple(coord))[len(shape) - 2]))
+        names = [x.name for x in node.target._schema.arguments]
+        given = dict(zip(names, args)) | kwargs
+        if given.get("attn_mask") is not None or given.get("dropout_p", 0.0):
+            raise self.fail(node, "ring attention takes no explicit mask and no dropout")
+        return self.g.call_function(
+            R.ring_attention,
+            (given["query"], given["key"], given["value"], self.ax(a), tuple(pieces)),
+            {"causal": bool(given.get("is_causal", False)), "scale": given.get("scale")},
+        )
+
     def lower_loss(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         x = node.args[0]
         # A size-1 axis splits nothing: its rows or classes need no reduction.
@@ -535,6 +563,7 @@ LOCAL_OPS = {
     Rewrite.LOSS_ROWS: _Lowerer.lower_loss,
     Rewrite.LOSS_CLASSES: _Lowerer.lower_loss,
     Rewrite.CAUSAL_QUERIES: _Lowerer.lower_causal_queries,
+    Rewrite.RING_ATTENTION: _Lowerer.lower_ring_attention,
 }
 """Each ``Rewrite`` and the method that emits its local op (``autopar.program.local_ops``)."""
 

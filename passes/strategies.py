@@ -39,6 +39,7 @@ from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
 from autopar.cost.offload import ACTIVATION_WINDOW, host_of, offload_step_time
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
+from autopar.cost.ring_attention import ring_causal_share, ring_exposed_time
 from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
@@ -48,8 +49,9 @@ from autopar.passes.formulate import parse_fixed, spec_matches
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.passes.recompute_ops import recompute_candidate, recompute_twins
 from autopar.passes.recompute_rule import offloaded_layers, recomputed, recomputed_layers, repeated_layers
-from autopar.placement import Partial, Shard, Spec, divides, local_shape, shard_slices
+from autopar.placement import Partial, Replicate, Shard, Spec, divides, local_shape, shard_slices
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
+from autopar.rules.base import arg
 from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
 
 __all__ = [
@@ -88,6 +90,22 @@ def _outer_pattern(path: str) -> str:
     return _pattern(inst)
 
 
+_SEQUENCE_FORMS = (Rewrite.CAUSAL_QUERIES, Rewrite.RING_ATTENTION)
+
+
+def _ring_conflict(node: Node, combo: tuple[AxisStrategy, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """A ring on one axis only, and no other axis splitting the queries' sequence: a ring passes
+    keys among its own axis's devices and would never see those split along another."""
+    seq = len(node.args[0].meta["val"].shape) - 2
+    rings = [a for a, c in enumerate(combo) if c.rewrite is Rewrite.RING_ATTENTION]
+    others = [
+        a
+        for a, (c, n) in enumerate(zip(combo, mesh_shape))
+        if a not in rings and n > 1 and isinstance(c.inputs[0], Shard) and c.inputs[0].dim == seq
+    ]
+    return len(rings) > 1 or bool(others)
+
+
 def _combine(
     node: Node, axis_lists: list[list[AxisStrategy]], mesh_shape: tuple[int, ...]
 ) -> list[tuple[tuple[AxisStrategy, ...], Strategy]]:
@@ -97,8 +115,12 @@ def _combine(
     out_shapes = [tuple(o.shape) for o in outs]
     result = []
     for combo in itertools.product(*axis_lists):
-        if any(c.rewrite is Rewrite.CAUSAL_QUERIES and n == 1 for c, n in zip(combo, mesh_shape)):
+        if any(c.rewrite in _SEQUENCE_FORMS and n == 1 for c, n in zip(combo, mesh_shape)):
             continue  # a query split over one device: the op itself, lowered for nothing
+        if any(c.rewrite is Rewrite.RING_ATTENTION for c in combo) and _ring_conflict(
+            node, combo, mesh_shape
+        ):
+            continue
         in_specs = tuple(
             None if combo[0].inputs[j] is None else tuple(c.inputs[j] for c in combo) for j in range(len(ins))
         )
@@ -176,6 +198,8 @@ def _query_share(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool | float
     ]
     if not axes:
         return None
+    if Rewrite.RING_ATTENTION in s.rewrites:
+        return _ring_share(node, s, mesh)
     if Rewrite.CAUSAL_QUERIES not in s.rewrites:
         return False
     shape, keys = tuple(q.shape), int(node.args[1].meta["val"].shape[-2])
@@ -186,6 +210,34 @@ def _query_share(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool | float
             coord[a] = c
         share = max(share, causal_share(keys, shard_slices(shape, s.inputs[0], mesh, coord)[seq]))
     return share
+
+
+def _ring_axis(s: Strategy) -> int | None:
+    return next((a for a, r in enumerate(s.rewrites) if r is Rewrite.RING_ATTENTION), None)
+
+
+def _ring_pieces(node: Node, s: Strategy, mesh: tuple[int, ...]) -> list[list[tuple[int, int]]]:
+    """The global sequence ranges each device of the ring axis holds (the others' coordinates 0:
+    no other axis splits the sequence of a ring, ``_combine``)."""
+    a = _ring_axis(s)
+    assert a is not None
+    q = node.args[0].meta["val"]
+    seq = q.dim() - 2
+    pieces = []
+    for c in range(mesh[a]):
+        coord = [0] * len(mesh)
+        coord[a] = c
+        pieces.append(list(shard_slices(tuple(q.shape), s.inputs[0], mesh, coord)[seq]))
+    return pieces
+
+
+def _ring_share(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool | float:
+    """Ring attention (``Rewrite.RING_ATTENTION``): its keys are priced whole (the ring brings
+    them all), the pairs as the busiest device's at each step (``cost.ring_attention``)."""
+    if not arg(node, "is_causal", False):
+        return False
+    seq = int(node.args[0].meta["val"].shape[-2])
+    return ring_causal_share(_ring_pieces(node, s, mesh), seq)
 
 
 def _cost_strategy(
@@ -261,6 +313,12 @@ def _cost_strategy(
     # The op's kernels on this device's shards (autopar.cost.compute): a GEMM whose reduction
     # dimension is split runs at the efficiency of its shorter K, not at 1/divisor of the time.
     spec_of = dict(zip(ins, s.inputs))
+    ring = _ring_axis(s)
+    if ring is not None:  # the ring brings every key and value: priced whole along its axis
+        for kv in node.args[1:3]:
+            whole = list(spec_of[kv])
+            whole[ring] = Replicate()
+            spec_of[kv] = tuple(whole)
     args = []
     for a in ordered_tensor_args(node):
         v = a.meta["val"]
@@ -293,6 +351,11 @@ def _cost_strategy(
             x_local = local_shape(tuple(ins[0].meta["val"].shape), s.inputs[0], mesh)
             rows = x_local[0] if x_local else rows
             comm += count * ctx.mesh.all_reduce_cost(rows * 4.0, a)
+        elif c == "ring_attention":  # keys and values passed around the axis (cost.ring_attention)
+            k, v = (x.meta["val"] for x in node.args[1:3])
+            kv = sum(_nbytes(local_shape(tuple(t.shape), s.inputs[ins.index(x)], mesh), t.dtype)
+                     for x, t in zip(node.args[1:3], (k, v)))  # fmt: skip
+            comm += sum(ring_exposed_time(mesh[a], kv, fwd, bwd, lambda b, a=a: ctx.mesh.p2p_cost(b, a)))
         elif c.startswith("moe_"):  # a grouped matmul over this device's experts (rules.routing)
             x, w = ins[0], ins[1]
             xb = _nbytes(local_shape(tuple(x.meta["val"].shape), s.inputs[0], mesh), x.meta["val"].dtype)

@@ -1,9 +1,10 @@
 """Context parallelism (``layouts.megatron(..., cp=k)``): the sequence split over a ``cp`` axis,
 attention in its all-gather form (keys and values gathered, each rank attending with its own
-queries; a causal mask aligned to their global positions) or its all-to-all form (sequence traded
-for heads). Plans say what the layout promises; on 2 and 4 gloo processes GPT-2, LLaMA and our GPT
-train three steps like one process under each form, under cp = 2 × tp = 2 with sequence
-parallelism, and under pp = 2 × cp = 2; ``best_megatron`` tunes cp and the auto plan finds it."""
+queries; a causal mask aligned to their global positions), its all-to-all form (sequence traded
+for heads) or its ring (keys and values passed around the axis, Megatron-Core's ``p2p``). Plans say
+what the layout promises; on 2 and 4 gloo processes GPT-2, LLaMA and our GPT train three steps like
+one process under each form, under cp = 2 × tp = 2 with sequence parallelism, and under pp = 2 × cp
+= 2; ``best_megatron`` tunes cp and the auto plan finds it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 import autopar
 from autopar.placement import Replicate, Shard, parse_spec
+from autopar.program import ring_attention as RA
 from autopar.program.local_ops import _masked_query_attention, causal_query_attention
 from autopar.runtime.launch import spawn
 
@@ -85,11 +87,125 @@ def test_causal_query_attention_gives_the_rows_of_whole_causal_attention(pieces:
     torch.testing.assert_close(masked, whole[:, :, rows])
 
 
+def _ring_by_hand(n: int, blocks: int, causal: bool, kv_heads: int = 3) -> None:
+    """The ring's steps (``program.ring_attention``) played for every device of an ``n``-device
+    ring in one process — each device's queries against each source's keys, the partial results
+    merged, the gradients of each step's keys added to their owner's — against whole attention,
+    forward and backward."""
+    torch.manual_seed(0)
+    length = 16 * n * blocks
+    q = torch.randn(2, 6, length, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, length, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=kv_heads < 6
+    )
+    dout = torch.randn_like(whole)
+    whole.backward(dout)
+    spec = (Shard(2, blocks),)
+    from autopar.placement import shard_slices
+
+    pieces = [shard_slices(tuple(q.shape), spec, (n,), (c,))[2] for c in range(n)]
+    rows = [torch.cat([torch.arange(lo, hi) for lo, hi in p]) for p in pieces]
+    heads = lambda t: RA._expand_heads(t, 6)  # noqa: E731
+    local = [(q.detach()[:, :, r], heads(k.detach()[:, :, r]), heads(v.detach()[:, :, r])) for r in rows]
+    out, lse = [], []
+    for c in range(n):
+        o = lo = None
+        for s in range(n):
+            plan = RA.block_plan(pieces[c], pieces[(c - s) % n], causal)
+            if plan:
+                o, lo = RA.merge(o, lo, *RA.attend_step(local[c][0], *local[(c - s) % n][1:], plan, None))
+        out.append(o.to(q.dtype))
+        lse.append(lo)
+    got = torch.zeros_like(whole)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    for c in range(n):
+        got[:, :, rows[c]] = out[c]
+        for s in range(n):
+            src = (c - s) % n
+            plan = RA.block_plan(pieces[c], pieces[src], causal)
+            if plan:
+                g = RA.attend_step_backward(
+                    dout[:, :, rows[c]], local[c][0], *local[src][1:], out[c], lse[c], plan, None
+                )
+                dq[:, :, rows[c]] += g[0]
+                dk[:, :, rows[src]] += RA._fold_heads(g[1], kv_heads)
+                dv[:, :, rows[src]] += RA._fold_heads(g[2], kv_heads)
+    torch.testing.assert_close(got, whole)
+    for name, mine, ref in (("q", dq, q.grad), ("k", dk, k.grad), ("v", dv, v.grad)):
+        torch.testing.assert_close(mine, ref, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "n, blocks, causal", [(2, 1, True), (2, 8, True), (4, 2, True), (3, 1, False), (2, 2, False)]
+)
+def test_the_rings_steps_add_up_to_whole_attention(n: int, blocks: int, causal: bool) -> None:
+    _ring_by_hand(n, blocks, causal)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "math"])
+def test_the_ring_runs_grouped_query_heads_on_either_kernel(
+    kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys and values with a third of the queries' heads travel unrepeated and are repeated per
+    block; the plain-ops kernel (CUDA in fp32) gives what the flash kernel gives."""
+    monkeypatch.setattr(RA, "_kernel", lambda q: kernel)
+    _ring_by_hand(2, 2, True, kv_heads=2)
+
+
+def test_the_flash_kernels_are_called_as_their_schemas_say() -> None:
+    """The CUDA FlashAttention calls, forward and backward, on meta tensors (no GPU here): the
+    arguments their schemas take, the shapes back."""
+    q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta")
+    assert RA._kernel(q) == "flash"
+    out, lse = RA.block_forward(q, q, q, True, None)
+    assert out.shape == q.shape and lse.shape == (1, 2, 16) and lse.dtype == torch.float32
+    assert all(g.shape == q.shape for g in RA.block_backward(out, q, q, q, out, lse, True, None))
+
+
+def test_a_ring_step_plan_sees_each_key_piece_once() -> None:
+    """Striped pieces (two blocks over two devices: device 0 holds 0:4 and 8:12, device 1 4:8 and
+    12:16): at step 0 each query piece sees the earlier pieces of its own device whole and itself
+    causally; at step 1 device 1 sees both of device 0's earlier pieces, device 0 only the first
+    piece of device 1 (for its second piece)."""
+    d0, d1 = ((0, 4), (8, 12)), ((4, 8), (12, 16))
+    assert RA.block_plan(d0, d0, True) == (
+        RA.QueryBlock((0, 4), 0, (0, 4)),
+        RA.QueryBlock((4, 8), 4, (4, 8)),
+    )
+    assert RA.block_plan(d1, d0, True) == (RA.QueryBlock((0, 4), 4, None), RA.QueryBlock((4, 8), 8, None))
+    assert RA.block_plan(d0, d1, True) == (RA.QueryBlock((4, 8), 4, None),)
+    assert RA.block_plan(d0, d1, False) == (RA.QueryBlock((0, 8), 8, None),)
+    with pytest.raises(ValueError, match="share one sequence split"):
+        RA.block_plan(((0, 4),), ((2, 6),), True)
+
+
+def test_the_rings_causal_share_is_the_sum_of_each_steps_busiest_device() -> None:
+    """``cost.ring_attention.ring_causal_share`` against pairs counted one by one; contiguous
+    pieces keep the last device busy every step (three quarters of its dense pairs over two
+    devices, where the balanced figure is a half), striped pieces balance every step."""
+    from autopar.cost.ring_attention import _kept, ring_causal_share
+    from autopar.placement import shard_slices
+
+    for q, k in [((0, 4), (0, 4)), ((4, 8), (0, 4)), ((0, 4), (4, 8)), ((3, 9), (2, 7)), ((0, 5), (2, 3))]:
+        assert _kept(q, k) == sum(1 for i in range(*q) for j in range(*k) if j <= i), (q, k)
+    seq = 1024
+
+    def share(n: int, blocks: int) -> float:
+        pieces = [shard_slices((seq,), (Shard(0, blocks),), (n,), (c,))[0] for c in range(n)]
+        return ring_causal_share(pieces, seq)
+
+    assert share(2, 1) == pytest.approx(0.75, abs=1e-3)
+    assert share(4, 1) == pytest.approx(3.5 / 4, abs=1e-3)  # (n − ½)/n: some device works every step whole
+    assert 0.5 < share(2, 8) < 0.56 and 0.5 < share(4, 8) < 0.62
+    assert ring_causal_share([((0, 8),), ((8, 16),)], 16, causal=False) == 1.0
+
+
 # --------------------------------------------------------------------------------------- plans
 
 
 @pytest.mark.parametrize("kind", H.MODELS)
-@pytest.mark.parametrize("comm", ["all_gather", "a2a", None])
+@pytest.mark.parametrize("comm", ["all_gather", "a2a", "p2p", None])
 def test_context_parallel_plan_splits_the_sequence_and_attention(kind: str, comm: str | None) -> None:
     plan = cp_plan(kind, 2, comm=comm)
     cp = plan.mesh_axes.index("cp")
@@ -103,11 +219,16 @@ def test_context_parallel_plan_splits_the_sequence_and_attention(kind: str, comm
     for n in attn:
         q = parse_spec(n.inputs[0])[cp]
         seq = len(n.shape) - 2
-        form = "all_gather" if q == Shard(seq) else "a2a" if q == Shard(1) else None
+        ring = n.rewrites[cp] == "ring_attention"
+        form = "a2a" if q == Shard(1) else "p2p" if ring else "all_gather" if q.dim == seq else None
         assert form is not None, f"{n.name}: queries {n.inputs[0]} are not split along cp"
         assert comm is None or form == comm, (n.name, n.inputs, comm)
         if form == "all_gather":
             assert all(parse_spec(s)[cp] == Replicate() for s in n.inputs[1:3]), n.inputs
+        if form == "p2p":  # keys and values split as the queries are, none gathered
+            assert n.inputs[1] == n.inputs[2] == n.inputs[0] and n.comms[cp] == "ring_attention", n
+            into = [r for r in plan.reshards if r.consumer == n.name]
+            assert all(parse_spec(r.dst)[cp] != Replicate() for r in into), into
     loss = [n for n in plan.nodes if n.op in ("cross_entropy_loss", "nll_loss_forward")]
     assert loss and all(n.split[cp] for n in loss), "the loss runs on each rank's own tokens"
     assert not autopar.audit.audit(plan).warnings, autopar.audit.audit(plan)
@@ -161,6 +282,34 @@ def test_causal_attention_over_a_query_shard_is_costed_for_its_busiest_rank(kind
     assert (1.6 < ratio < 2.2) if kind == "llama padded" else (1.0 <= ratio < 1.2), time
 
 
+def test_the_ring_is_costed_as_the_striped_all_gather_form_plus_its_last_send() -> None:
+    """One 8192-token layer on two H100s: the ring's attention computes what the striped all-gather
+    form computes (its busiest device's pairs summed over the steps, within 5 %), its keys and
+    values pass behind the steps' compute, and what is left exposed is the last send of the keys'
+    and values' gradients home (``cost.ring_attention``); the all-gather form's gathers are
+    reshards priced apart."""
+    from autopar.cost.ring_attention import ring_exposed_time
+
+    model, inputs = _one_layer("llama")
+    cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=2, nodes=1)
+    got = {}
+    for comm in ("all_gather", "p2p"):
+        plan = autopar.layouts.megatron(model, inputs, cluster, tp=1, cp=2, cp_comm_type=comm)
+        (got[comm],) = attention_nodes(plan)
+    ring, gather = got["p2p"], got["all_gather"]
+    assert "S(2)x8" in ring.inputs[0] and "S(2)x8" in gather.inputs[0]
+    assert ring.compute_time == pytest.approx(gather.compute_time, rel=0.05), (ring, gather)
+    kv = 2 * 8 * 4096 * 128 * 2  # keys and values of one rank, bf16
+    mesh = autopar.mesh.Mesh.full((2,), cluster)
+    send = mesh.p2p_cost(kv, 0)
+    assert ring.comm_time == pytest.approx(send, rel=1e-6), (ring.comm_time, send)
+    # where the compute is short the passing shows: four times the bytes, a tenth of the compute
+    fwd, bwd = ring_exposed_time(
+        2, 4 * kv, ring.compute_time / 30, ring.compute_time / 15, lambda b: mesh.p2p_cost(b, 0)
+    )
+    assert fwd > 0 and bwd > mesh.p2p_cost(4 * kv, 0)
+
+
 def test_the_causal_share_of_a_query_shard() -> None:
     """``cost.compute.causal_share``: the last of two contiguous chunks keeps three quarters of its
     pairs, the first a quarter; striped in 8 blocks both keep about half."""
@@ -181,8 +330,8 @@ def test_cp_arguments_are_checked_before_planning() -> None:
     cluster = autopar.Cluster.local(2)
     with pytest.raises(ValueError, match=r"16 positions: 16 / 3"):
         autopar.layouts.megatron(model, inputs, autopar.Cluster.local(3), tp=1, cp=3)
-    with pytest.raises(ValueError, match="p2p"):
-        autopar.layouts.megatron(model, inputs, cluster, tp=1, cp=2, cp_comm_type="p2p")
+    with pytest.raises(ValueError, match="a2a\\+p2p"):
+        autopar.layouts.megatron(model, inputs, cluster, tp=1, cp=2, cp_comm_type="a2a+p2p")
     with pytest.raises(ValueError, match=r"tp=1 × cp=4 = 4 does not divide the world size 2"):
         autopar.layouts.megatron(model, inputs, cluster, tp=1, cp=4)
 
@@ -203,6 +352,7 @@ def train_worker(rank: int, world: int, plans: dict[str, Any]) -> dict[str, Any]
             pm.load_full_state_dict(initial)
             losses = H.train(pm, inputs, H.make_optimizer(optimizer, pm.parameters()))
             res[optimizer] = (losses, pm.full_state_dict())
+        res["shifts"] = pm.code.count("_c10d_functional.all_to_all_single")
         out[label] = res
     return out
 
@@ -223,7 +373,9 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
     mesh with an axis of one device."""
     if world == 2:
         plans = {
-            f"{k} cp=2 {c}": (k, ROWS, cp_plan(k, 2, comm=c)) for k in H.MODELS for c in ("all_gather", "a2a")
+            f"{k} cp=2 {c}": (k, ROWS, cp_plan(k, 2, comm=c))
+            for k in H.MODELS
+            for c in ("all_gather", "a2a", "p2p")
         }
         for k in H.MODELS:
             striped = striped_plan(k)
@@ -234,6 +386,9 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
         plans["llama dp=2 tp=1"] = ("llama", 2, dp)
     else:
         plans = {f"{k} cp=2 tp=2 sp": (k, ROWS, cp_plan(k, 4, tp=2)) for k in ("gpt2", "llama")}
+        plans |= {
+            f"{k} cp=2 tp=2 sp p2p": (k, ROWS, cp_plan(k, 4, tp=2, comm="p2p")) for k in ("gpt2", "llama")
+        }
         model, inputs = build("llama", 2)  # two micro-batches of one sequence
         piped = autopar.layouts.megatron(
             model, inputs, autopar.Cluster.local(4), tp=1, cp=2, pp=2, microbatches=2
@@ -250,6 +405,13 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
                 problems += H.compare_training(
                     refs[kind, rows, opt], res[opt], opt, f"rank {rank}, {label} ({opt})"
                 )
+            if label.endswith("p2p"):  # per layer: one shift forward, one of the keys and two of
+                # their gradients backward — the ring's passing, graph nodes of the step program
+                layers = len(attention_nodes(plans[label][2]))
+                if res["shifts"] != 4 * layers:
+                    problems.append(
+                        f"rank {rank}, {label}: {res['shifts']} shifts in the program, not {4 * layers}"
+                    )
     assert not problems, "\n".join(problems)
 
 

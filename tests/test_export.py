@@ -314,13 +314,22 @@ def test_context_parallelism_exports_its_size_and_form(plans, workload):
     a2a = _megatron(workload, tp=1, cp=2, cp_comm_type="a2a")
     assert "--cp-comm-type a2a" in to_megatron(a2a).text
     assert any("exported as the all-gather form" in n for n in to_torchtitan(a2a).notes)
+    assert titan["parallelism"]["context_parallel_rotate_method"] == "allgather"
+    # the ring: Megatron-Core's p2p, torchtitan's keys and values rotated around the ring
+    ring = _megatron(workload, tp=1, cp=2, cp_comm_type="p2p")
+    assert nearest_layout(ring)[0].cp_comm_type == ("p2p",)
+    assert "--cp-comm-type p2p" in to_megatron(ring).text
+    ring_titan = to_torchtitan(ring)
+    assert tomllib.loads(ring_titan.text)["parallelism"]["context_parallel_rotate_method"] == "alltoall"
+    assert not any("all-gather form" in n for n in ring_titan.notes)
     # one form per layer where the layers differ; layouts.megatron cannot hold that
     mixed = dataclasses.replace(layout, cp_comm_type=("allgather", "a2a", "allgather", "a2a"))
     with pytest.raises(ValueError, match="one context-parallel form for every layer"):
         mixed.megatron_knobs()
     base = "--nnodes 1 --nproc-per-node 8 --tensor-model-parallel-size 2 --context-parallel-size 2"
-    with pytest.raises(ValueError, match=r"not p2p .*default is p2p"):
-        parse_megatron_args(base)
+    assert parse_megatron_args(base)["cp_comm_type"] == "p2p"  # Megatron-Core's default: the ring
+    with pytest.raises(ValueError, match=r"not a2a\+p2p"):
+        parse_megatron_args(base + " --cp-comm-type a2a+p2p")
     with pytest.raises(ValueError, match="holds one form for every layer"):
         parse_megatron_args(base + " --cp-comm-type a2a allgather")
     with pytest.raises(ValueError, match=r"tp\(2\) × pp\(1\) × cp\(3\) = 6 does not divide the world size 8"):

@@ -20,7 +20,7 @@ from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.config import PlanConfig, stage_plan_budget
 from autopar.graph import OpFamily, op_family, op_info, op_name, tensor_inputs, tensor_outputs
-from autopar.ir import TENSOR, Strategy
+from autopar.ir import TENSOR, Rewrite, Strategy
 from autopar.layouts.roles import (
     expert_weights,
     is_rms_mean,
@@ -37,9 +37,10 @@ from autopar.planner import InfeasibleError, plan_captured
 from autopar.rules.moe_regions import moe_regions
 from autopar.rules.routing import grouped_mm_operands
 
-CP_COMM_TYPES = {None: "", "all_gather": "sequence", "a2a": "heads"}
-"""Megatron-Core's ``cp_comm_type`` values ``megatron`` expresses, and the dimension of the queries
-its attention splits along the context axis."""
+CP_COMM_TYPES = {None: "", "all_gather": "sequence", "a2a": "heads", "p2p": "ring"}
+"""Megatron-Core's ``cp_comm_type`` values ``megatron`` expresses, and how its attention splits
+along the context axis: the queries' sequence (keys and values gathered), the heads, or queries,
+keys and values alike with the keys and values passed around a ring."""
 
 __all__ = [
     "CP_COMM_TYPES",
@@ -115,9 +116,10 @@ def megatron(
     weights are whole along ``cp`` and their gradients reduced over it as over ``dp``. Attention
     is the only op that needs other tokens: the solver picks, per layer, its all-gather form (the
     keys and values gathered along ``cp``, each rank attending with its own queries) or its
-    all-to-all form (the sequence traded for heads, DeepSpeed Ulysses), whichever costs less
-    (``autopar.rules.attention``). ``cp_comm_type`` fixes the form as Megatron-Core's flag does:
-    ``"all_gather"`` or ``"a2a"`` (its ring form, ``"p2p"``, is not expressible yet). With
+    all-to-all form (the sequence traded for heads, DeepSpeed Ulysses) or its ring (the keys and
+    values passed around the axis while each rank attends to them, Megatron-Core's default),
+    whichever costs less (``autopar.rules.attention``). ``cp_comm_type`` fixes the form as
+    Megatron-Core's flag does: ``"all_gather"``, ``"a2a"`` or ``"p2p"``. With
     ``ep > 1`` as well the mesh is ``(dp / ep, ep, cp, tp)``, Megatron-Core's default rank order
     (``tp-cp-ep-dp``): the expert-parallel group inside the data-parallel one, each batched input's
     batch split over ``dp / ep`` and ``ep`` together, its sequence over ``cp``; a
@@ -177,7 +179,7 @@ def megatron(
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(
             f"cp_comm_type={cp_comm_type!r}: expected one of {sorted(k for k in CP_COMM_TYPES if k)} or None "
-            "(the solver picks per layer); Megatron-Core's ring form 'p2p' is not expressible yet"
+            "(the solver picks per layer); Megatron-Core's hierarchical 'a2a+p2p' is not expressible yet"
         )
     if dp is None:
         if world % (tp * cp):
@@ -297,7 +299,11 @@ def megatron(
         if c_axis is not None and cp_comm_type and op_family(node) is OpFamily.ATTENTION:
             q = s.inputs[0][c_axis]
             seq = node.args[0].meta["val"].dim() - 2
-            if CP_COMM_TYPES[cp_comm_type] == "sequence" and not (isinstance(q, Shard) and q.dim == seq):
+            ring = s.rewrites[c_axis] is Rewrite.RING_ATTENTION
+            form = CP_COMM_TYPES[cp_comm_type]
+            if form in ("sequence", "ring") and not (isinstance(q, Shard) and q.dim == seq):
+                return False
+            if (form == "ring") != ring and form != "heads":
                 return False
             if CP_COMM_TYPES[cp_comm_type] == "heads" and not (isinstance(q, Shard) and q.dim == seq - 1):
                 return False

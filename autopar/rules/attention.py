@@ -14,7 +14,15 @@ holding one piece of each (``Shard(d, blocks=k)``): every device then holds earl
 positions alike, as Megatron-Core's load-balanced chunks (a sequence cut in ``2 · cp`` chunks,
 device ``i`` holding chunks ``i`` and ``2 · cp − 1 − i``) and striped attention (Brandon et al.,
 arXiv 2311.09431) balance it. The solver weighs the balance against the reshards into and out of
-that layout (``autopar.passes.strategies``: the busiest device's causal share)."""
+that layout (``autopar.passes.strategies``: the busiest device's causal share).
+
+**Ring.** Shard the queries, keys and values alike along the sequence and pass the keys and
+values around the axis while each device attends its queries to them (context parallelism's
+point-to-point form, Megatron-Core's default ``cp_comm_type="p2p"``; ``Rewrite.RING_ATTENTION``,
+``autopar.program.ring_attention``): no device ever holds the whole keys and values. Offered for
+attention without an explicit mask or dropout over keys as long as the queries; under
+``is_causal`` striped like the all-gather form where the sequence divides, so every step of the
+ring has work on every device."""
 
 from __future__ import annotations
 
@@ -83,4 +91,11 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
             s = for_dim(rank - 2, seq_q=True, rewrite=Rewrite.CAUSAL_QUERIES, blocks=QUERY_BLOCKS)
             if s is not None:
                 out.append(s)
+        # The ring (module docstring): queries, keys and values split alike.
+        no_mask = arg(node, "attn_mask", None) is None and not arg(node, "dropout_p", 0.0)
+        if no_mask and shape_of(k)[-2] == shape_of(q)[-2]:
+            blocks = QUERY_BLOCKS if causal and shape_of(q)[rank - 2] % QUERY_BLOCKS == 0 else 1
+            s = for_dim(rank - 2, rewrite=Rewrite.RING_ATTENTION, blocks=blocks)
+            if s is not None:
+                out.append(AxisStrategy(s.inputs, s.outputs, s.rewrite, comm="ring_attention"))
     return out
