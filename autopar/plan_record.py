@@ -274,6 +274,7 @@ def _step_str(st: Any) -> str:
     if st.kind in (StepKind.ALL_REDUCE, StepKind.TO_PARTIAL):
         return f"{st.kind}(axis={st.axis})"
     if st.kind == StepKind.ALL_TO_ALL:
-        return f"all_to_all(axis={st.axis}, {st.dim}->{st.dim2})"
+        blocks = (f"x{st.blocks}" if st.blocks > 1 else "", f"x{st.blocks2}" if st.blocks2 > 1 else "")
+        return f"all_to_all(axis={st.axis}, {st.dim}{blocks[0]}->{st.dim2}{blocks[1]})"
     b = f"x{st.blocks}" if st.blocks > 1 else ""
     return f"{st.kind}(axis={st.axis}, dim={st.dim}{b})"

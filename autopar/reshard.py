@@ -75,6 +75,8 @@ class ReshardStep:
     blocks: int = 1
     dim2: int = -1
     """all_to_all: the dimension split."""
+    blocks2: int = 1
+    """all_to_all: the blocks of the split it makes (``blocks``: of the one it leaves)."""
     in_shape: tuple[int, ...] = ()
     """Local shape before the step."""
     out_shape: tuple[int, ...] = ()
@@ -135,16 +137,12 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
         elif isinstance(p, Shard):
             gather_inner(a, p.dim)
             others = [b for b in range(n_axes) if b != a]
-            if (
-                isinstance(q, Shard)
-                and q.dim != p.dim
-                and p.blocks == 1
-                and q.blocks == 1
-                and not any(
-                    shards_dim(cur[b], d) or shards_dim(dst[b], d) for b in others for d in (p.dim, q.dim)
-                )
+            if isinstance(q, Shard) and not any(
+                shards_dim(cur[b], d) or shards_dim(dst[b], d) for b in others for d in (p.dim, q.dim)
             ):
-                emit(StepKind.ALL_TO_ALL, a, q, dim=p.dim, dim2=q.dim)
+                # one split for another — of another dimension, or of the same one in other
+                # blocks (contiguous to striped): each device sends each other what it will hold
+                emit(StepKind.ALL_TO_ALL, a, q, dim=p.dim, dim2=q.dim, blocks=p.blocks, blocks2=q.blocks)
             else:
                 emit(StepKind.ALL_GATHER, a, R, dim=p.dim, blocks=p.blocks)
     # Phase 2: enter target placements from Replicate, outermost axis first.

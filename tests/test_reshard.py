@@ -40,6 +40,11 @@ def kinds(steps):
         ("R", "S(1)", (4,), [("slice", 0)], (16, 2)),
         ("R", "P", (4,), [("to_partial", 0)], (16, 8)),
         ("S(0)x2", "R", (2,), [("all_gather", 0)], (16, 8)),
+        # contiguous to striped and blocks to another dimension: one all-to-all, never a gather and
+        # a slice (which would move a device's whole piece to every other where each needs a part)
+        ("S(0)", "S(0)x4", (2,), [("all_to_all", 0)], (8, 8)),
+        ("S(0)x4", "S(1)", (2,), [("all_to_all", 0)], (16, 4)),
+        ("S(1)", "S(0)x2", (4,), [("all_to_all", 0)], (4, 8)),
         (("S(0)", "S(0)"), ("S(0)", "R"), (2, 4), [("all_gather", 1)], (8, 8)),
         (("S(0)", "R"), ("S(0)", "S(1)"), (2, 4), [("slice", 1)], (8, 2)),
         (("R", "S(0)"), ("S(0)", "R"), (2, 4), [("all_gather", 1), ("slice", 0)], (8, 8)),
@@ -129,6 +134,12 @@ def _layout(x: torch.Tensor, spec, mesh, gen: torch.Generator) -> dict:
     return out
 
 
+def _held(length: int, blocks: int, n: int, c: int) -> list[int]:
+    """Global positions device ``c`` of ``n`` holds along a dimension split in ``blocks``."""
+    piece = length // blocks // n
+    return [b * (length // blocks) + c * piece + i for b in range(blocks) for i in range(piece)]
+
+
 def _run(local: dict, step, mesh) -> dict:
     """Execute one ReshardStep on every group of devices along ``step.axis``."""
     a, n = step.axis, mesh[step.axis]
@@ -149,8 +160,14 @@ def _run(local: dict, step, mesh) -> dict:
             out[c] = sum(parts)
         elif step.kind == "reduce_scatter":
             out[c] = sum(parts).chunk(n, dim=step.dim)[mine]
-        elif step.kind == "all_to_all":
-            out[c] = torch.cat([p.chunk(n, dim=step.dim2)[mine] for p in parts], dim=step.dim)
+        elif step.kind == "all_to_all":  # whole along dim (pieces by position), then the new piece
+            length = x.shape[step.dim] * n
+            held = [_held(length, step.blocks, n, i) for i in range(n)]
+            whole = torch.empty(*x.shape[: step.dim], length, *x.shape[step.dim + 1 :], dtype=x.dtype)
+            for i, part in enumerate(parts):
+                whole.index_copy_(step.dim, torch.tensor(held[i]), part)
+            keep = _held(whole.shape[step.dim2], step.blocks2, n, mine)
+            out[c] = whole.index_select(step.dim2, torch.tensor(keep))
         elif step.kind == "to_partial":
             out[c] = x if mine == 0 else torch.zeros_like(x)
         else:

@@ -171,14 +171,75 @@ def _reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int, direc
     return out.reshape(*shape[:dim], blocks * piece, *shape[dim + 1 :])
 
 
-def _all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, direction: str) -> torch.Tensor:
-    """Local ``x`` is sharded on ``dim``; return it sharded on ``dim2`` instead."""
+def _all_to_all(
+    x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, direction: str, blocks: int = 1, blocks2: int = 1
+) -> torch.Tensor:
+    """Local ``x`` is sharded on ``dim`` (in ``blocks``); return it sharded on ``dim2`` (in
+    ``blocks2``) instead — another dimension, or the same one in other blocks."""
     ax.note("all_to_all", direction)
     n = ax.size
-    chunks = torch.stack(list(x.chunk(n, dim=dim2)), 0).contiguous()
-    split = [chunks.shape[0] // n] * n
-    out = _wait(_fc.all_to_all_single(chunks, split, split, ax.group_name))
-    return torch.cat(list(out.unbind(0)), dim=dim)
+    if blocks == blocks2 == 1 and dim != dim2:
+        chunks = torch.stack(list(x.chunk(n, dim=dim2)), 0).contiguous()
+        split = [chunks.shape[0] // n] * n
+        out = _wait(_fc.all_to_all_single(chunks, split, split, ax.group_name))
+        return torch.cat(list(out.unbind(0)), dim=dim)
+    return _blocked_all_to_all(x, ax, dim, dim2, blocks, blocks2)
+
+
+def _held(length: int, blocks: int, n: int, c: int) -> list[int]:
+    """Global positions device ``c`` of ``n`` holds along a dimension of ``length`` split in
+    ``blocks`` blocks (``Shard(d, blocks)``: one piece of each block), in local order."""
+    per_block = length // blocks
+    piece = per_block // n
+    return [b * per_block + c * piece + i for b in range(blocks) for i in range(piece)]
+
+
+def _take(x: torch.Tensor, dim: int, index: Sequence[int]) -> torch.Tensor:
+    """``x`` at ``index`` along ``dim``, as slices of its consecutive runs (no index tensor)."""
+    runs: list[list[int]] = []
+    for i in index:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    parts = [x.narrow(dim, lo, hi - lo) for lo, hi in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _blocked_all_to_all(
+    x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, blocks: int, blocks2: int
+) -> torch.Tensor:
+    """The all-to-all of ``_all_to_all`` where a split is in blocks: device ``j`` is sent the
+    part of this device's piece it will hold (by global position along ``dim2``), and the pieces
+    received are put in the order of their global positions along ``dim``."""
+    n, c = ax.size, ax.coord
+    length = x.shape[dim] * n  # along dim, whole
+    mine = _held(length, blocks, n, c)
+    if dim == dim2:
+        where = {p: i for i, p in enumerate(mine)}
+        wanted = [set(_held(length, blocks2, n, j)) for j in range(n)]
+        send_pos = [[p for p in mine if p in wanted[j]] for j in range(n)]
+        recv_pos = [[p for p in _held(length, blocks, n, i) if p in wanted[c]] for i in range(n)]
+        sends = [_take(x, dim, [where[p] for p in pos]) for pos in send_pos if pos]
+    else:
+        length2 = x.shape[dim2]
+        send_pos = [_held(length2, blocks2, n, j) for j in range(n)]
+        recv_pos = [_held(length, blocks, n, i) for i in range(n)]
+        sends = [_take(x, dim2, pos) for pos in send_pos]
+    moved = torch.cat([t.movedim(dim, 0) for t in sends], 0).contiguous()
+    rows_out = [len(p) for p in send_pos] if dim == dim2 else [x.shape[dim]] * n
+    rows_in = [len(p) for p in recv_pos] if dim == dim2 else [x.shape[dim]] * n
+    inner = moved.shape[1:].numel()
+    flat = moved.reshape(-1)
+    out = _wait(
+        _fc.all_to_all_single(
+            flat, [r * inner for r in rows_in], [r * inner for r in rows_out], ax.group_name
+        )
+    )
+    got = out.view(-1, *moved.shape[1:])
+    arrived = [p for pos in recv_pos for p in pos]
+    order = sorted(range(len(arrived)), key=arrived.__getitem__)
+    return _take(got, 0, order).movedim(0, dim).contiguous()
 
 
 # ------------------------------------------------------------------------ autograd Functions
@@ -312,10 +373,14 @@ def reduce_scatter(x: torch.Tensor, ax: AxisGroup, dim: int, blocks: int = 1) ->
     )
 
 
-def all_to_all(x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int) -> torch.Tensor:
-    """Shard(dim) → Shard(dim2) along ``ax``."""
+def all_to_all(
+    x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, blocks: int = 1, blocks2: int = 1
+) -> torch.Tensor:
+    """Shard(dim, blocks) → Shard(dim2, blocks2) along ``ax``."""
     return _conjugate(
-        x, lambda t: _all_to_all(t, ax, dim, dim2, "fwd"), lambda g: _all_to_all(g, ax, dim2, dim, "bwd")
+        x,
+        lambda t: _all_to_all(t, ax, dim, dim2, "fwd", blocks, blocks2),
+        lambda g: _all_to_all(g, ax, dim2, dim, "bwd", blocks2, blocks),
     )
 
 
@@ -342,7 +407,7 @@ STEP_OPS: dict[StepKind, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = 
     StepKind.SLICE: (shard_slice, ("dim", "blocks")),
     StepKind.ALL_REDUCE: (all_reduce, ()),
     StepKind.REDUCE_SCATTER: (reduce_scatter, ("dim", "blocks")),
-    StepKind.ALL_TO_ALL: (all_to_all, ("dim", "dim2")),
+    StepKind.ALL_TO_ALL: (all_to_all, ("dim", "dim2", "blocks", "blocks2")),
     StepKind.TO_PARTIAL: (to_partial, ()),
 }
 """The differentiable op of each reshard step kind (``autopar.reshard.StepKind``) and the step
