@@ -339,6 +339,17 @@ def test_cp_arguments_are_checked_before_planning() -> None:
 # ------------------------------------------------------------------------------------ training
 
 
+def ring_shifts(pm: Any) -> int:
+    """All-to-alls of the step program that send to one device only: the ring's passes (a reshard's
+    all-to-all sends to every device of its axis)."""
+    if pm.step is None:
+        return 0
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    return sum(
+        1 for n in pm.step.joint.graph.nodes if n.target is a2a and sum(1 for s in n.args[2] if s) == 1
+    )
+
+
 def train_worker(rank: int, world: int, plans: dict[str, Any]) -> dict[str, Any]:
     H.quiet()
     out: dict[str, Any] = {}
@@ -352,7 +363,7 @@ def train_worker(rank: int, world: int, plans: dict[str, Any]) -> dict[str, Any]
             pm.load_full_state_dict(initial)
             losses = H.train(pm, inputs, H.make_optimizer(optimizer, pm.parameters()))
             res[optimizer] = (losses, pm.full_state_dict())
-        res["shifts"] = pm.code.count("_c10d_functional.all_to_all_single")
+        res["shifts"] = ring_shifts(pm)
         out[label] = res
     return out
 
@@ -377,6 +388,14 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
             for k in H.MODELS
             for c in ("all_gather", "a2a", "p2p")
         }
+        model, inputs = build("llama")
+        plans["llama cp=2 p2p full recompute"] = (
+            "llama",
+            ROWS,
+            autopar.layouts.megatron(
+                model, inputs, autopar.Cluster.local(2), tp=1, cp=2, cp_comm_type="p2p", recompute="full"
+            ),
+        )
         for k in H.MODELS:
             striped = striped_plan(k)
             assert all("S(2)x8" in n.inputs[0] for n in attention_nodes(striped)), k
@@ -405,12 +424,14 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
                 problems += H.compare_training(
                     refs[kind, rows, opt], res[opt], opt, f"rank {rank}, {label} ({opt})"
                 )
-            if label.endswith("p2p"):  # per layer: one shift forward, one of the keys and two of
-                # their gradients backward — the ring's passing, graph nodes of the step program
+            if "p2p" in label:  # per layer: one shift forward, one of the keys and two of their
+                # gradients backward (and the forward's again where the layer is recomputed) — the
+                # ring's passing, graph nodes of the step program
                 layers = len(attention_nodes(plans[label][2]))
-                if res["shifts"] != 4 * layers:
+                want = (5 if "recompute" in label else 4) * layers
+                if res["shifts"] != want:
                     problems.append(
-                        f"rank {rank}, {label}: {res['shifts']} shifts in the program, not {4 * layers}"
+                        f"rank {rank}, {label}: {res['shifts']} shifts in the program, not {want}"
                     )
     assert not problems, "\n".join(problems)
 

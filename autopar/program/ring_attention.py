@@ -209,11 +209,19 @@ def attend_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: the device's queries against one source's keys and values as ``plan`` says; rows
-    that see nothing get output 0 and log-sum-exp −∞ (they merge as nothing)."""
+    that see nothing get output 0 and log-sum-exp −∞ (they merge as nothing). Built without
+    writing into a buffer, so recomputation may run it again (``passes.recompute``)."""
     dt = _lse_dtype(q)
-    out = q.new_zeros(q.shape, dtype=dt)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt, device=q.device)
-    for b in plan:
+    outs, lses, at = [], [], 0
+    rows = q.shape[-2]
+
+    def nothing(n: int) -> None:
+        outs.append(q.new_zeros((*q.shape[:-2], n, q.shape[-1]), dtype=dt))
+        lses.append(torch.full((*q.shape[:-2], n), float("-inf"), dtype=dt, device=q.device))
+
+    for b in sorted(plan, key=lambda b: b.q):
+        if b.q[0] > at:
+            nothing(b.q[0] - at)
         qb = _rows(q, b.q)
         o = lb = None
         if b.full:
@@ -224,9 +232,14 @@ def attend_step(
             kd, vd = _rows(k, b.diagonal), _rows(v, b.diagonal)
             o, lb = merge(o, lb, *block_forward(qb, kd, vd, True, scale))
         assert o is not None and lb is not None
-        out[..., b.q[0] : b.q[1], :] = o
-        lse[..., b.q[0] : b.q[1]] = lb
-    return out, lse
+        outs.append(o)
+        lses.append(lb)
+        at = b.q[1]
+    if at < rows:
+        nothing(rows - at)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
 def attend_step_backward(
