@@ -10,6 +10,9 @@
 3. With ``--plan FILE`` (a 1-device plan saved where OR-Tools is installed, by ``--make-plan``):
    the per-rank program run on CUDA against eager PyTorch from the same weights, 3 AdamW steps
    (losses), then its step time against ``plan.predicted.step_time``.
+4. With ``--ring``: context parallelism's ring attention played on one GPU (``ring_check``): its
+   block kernels against whole SDPA, and its busiest device's time per step against the cost
+   model's share (``--cpu --ring``: the same, small, on the CPU).
 
     python examples/gpu_checks.py --make-plan gpt_full.plan.json --recompute full   # here (OR-Tools)
     python examples/gpu_checks.py --make-plan gpt_off.plan.json --recompute none --offload-activations 3
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import time
@@ -498,6 +502,61 @@ def llama_steps(
     dist.destroy_process_group()
 
 
+RING = [(1, 32, 8192, 128, 2), (1, 32, 8192, 128, 4), (1, 8, 32768, 128, 8)]
+"""(batch, heads, seq, head_dim, ring devices): causal ring attention played on one GPU."""
+
+
+def ring_check(device: str = "cuda", shapes: Sequence[tuple[int, int, int, int, int]] = RING) -> None:
+    """Context parallelism's ring (``autopar.program.ring_attention``) on one device: every ring
+    device's steps played in one process (``play_ring``: the block kernels — FlashAttention on
+    CUDA in bf16 — with the merged log-sum-exp, no collectives) against whole causal SDPA, forward
+    and backward; then the busiest device's attention per step, summed over the steps (the ring's
+    devices step together), against the whole op's time over ``n`` — measured, and as
+    ``cost.ring_attention.ring_causal_share`` predicts it."""
+    from autopar.cost.ring_attention import ring_causal_share
+    from autopar.placement import Shard, shard_slices
+    from autopar.program import ring_attention as RA
+    from autopar.rules.attention import QUERY_BLOCKS
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    print("\nring attention (striped, causal): errors against whole SDPA; busiest device per step")
+    for b, h, seq, d, n in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v, dout = (
+            torch.randn(b, h, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(4)
+        )
+        blocks = QUERY_BLOCKS if seq % (n * QUERY_BLOCKS) == 0 else 1
+        pieces = [shard_slices((b, h, seq, d), (Shard(2, blocks),), (n,), (c,))[2] for c in range(n)]
+        qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+        whole = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        whole.backward(dout)
+        got = RA.play_ring(q, k, v, dout, pieces, True)
+        errs = [
+            float((a.float() - r.detach().float()).norm() / r.detach().float().norm())
+            for a, r in zip(got, (whole, qr.grad, kr.grad, vr.grad))
+        ]
+        rows = [torch.cat([torch.arange(lo, hi, device=device) for lo, hi in p]) for p in pieces]
+        local = [(q[..., r, :], k[..., r, :], v[..., r, :]) for r in rows]
+        per_step = []
+        for s in range(n):
+            times = []
+            for c in range(n):
+                plan = RA.block_plan(pieces[c], pieces[(c - s) % n], True)
+                step = functools.partial(RA.attend_step, local[c][0], *local[(c - s) % n][1:], plan, None)
+                times.append(_per_call(step, 10) if plan else 0.0)
+            per_step.append(max(times))
+        whole_op = functools.partial(
+            torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True
+        )
+        alone = _per_call(whole_op, 10)
+        predicted = ring_causal_share(pieces, seq) / 0.5
+        print(
+            f"  {b}x{h}x{seq}x{d} over {n}: rel. errors out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, "
+            f"dv {errs[3]:.1e}; forward {sum(per_step) * 1e3:.3f} ms = {sum(per_step) / (alone / n):.3f}× the whole "
+            f"op's {alone * 1e3:.3f} ms over {n} (the cost model: {predicted:.3f}×)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="H100-SXM")
@@ -518,6 +577,9 @@ def main() -> None:
     )
     ap.add_argument("--cpu", action="store_true", help="with --plan: a dry run on the CPU (losses only)")
     ap.add_argument(
+        "--ring", action="store_true", help="also ring attention's steps on this GPU (--cpu: small)"
+    )
+    ap.add_argument(
         "--offload",
         action="store_true",
         help="also the offloaded optimizer step against autopar.cost.offload",
@@ -537,7 +599,10 @@ def main() -> None:
         make_llama_plans(args.make_llama, args.preset)
         return
     if args.cpu:
-        runtime(args.plan, "cpu")
+        if args.ring:
+            ring_check("cpu", [(1, 4, 512, 32, 2), (1, 4, 1024, 32, 4)])
+        if args.plan:
+            runtime(args.plan, "cpu")
         return
     if not torch.cuda.is_available():
         raise SystemExit("gpu_checks: no CUDA device here; run it on a GPU machine")
@@ -551,6 +616,8 @@ def main() -> None:
         optimizer_sweep(args.preset)
     if args.offload:
         offload_check(args.preset)
+    if args.ring:
+        ring_check()
     if not args.skip_steps:
         steps(args.preset, SHAPES + (MCORE_SHAPES if args.mcore else []))
 

@@ -88,10 +88,12 @@ def test_causal_query_attention_gives_the_rows_of_whole_causal_attention(pieces:
 
 
 def _ring_by_hand(n: int, blocks: int, causal: bool, kv_heads: int = 3) -> None:
-    """The ring's steps (``program.ring_attention``) played for every device of an ``n``-device
-    ring in one process — each device's queries against each source's keys, the partial results
-    merged, the gradients of each step's keys added to their owner's — against whole attention,
-    forward and backward."""
+    """The ring's steps (``program.ring_attention.play_ring``) played for every device of an
+    ``n``-device ring in one process — each device's queries against each source's keys, the
+    partial results merged, the gradients of each step's keys added to their owner's — against
+    whole attention, forward and backward."""
+    from autopar.placement import shard_slices
+
     torch.manual_seed(0)
     length = 16 * n * blocks
     q = torch.randn(2, 6, length, 8, dtype=torch.float64, requires_grad=True)
@@ -101,39 +103,10 @@ def _ring_by_hand(n: int, blocks: int, causal: bool, kv_heads: int = 3) -> None:
     )
     dout = torch.randn_like(whole)
     whole.backward(dout)
-    spec = (Shard(2, blocks),)
-    from autopar.placement import shard_slices
-
-    pieces = [shard_slices(tuple(q.shape), spec, (n,), (c,))[2] for c in range(n)]
-    rows = [torch.cat([torch.arange(lo, hi) for lo, hi in p]) for p in pieces]
-    heads = lambda t: RA._expand_heads(t, 6)  # noqa: E731
-    local = [(q.detach()[:, :, r], heads(k.detach()[:, :, r]), heads(v.detach()[:, :, r])) for r in rows]
-    out, lse = [], []
-    for c in range(n):
-        o = lo = None
-        for s in range(n):
-            plan = RA.block_plan(pieces[c], pieces[(c - s) % n], causal)
-            if plan:
-                o, lo = RA.merge(o, lo, *RA.attend_step(local[c][0], *local[(c - s) % n][1:], plan, None))
-        out.append(o.to(q.dtype))
-        lse.append(lo)
-    got = torch.zeros_like(whole)
-    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    for c in range(n):
-        got[:, :, rows[c]] = out[c]
-        for s in range(n):
-            src = (c - s) % n
-            plan = RA.block_plan(pieces[c], pieces[src], causal)
-            if plan:
-                g = RA.attend_step_backward(
-                    dout[:, :, rows[c]], local[c][0], *local[src][1:], out[c], lse[c], plan, None
-                )
-                dq[:, :, rows[c]] += g[0]
-                dk[:, :, rows[src]] += RA._fold_heads(g[1], kv_heads)
-                dv[:, :, rows[src]] += RA._fold_heads(g[2], kv_heads)
-    torch.testing.assert_close(got, whole)
-    for name, mine, ref in (("q", dq, q.grad), ("k", dk, k.grad), ("v", dv, v.grad)):
-        torch.testing.assert_close(mine, ref, msg=lambda m, name=name: f"d{name}: {m}")
+    pieces = [shard_slices(tuple(q.shape), (Shard(2, blocks),), (n,), (c,))[2] for c in range(n)]
+    got = RA.play_ring(q.detach(), k.detach(), v.detach(), dout, pieces, causal)
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), got, (whole, q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(mine, ref, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(

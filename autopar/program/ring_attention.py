@@ -41,7 +41,7 @@ import torch
 
 from autopar.program.collectives import AxisGroup
 
-__all__ = ["BlockPlan", "QueryBlock", "block_plan", "ring_attention", "ring_shift"]
+__all__ = ["BlockPlan", "QueryBlock", "block_plan", "play_ring", "ring_attention", "ring_shift"]
 
 aten = torch.ops.aten
 _fc = torch.ops._c10d_functional
@@ -372,3 +372,45 @@ def ring_attention(
         raise ValueError(f"ring attention: {q.shape[-3]} query heads over {k.shape[-3]} key-value heads")
     plans = tuple(block_plan(pieces[c], pieces[(c - s) % n], causal) for s in range(n))
     return _RingAttention.apply(q, k, v, ax, plans, scale)
+
+
+def play_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    pieces: Sequence[Pieces],
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's steps for every device in one process, without collectives (tests, GPU checks):
+    whole ``q``, ``k``, ``v`` (batch, heads, sequence, dim) and an output gradient ``dout``;
+    ``pieces[c]`` the global ranges device ``c`` holds. Each device's queries meet each source's
+    keys as the ring would bring them, the partial results merge, and each step's key gradients are
+    added to their owner's. Returns the output and the gradients of ``q``, ``k``, ``v``."""
+    n, heads, kv_heads = len(pieces), q.shape[-3], k.shape[-3]
+    rows = [torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in p]) for p in pieces]
+    local = [
+        (q[..., r, :], _expand_heads(k[..., r, :], heads), _expand_heads(v[..., r, :], heads)) for r in rows
+    ]
+    plans = [[block_plan(pieces[c], pieces[(c - s) % n], causal) for s in range(n)] for c in range(n)]
+    out = torch.zeros_like(q)
+    grads = [torch.zeros_like(t, dtype=_lse_dtype(q)) for t in (q, k, v)]
+    for c in range(n):
+        o = lse = None
+        for s in range(n):
+            if plans[c][s]:
+                o, lse = merge(o, lse, *attend_step(local[c][0], *local[(c - s) % n][1:], plans[c][s], scale))
+        assert o is not None and lse is not None
+        mine = o.to(q.dtype)
+        out[..., rows[c], :] = mine
+        for s in range(n):
+            src = (c - s) % n
+            if plans[c][s]:
+                dq, dk, dv = attend_step_backward(
+                    dout[..., rows[c], :], local[c][0], *local[src][1:], mine, lse, plans[c][s], scale
+                )
+                grads[0][..., rows[c], :] += dq
+                grads[1][..., rows[src], :] += _fold_heads(dk, kv_heads)
+                grads[2][..., rows[src], :] += _fold_heads(dv, kv_heads)
+    return out, *(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
