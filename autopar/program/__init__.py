@@ -9,6 +9,8 @@ runs it. Both import this package, neither imports the other:
 * ``local_ops`` — local forms of ops whose inputs are sharded (vocabulary-parallel embedding and
   loss, the mean over a sharded dimension);
 * ``experts`` — expert parallelism: the grouped matmul, the dispatch and combine all-to-alls;
+* ``ring_attention`` — context parallelism's ring: attention with the keys and values passed
+  around a mesh axis, and their gradients passed back;
 * ``rng`` — random ops that recomputation runs twice: the generator's state recorded before the
   forward draw and replayed in backward;
 * ``host_copies`` — activation offload's copies to host memory and back;

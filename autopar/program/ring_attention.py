@@ -28,7 +28,10 @@ so a step's gradients are exact parts of the whole.
 
 Kernels: on CPU, ATen's flash kernel for CPU; on CUDA in half precision, FlashAttention
 (``aten._scaled_dot_product_flash_attention``); elsewhere (CUDA in fp32, head sizes it refuses)
-the same arithmetic in plain ops. The costs: ``autopar.cost.ring_attention``.
+the same arithmetic in plain ops. The costs: ``autopar.cost.ring_attention``. A step runs a
+kernel per query piece (two at step 0, with their merge): striped in ``k`` blocks, about ``2k``
+attention kernels and their elementwise merges a step, launches the cost model does not charge
+(it prices the op by its FLOPs); ``examples/gpu_checks.py --ring`` measures what they cost.
 """
 
 from __future__ import annotations
