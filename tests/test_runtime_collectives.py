@@ -196,7 +196,7 @@ def _layouts(mesh: tuple[int, ...]):
     sharded on one axis only, ``autopar.passes.strategies``)."""
     from autopar.placement import Replicate, Shard, divides
 
-    choices = (Replicate(), Shard(0), Shard(1), Shard(2), Shard(1, 3))
+    choices = (Replicate(), Shard(0), Shard(1), Shard(2), Shard(1, 3), Shard(2, 2))
     for spec in itertools.product(choices, repeat=len(mesh)):
         dims = [p.dim for p in spec if isinstance(p, Shard)]
         if any(p.blocks > 1 and dims.count(p.dim) > 1 for p in spec if isinstance(p, Shard)):

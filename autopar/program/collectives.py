@@ -206,6 +206,37 @@ def _take(x: torch.Tensor, dim: int, index: Sequence[int]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def _regular_all_to_all(
+    x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, blocks: int, blocks2: int
+) -> torch.Tensor:
+    """``_blocked_all_to_all`` where the pieces fall in a grid (the cases a reshape reaches, any
+    number of blocks at one kernel's cost): to another dimension; from contiguous to ``blocks2``
+    stripes with ``n | blocks2``; from ``blocks`` stripes with ``n | blocks`` to contiguous."""
+    n = ax.size
+    shape = list(x.shape)
+    if dim != dim2:
+        # what device j will hold along dim2 (piece j of each of blocks2 blocks), stacked by j
+        m2 = shape[dim2] // (blocks2 * n)
+        send = x.unflatten(dim2, (blocks2, n, m2)).movedim(dim2 + 1, 0)
+        send = send.flatten(dim2 + 1, dim2 + 2)
+    elif blocks == 1:  # contiguous: this device's chunk holds whole blocks, piece j of each for j
+        send = x.unflatten(dim, (blocks2 // n, n, shape[dim] * n // blocks2 // n)).movedim(dim + 1, 0)
+        send = send.flatten(dim + 1, dim + 2)
+    else:  # stripes: block b belongs to chunk b // (blocks / n)
+        send = x.unflatten(dim, (n, blocks // n * (shape[dim] // blocks))).movedim(dim, 0)
+    send = send.contiguous()
+    rows = [send.shape[0] // n] * n
+    got = _wait(_fc.all_to_all_single(send, rows, rows, ax.group_name))  # [source, ...]
+    if dim != dim2 or (blocks > 1 and blocks2 == 1):
+        # interleave: each source's piece of every block of dim (``blocks``), sources in order
+        k = blocks if dim != dim2 else blocks // n  # blocks in each source's piece
+        piece = got.shape[dim + 1] // k
+        out = got.unflatten(dim + 1, (k, piece)).movedim(0, dim + 1)
+        return out.flatten(dim, dim + 2).contiguous()
+    # contiguous to stripes: source i sent its piece of blocks i·blocks2/n …, in order
+    return got.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+
+
 def _blocked_all_to_all(
     x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, blocks: int, blocks2: int
 ) -> torch.Tensor:
@@ -213,6 +244,8 @@ def _blocked_all_to_all(
     part of this device's piece it will hold (by global position along ``dim2``), and the pieces
     received are put in the order of their global positions along ``dim``."""
     n, c = ax.size, ax.coord
+    if dim != dim2 or (blocks == 1 and blocks2 % n == 0) or (blocks2 == 1 and blocks % n == 0):
+        return _regular_all_to_all(x, ax, dim, dim2, blocks, blocks2)
     length = x.shape[dim] * n  # along dim, whole
     mine = _held(length, blocks, n, c)
     if dim == dim2:
