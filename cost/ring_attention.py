@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["ring_causal_share", "ring_exposed_time"]
+__all__ = ["ring_causal_share", "ring_exposed_time", "striped_ring_share"]
 
 Pieces = Sequence[tuple[int, int]]
 
@@ -68,6 +68,27 @@ def ring_causal_share(pieces: Sequence[Pieces], seq: int, causal: bool = True) -
     for s in range(n):
         total += max(sum(_kept(qp, kp) for qp in pieces[c] for kp in pieces[(c - s) % n]) for c in range(n))
     return total / (rows * seq)
+
+
+def striped_ring_share(length: int, blocks: int, n: int, causal: bool = True) -> float:
+    """:func:`ring_causal_share` in closed form for a sequence of ``length`` split in ``blocks``
+    stripes over ``n`` devices (``Shard(d, blocks)``: device ``c`` holds piece ``c`` of ``m =
+    length / (blocks · n)`` positions of every block). Query piece ``j`` sees key piece ``i`` whole
+    where ``i < j``, or ``i = j`` and the source precedes the device; its own piece causally. At
+    step 0 every device has ``m²·k(k−1)/2 + k·m(m+1)/2`` pairs; at each later step some device's
+    source precedes it (the last device's always does), so the busiest has ``m²·k(k−1)/2 + k·m²``.
+    Contiguous (``k = 1``): ``(n − ½)/n`` as ``m`` grows; one position a stripe (``m = 1``,
+    striped attention, Brandon et al. arXiv 2311.09431): ``(R + 1)/2R`` for ``R`` rows a device,
+    the balanced half."""
+    if not causal:
+        return 1.0
+    k = blocks
+    m = length // (k * n)
+    if m <= 0:
+        return 1.0
+    base = m * m * k * (k - 1) / 2
+    total = n * base + (n - 1) * k * m * m + k * m * (m + 1) / 2
+    return total / (k * m * length)
 
 
 def ring_exposed_time(

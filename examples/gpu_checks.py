@@ -513,24 +513,24 @@ def ring_check(device: str = "cuda", shapes: Sequence[tuple[int, int, int, int, 
     and backward; then the busiest device's attention per step, summed over the steps (the ring's
     devices step together), against the whole op's time over ``n`` — measured, and as
     ``cost.ring_attention.ring_causal_share`` predicts it."""
-    from autopar.cost.ring_attention import ring_causal_share
-    from autopar.placement import Shard, shard_slices
+    from autopar.cost.ring_attention import striped_ring_share
     from autopar.program import ring_attention as RA
-    from autopar.rules.attention import QUERY_BLOCKS
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    print("\nring attention (striped, causal): errors against whole SDPA; busiest device per step")
+    print(
+        "\nring attention (causal, stripes of one position): errors against whole SDPA; busiest device per step"
+    )
     for b, h, seq, d, n in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v, dout = (
             torch.randn(b, h, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(4)
         )
-        blocks = QUERY_BLOCKS if seq % (n * QUERY_BLOCKS) == 0 else 1
-        pieces = [shard_slices((b, h, seq, d), (Shard(2, blocks),), (n,), (c,))[2] for c in range(n)]
+        blocks = seq // n  # stripes of one position, as the planner runs a causal ring
+        pieces = [RA.stripes(seq, blocks, n, c) for c in range(n)]
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
         whole = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
         whole.backward(dout)
-        got = RA.play_ring(q, k, v, dout, pieces, True)
+        got = RA.play_ring(q, k, v, dout, n, blocks, True)
         errs = [
             float((a.float() - r.detach().float()).norm() / r.detach().float().norm())
             for a, r in zip(got, (whole, qr.grad, kr.grad, vr.grad))
@@ -541,7 +541,7 @@ def ring_check(device: str = "cuda", shapes: Sequence[tuple[int, int, int, int, 
         for s in range(n):
             times = []
             for c in range(n):
-                plan = RA.block_plan(pieces[c], pieces[(c - s) % n], True)
+                plan = RA.step_plan(seq, blocks, n, c, (c - s) % n, True)
                 step = functools.partial(RA.attend_step, local[c][0], *local[(c - s) % n][1:], plan, None)
                 times.append(_per_call(step, 10) if plan else 0.0)
             per_step.append(max(times))
@@ -549,7 +549,7 @@ def ring_check(device: str = "cuda", shapes: Sequence[tuple[int, int, int, int, 
             torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True
         )
         alone = _per_call(whole_op, 10)
-        predicted = ring_causal_share(pieces, seq) / 0.5
+        predicted = striped_ring_share(seq, blocks, n) / 0.5
         print(
             f"  {b}x{h}x{seq}x{d} over {n}: rel. errors out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, "
             f"dv {errs[3]:.1e}; forward {sum(per_step) * 1e3:.3f} ms = {sum(per_step) / (alone / n):.3f}× the whole "

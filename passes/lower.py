@@ -486,19 +486,19 @@ class _Lowerer:
         spec = parse_spec(p.inputs[ins.index(q)])
         if any(parse_spec(p.inputs[ins.index(x)]) != spec for x in node.args[1:3]):
             raise self.fail(node, "a ring needs its queries, keys and values split alike")
-        shape = tuple(q.meta["val"].shape)
-        pieces = []
-        for c in range(self.mesh[a]):
-            coord = list(self.coord)
-            coord[a] = c
-            pieces.append(tuple(shard_slices(shape, spec, self.mesh, tuple(coord))[len(shape) - 2]))
+        seq = q.meta["val"].dim() - 2
+        split = [
+            b for b, pl in enumerate(spec) if isinstance(pl, Shard) and pl.dim == seq and self.mesh[b] > 1
+        ]
+        if split != [a]:
+            raise self.fail(node, f"its ring runs on axis {a}, and its sequence is split on axes {split}")
         names = [x.name for x in node.target._schema.arguments]
         given = dict(zip(names, args)) | kwargs
         if given.get("attn_mask") is not None or given.get("dropout_p", 0.0):
             raise self.fail(node, "ring attention takes no explicit mask and no dropout")
         return self.g.call_function(
             R.ring_attention,
-            (given["query"], given["key"], given["value"], self.ax(a), tuple(pieces)),
+            (given["query"], given["key"], given["value"], self.ax(a), spec[a].blocks),
             {"causal": bool(given.get("is_causal", False)), "scale": given.get("scale")},
         )
 

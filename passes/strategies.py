@@ -39,7 +39,7 @@ from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
 from autopar.cost.offload import ACTIVATION_WINDOW, host_of, offload_step_time
 from autopar.cost.optimizer import optimizer_step_time, plan_settings
-from autopar.cost.ring_attention import ring_causal_share, ring_exposed_time
+from autopar.cost.ring_attention import ring_exposed_time, striped_ring_share
 from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
@@ -93,6 +93,18 @@ def _outer_pattern(path: str) -> str:
 _SEQUENCE_FORMS = (Rewrite.CAUSAL_QUERIES, Rewrite.RING_ATTENTION)
 
 
+def _fits_axis(node: Node, c: AxisStrategy, n: int) -> bool:
+    """A ring's stripes are made for one ring size (``rules.attention.RING_SIZES``): a striped ring
+    runs on the axis of that many devices, one position a stripe (a causal ring is only offered
+    striped; a contiguous one is unmasked)."""
+    if c.rewrite is not Rewrite.RING_ATTENTION:
+        return True
+    q = c.inputs[0]
+    if n == 1 or not isinstance(q, Shard):
+        return False
+    return q.blocks == 1 or q.blocks * n == int(node.args[0].meta["val"].shape[q.dim])
+
+
 def _ring_conflict(node: Node, combo: tuple[AxisStrategy, ...], mesh_shape: tuple[int, ...]) -> bool:
     """A ring on one axis only, and no other axis splitting the queries' sequence: a ring passes
     keys among its own axis's devices and would never see those split along another."""
@@ -114,6 +126,7 @@ def _combine(
     in_shapes = [tuple(i.meta["val"].shape) for i in ins]
     out_shapes = [tuple(o.shape) for o in outs]
     result = []
+    axis_lists = [[c for c in cs if _fits_axis(node, c, n)] for cs, n in zip(axis_lists, mesh_shape)]
     for combo in itertools.product(*axis_lists):
         if any(c.rewrite in _SEQUENCE_FORMS and n == 1 for c, n in zip(combo, mesh_shape)):
             continue  # a query split over one device: the op itself, lowered for nothing
@@ -216,28 +229,17 @@ def _ring_axis(s: Strategy) -> int | None:
     return next((a for a, r in enumerate(s.rewrites) if r is Rewrite.RING_ATTENTION), None)
 
 
-def _ring_pieces(node: Node, s: Strategy, mesh: tuple[int, ...]) -> list[list[tuple[int, int]]]:
-    """The global sequence ranges each device of the ring axis holds (the others' coordinates 0:
-    no other axis splits the sequence of a ring, ``_combine``)."""
-    a = _ring_axis(s)
-    assert a is not None
-    q = node.args[0].meta["val"]
-    seq = q.dim() - 2
-    pieces = []
-    for c in range(mesh[a]):
-        coord = [0] * len(mesh)
-        coord[a] = c
-        pieces.append(list(shard_slices(tuple(q.shape), s.inputs[0], mesh, coord)[seq]))
-    return pieces
-
-
 def _ring_share(node: Node, s: Strategy, mesh: tuple[int, ...]) -> bool | float:
     """Ring attention (``Rewrite.RING_ATTENTION``): its keys are priced whole (the ring brings
-    them all), the pairs as the busiest device's at each step (``cost.ring_attention``)."""
+    them all), the pairs as the busiest device's at each step (``cost.ring_attention``: the
+    queries in stripes along the ring's axis, the only axis splitting their sequence)."""
     if not arg(node, "is_causal", False):
         return False
-    seq = int(node.args[0].meta["val"].shape[-2])
-    return ring_causal_share(_ring_pieces(node, s, mesh), seq)
+    a = _ring_axis(s)
+    assert a is not None
+    q = s.inputs[0][a]
+    assert isinstance(q, Shard)
+    return striped_ring_share(int(node.args[0].meta["val"].shape[-2]), q.blocks, mesh[a])
 
 
 def _cost_strategy(

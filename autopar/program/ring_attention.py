@@ -44,7 +44,16 @@ import torch
 
 from autopar.program.collectives import AxisGroup
 
-__all__ = ["BlockPlan", "QueryBlock", "block_plan", "play_ring", "ring_attention", "ring_shift"]
+__all__ = [
+    "BlockPlan",
+    "QueryBlock",
+    "block_plan",
+    "play_ring",
+    "ring_attention",
+    "ring_shift",
+    "step_plan",
+    "stripes",
+]
 
 aten = torch.ops.aten
 _fc = torch.ops._c10d_functional
@@ -104,6 +113,28 @@ def block_plan(q_pieces: Pieces, k_pieces: Pieces, causal: bool) -> BlockPlan:
         if full or diagonal:
             out.append(QueryBlock((at, at + hi - lo), full, diagonal))
     return tuple(out)
+
+
+def stripes(length: int, blocks: int, n: int, c: int) -> list[tuple[int, int]]:
+    """The global ranges device ``c`` of ``n`` holds of a sequence of ``length`` split in
+    ``blocks`` stripes (``Shard(d, blocks)``: its piece of every block)."""
+    per_block = length // blocks
+    m = per_block // n
+    return [(b * per_block + c * m, b * per_block + (c + 1) * m) for b in range(blocks)]
+
+
+def step_plan(length: int, blocks: int, n: int, c: int, src: int, causal: bool) -> BlockPlan:
+    """``block_plan`` for device ``c`` against source ``src`` of a striped split. In stripes of one
+    position (``length = blocks · n``) one kernel covers the step: query ``t`` (position
+    ``t·n + c``) sees key ``u`` (position ``u·n + src``) where ``u ≤ t`` if the source is the device
+    or precedes it — causal over all rows — and where ``u < t`` if it follows — causal over rows
+    ``1…`` against keys ``…R−1``."""
+    rows = length // n
+    if causal and blocks > 1 and blocks * n == length:
+        if src <= c:
+            return (QueryBlock((0, rows), 0, (0, rows)),)
+        return (QueryBlock((1, rows), 0, (0, rows - 1)),) if rows > 1 else ()
+    return block_plan(stripes(length, blocks, n, c), stripes(length, blocks, n, src), causal)
 
 
 # ------------------------------------------------------------------------------- block kernels
@@ -360,20 +391,27 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     ax: AxisGroup,
-    pieces: Sequence[Pieces],
+    blocks: int,
     causal: bool,
     scale: float | None = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` over a sequence
-    split along ``ax`` (module docstring): ``q``, ``k``, ``v`` are this device's pieces, ``pieces[c]``
-    the global position ranges device ``c`` of the axis holds (of all three). Keys and values with
+    split along ``ax`` in ``blocks`` stripes (module docstring; ``Shard(seq, blocks)``, queries,
+    keys and values alike): ``q``, ``k``, ``v`` are this device's pieces. Keys and values with
     fewer heads than the queries (grouped-query attention) travel unrepeated."""
     n, c = ax.size, ax.coord
-    if len(pieces) != n:
-        raise ValueError(f"ring attention over {n} devices was given the pieces of {len(pieces)}")
     if q.shape[-3] % k.shape[-3]:
         raise ValueError(f"ring attention: {q.shape[-3]} query heads over {k.shape[-3]} key-value heads")
-    plans = tuple(block_plan(pieces[c], pieces[(c - s) % n], causal) for s in range(n))
+    length = q.shape[-2] * n
+    plans = tuple(step_plan(length, blocks, n, c, (c - s) % n, causal) for s in range(n))
+    if not all(plans):
+        # a step with nothing to compute leaves what arrived unread, and a traced program drops
+        # an exchange whose result nothing reads — on this device only: the others would wait
+        idle = [s for s, p in enumerate(plans) if not p]
+        raise ValueError(
+            f"ring attention: device {c} of {n} has nothing to compute at steps {idle} of a sequence of "
+            f"{length} in {blocks} block(s); split it in stripes (Shard(seq, blocks={length // n}))"
+        )
     return _RingAttention.apply(q, k, v, ax, plans, scale)
 
 
@@ -382,21 +420,23 @@ def play_ring(
     k: torch.Tensor,
     v: torch.Tensor,
     dout: torch.Tensor,
-    pieces: Sequence[Pieces],
+    n: int,
+    blocks: int,
     causal: bool,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's steps for every device in one process, without collectives (tests, GPU checks):
-    whole ``q``, ``k``, ``v`` (batch, heads, sequence, dim) and an output gradient ``dout``;
-    ``pieces[c]`` the global ranges device ``c`` holds. Each device's queries meet each source's
+    whole ``q``, ``k``, ``v`` (batch, heads, sequence, dim) and an output gradient ``dout``, the
+    sequence in ``blocks`` stripes over ``n`` devices. Each device's queries meet each source's
     keys as the ring would bring them, the partial results merge, and each step's key gradients are
     added to their owner's. Returns the output and the gradients of ``q``, ``k``, ``v``."""
-    n, heads, kv_heads = len(pieces), q.shape[-3], k.shape[-3]
+    heads, kv_heads, length = q.shape[-3], k.shape[-3], q.shape[-2]
+    pieces = [stripes(length, blocks, n, c) for c in range(n)]
     rows = [torch.cat([torch.arange(lo, hi, device=q.device) for lo, hi in p]) for p in pieces]
     local = [
         (q[..., r, :], _expand_heads(k[..., r, :], heads), _expand_heads(v[..., r, :], heads)) for r in rows
     ]
-    plans = [[block_plan(pieces[c], pieces[(c - s) % n], causal) for s in range(n)] for c in range(n)]
+    plans = [[step_plan(length, blocks, n, c, (c - s) % n, causal) for s in range(n)] for c in range(n)]
     out = torch.zeros_like(q)
     grads = [torch.zeros_like(t, dtype=_lse_dtype(q)) for t in (q, k, v)]
     for c in range(n):

@@ -21,8 +21,9 @@ values around the axis while each device attends its queries to them (context pa
 point-to-point form, Megatron-Core's default ``cp_comm_type="p2p"``; ``Rewrite.RING_ATTENTION``,
 ``autopar.program.ring_attention``): no device ever holds the whole keys and values. Offered for
 attention without an explicit mask or dropout over keys as long as the queries; under
-``is_causal`` striped like the all-gather form where the sequence divides, so every step of the
-ring has work on every device."""
+``is_causal`` in stripes of one position (striped attention, Brandon et al.: device ``c`` of ``n``
+holds positions ``c, c + n, c + 2n, …``), so every step of the ring is one causal kernel, as
+balanced as it can be, on every device."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ from autopar.graph import tensor_outputs
 from autopar.ir import Rewrite
 from autopar.placement import Replicate, Shard
 from autopar.rules.base import AxisStrategy, R, arg, aten, register, shape_of
+
+RING_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+"""Ring sizes a causal ring is offered striped for: one position a stripe on ``n`` devices is
+``Shard(d, blocks=length / n)``, and which of these fits depends on the axis it runs on."""
 
 QUERY_BLOCKS = 8
 """Blocks of the striped query split (module docstring): the busiest device's share of the causal
@@ -91,11 +96,16 @@ def _sdpa(node: Node, ins: list[Node]) -> list[AxisStrategy]:
             s = for_dim(rank - 2, seq_q=True, rewrite=Rewrite.CAUSAL_QUERIES, blocks=QUERY_BLOCKS)
             if s is not None:
                 out.append(s)
-        # The ring (module docstring): queries, keys and values split alike.
+        # The ring (module docstring): queries, keys and values split alike — contiguous, or
+        # under a causal mask in stripes of one position for a ring of n devices (the strategy
+        # enumeration keeps the one whose n is the axis's: ``passes.strategies``). Not contiguous
+        # under a causal mask: the first device would have nothing to do after its first step.
         no_mask = arg(node, "attn_mask", None) is None and not arg(node, "dropout_p", 0.0)
-        if no_mask and shape_of(k)[-2] == shape_of(q)[-2]:
-            blocks = QUERY_BLOCKS if causal and shape_of(q)[rank - 2] % QUERY_BLOCKS == 0 else 1
-            s = for_dim(rank - 2, rewrite=Rewrite.RING_ATTENTION, blocks=blocks)
-            if s is not None:
-                out.append(AxisStrategy(s.inputs, s.outputs, s.rewrite, comm="ring_attention"))
+        length = shape_of(q)[rank - 2]
+        if no_mask and shape_of(k)[-2] == length:
+            stripes = [length // n for n in RING_SIZES if length % n == 0 and length > n]
+            for blocks in stripes if causal else (1,):
+                s = for_dim(rank - 2, rewrite=Rewrite.RING_ATTENTION, blocks=blocks)
+                if s is not None:
+                    out.append(AxisStrategy(s.inputs, s.outputs, s.rewrite, comm="ring_attention"))
     return out
