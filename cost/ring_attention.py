@@ -5,8 +5,8 @@ the part of the passing of keys and values that the steps' compute does not hide
 **Work.** At step ``s`` device ``c`` attends its queries to the keys of its source ``(c − s) mod
 n``. The devices step together — a device waits for its predecessor's keys — so each step lasts
 as long as its busiest device's share, and the op as long as the sum over steps of those maxima:
-:func:`ring_causal_share` states it as a fraction of a device's (query, key) pairs against the whole
-sequence, the figure ``autopar.cost.compute.op_flops`` takes as ``causal``. Under a causal mask a
+:func:`striped_ring_share` states it as a fraction of a device's (query, key) pairs against the
+whole sequence, the figure ``autopar.cost.compute.op_flops`` takes as ``causal``. Under a causal mask a
 query piece sees the key pieces before it whole and its own under the mask (``(m + 1) / 2m`` of a
 piece of ``m`` rows). Contiguous pieces leave the first device idle after its first step while the
 last works every step (the sum of maxima is the whole dense work, about twice the balanced one);
@@ -30,49 +30,15 @@ the op's forward and backward compute on the busiest device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-__all__ = ["ring_causal_share", "ring_exposed_time", "striped_ring_share"]
-
-Pieces = Sequence[tuple[int, int]]
-
-
-def _kept(q: tuple[int, int], k: tuple[int, int]) -> float:
-    """Causal (query, key) pairs between query positions ``q`` and key positions ``k``: key ``j``
-    seen by query ``i`` where ``j ≤ i``."""
-    (a, b), (c, d) = q, k
-    total = 0.0
-    if b <= a or d <= c:
-        return 0.0
-    # rows i in [a, b) each see min(i, d − 1) − c + 1 keys of [c, d), clipped at 0 and at d − c
-    lo = max(a, c)  # first row that sees any key of the piece
-    full_from = max(lo, d - 1)  # from here on a row sees the whole piece
-    if lo < min(b, full_from):
-        hi = min(b, full_from)
-        # sum over i in [lo, hi) of (i − c + 1)
-        total += (hi - lo) * (lo - c + 1) + (hi - lo) * (hi - lo - 1) / 2
-    if full_from < b:
-        total += (b - full_from) * (d - c)
-    return total
-
-
-def ring_causal_share(pieces: Sequence[Pieces], seq: int, causal: bool = True) -> float:
-    """The sum over the ring's steps of the busiest device's (query, key) pairs, as a fraction of
-    one device's rows against all ``seq`` keys; ``pieces[c]``: the global position ranges device
-    ``c`` holds (queries and keys alike). Without a mask every step is a whole block: 1."""
-    n = len(pieces)
-    rows = sum(hi - lo for lo, hi in pieces[0])
-    if not causal or rows <= 0 or seq <= 0:
-        return 1.0
-    total = 0.0
-    for s in range(n):
-        total += max(sum(_kept(qp, kp) for qp in pieces[c] for kp in pieces[(c - s) % n]) for c in range(n))
-    return total / (rows * seq)
+__all__ = ["ring_exposed_time", "striped_ring_share"]
 
 
 def striped_ring_share(length: int, blocks: int, n: int, causal: bool = True) -> float:
-    """:func:`ring_causal_share` in closed form for a sequence of ``length`` split in ``blocks``
-    stripes over ``n`` devices (``Shard(d, blocks)``: device ``c`` holds piece ``c`` of ``m =
+    """The sum over the ring's steps of the busiest device's causal (query, key) pairs, as a
+    fraction of one device's rows against all ``length`` keys (1 without a mask), for a sequence
+    split in ``blocks`` stripes over ``n`` devices (``Shard(d, blocks)``: device ``c`` holds piece ``c`` of ``m =
     length / (blocks · n)`` positions of every block). Query piece ``j`` sees key piece ``i`` whole
     where ``i < j``, or ``i = j`` and the source precedes the device; its own piece causally. At
     step 0 every device has ``m²·k(k−1)/2 + k·m(m+1)/2`` pairs; at each later step some device's

@@ -512,7 +512,7 @@ def ring_check(device: str = "cuda", shapes: Sequence[tuple[int, int, int, int, 
     CUDA in bf16 — with the merged log-sum-exp, no collectives) against whole causal SDPA, forward
     and backward; then the busiest device's attention per step, summed over the steps (the ring's
     devices step together), against the whole op's time over ``n`` — measured, and as
-    ``cost.ring_attention.ring_causal_share`` predicts it."""
+    ``cost.ring_attention.striped_ring_share`` predicts it."""
     from autopar.cost.ring_attention import striped_ring_share
     from autopar.program import ring_attention as RA
 

@@ -167,29 +167,27 @@ def test_a_ring_step_plan_sees_each_key_piece_once() -> None:
 
 
 def test_the_rings_causal_share_is_the_sum_of_each_steps_busiest_device() -> None:
-    """``cost.ring_attention.ring_causal_share`` against pairs counted one by one; contiguous
-    pieces keep the last device busy every step (three quarters of its dense pairs over two
-    devices, where the balanced figure is a half), striped pieces balance every step."""
-    from autopar.cost.ring_attention import _kept, ring_causal_share
-    from autopar.placement import shard_slices
-
-    for q, k in [((0, 4), (0, 4)), ((4, 8), (0, 4)), ((0, 4), (4, 8)), ((3, 9), (2, 7)), ((0, 5), (2, 3))]:
-        assert _kept(q, k) == sum(1 for i in range(*q) for j in range(*k) if j <= i), (q, k)
-    seq = 1024
-
-    def share(n: int, blocks: int) -> float:
-        pieces = [shard_slices((seq,), (Shard(0, blocks),), (n,), (c,))[0] for c in range(n)]
-        return ring_causal_share(pieces, seq)
-
-    assert share(2, 1) == pytest.approx(0.75, abs=1e-3)
-    assert share(4, 1) == pytest.approx(3.5 / 4, abs=1e-3)  # (n − ½)/n: some device works every step whole
-    assert 0.5 < share(2, 8) < 0.56 and 0.5 < share(4, 8) < 0.62
-    assert ring_causal_share([((0, 8),), ((8, 16),)], 16, causal=False) == 1.0
+    """``cost.ring_attention.striped_ring_share`` against pairs counted one by one over the steps:
+    contiguous pieces keep some device busy every step (three quarters of its dense pairs over two
+    devices, where the balanced figure is a half), stripes balance every step, stripes of one
+    position to a half."""
     from autopar.cost.ring_attention import striped_ring_share
 
-    for n, blocks in [(2, 1), (2, 8), (4, 2), (3, 4), (4, 256)]:
-        assert striped_ring_share(seq, blocks, n) == pytest.approx(share(n, blocks)), (n, blocks)
-    assert striped_ring_share(seq, seq // 4, 4) == pytest.approx((256 + 1) / 512)  # one position a stripe
+    def counted(length: int, blocks: int, n: int) -> float:
+        held = [[p for lo, hi in RA.stripes(length, blocks, n, c) for p in range(lo, hi)] for c in range(n)]
+        busiest = [
+            max(sum(1 for i in held[c] for j in held[(c - s) % n] if j <= i) for c in range(n))
+            for s in range(n)
+        ]
+        return sum(busiest) / (len(held[0]) * length)
+
+    for length, blocks, n in [(64, 1, 2), (64, 8, 2), (64, 2, 4), (96, 4, 3), (64, 32, 2), (64, 16, 4)]:
+        assert striped_ring_share(length, blocks, n) == pytest.approx(counted(length, blocks, n)), (blocks, n)
+    assert striped_ring_share(1024, 1, 2) == pytest.approx(0.75, abs=1e-3)
+    assert striped_ring_share(1024, 1, 4) == pytest.approx(3.5 / 4, abs=1e-3)  # (n − ½)/n
+    assert 0.5 < striped_ring_share(1024, 8, 2) < 0.56
+    assert striped_ring_share(1024, 256, 4) == pytest.approx((256 + 1) / 512)  # one position a stripe
+    assert striped_ring_share(1024, 1, 2, causal=False) == 1.0
 
 
 # --------------------------------------------------------------------------------------- plans

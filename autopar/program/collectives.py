@@ -240,33 +240,28 @@ def _regular_all_to_all(
 def _blocked_all_to_all(
     x: torch.Tensor, ax: AxisGroup, dim: int, dim2: int, blocks: int, blocks2: int
 ) -> torch.Tensor:
-    """The all-to-all of ``_all_to_all`` where a split is in blocks: device ``j`` is sent the
-    part of this device's piece it will hold (by global position along ``dim2``), and the pieces
-    received are put in the order of their global positions along ``dim``."""
+    """The all-to-all of ``_all_to_all`` where a split is in blocks: by reshapes where the pieces
+    fall in a grid (``_regular_all_to_all``); else, from one split of ``dim`` to another, device
+    ``j`` is sent the positions of this device's piece it will hold, and the pieces received are
+    put in the order of their global positions."""
     n, c = ax.size, ax.coord
     if dim != dim2 or (blocks == 1 and blocks2 % n == 0) or (blocks2 == 1 and blocks % n == 0):
         return _regular_all_to_all(x, ax, dim, dim2, blocks, blocks2)
     length = x.shape[dim] * n  # along dim, whole
     mine = _held(length, blocks, n, c)
-    if dim == dim2:
-        where = {p: i for i, p in enumerate(mine)}
-        wanted = [set(_held(length, blocks2, n, j)) for j in range(n)]
-        send_pos = [[p for p in mine if p in wanted[j]] for j in range(n)]
-        recv_pos = [[p for p in _held(length, blocks, n, i) if p in wanted[c]] for i in range(n)]
-        sends = [_take(x, dim, [where[p] for p in pos]) for pos in send_pos if pos]
-    else:
-        length2 = x.shape[dim2]
-        send_pos = [_held(length2, blocks2, n, j) for j in range(n)]
-        recv_pos = [_held(length, blocks, n, i) for i in range(n)]
-        sends = [_take(x, dim2, pos) for pos in send_pos]
+    where = {p: i for i, p in enumerate(mine)}
+    wanted = [set(_held(length, blocks2, n, j)) for j in range(n)]
+    send_pos = [[p for p in mine if p in wanted[j]] for j in range(n)]
+    recv_pos = [[p for p in _held(length, blocks, n, i) if p in wanted[c]] for i in range(n)]
+    sends = [_take(x, dim, [where[p] for p in pos]) for pos in send_pos if pos]
     moved = torch.cat([t.movedim(dim, 0) for t in sends], 0).contiguous()
-    rows_out = [len(p) for p in send_pos] if dim == dim2 else [x.shape[dim]] * n
-    rows_in = [len(p) for p in recv_pos] if dim == dim2 else [x.shape[dim]] * n
     inner = moved.shape[1:].numel()
-    flat = moved.reshape(-1)
     out = _wait(
         _fc.all_to_all_single(
-            flat, [r * inner for r in rows_in], [r * inner for r in rows_out], ax.group_name
+            moved.reshape(-1),
+            [len(p) * inner for p in recv_pos],
+            [len(p) * inner for p in send_pos],
+            ax.group_name,
         )
     )
     got = out.view(-1, *moved.shape[1:])

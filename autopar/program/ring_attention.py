@@ -14,11 +14,13 @@ Words:
   (``lse``); steps **merge** by ``lse' = logaddexp(lse, lse_s)``, ``out' = e^{lse − lse'}·out +
   e^{lse_s − lse'}·out_s`` (the online softmax of flash attention, over blocks of keys).
 * **block plan** — which (query piece, key piece) pairs a step computes under a causal mask: the
-  pieces are the global position ranges a spec gives each device (``placement.shard_slices``;
-  with ``Shard(d, blocks=k)`` one piece of each of ``k`` blocks, striped attention, Brandon et al.
-  arXiv 2311.09431). Queries and keys share the spec, so each query piece sees a prefix of the
-  source's key pieces whole (a kernel without a mask) and, at step 0, its own piece under the
-  causal mask; the rest is skipped, as a causal kernel skips its masked tiles.
+  pieces are the global position ranges a spec gives each device (``Shard(d, blocks=k)``: one
+  piece of each of ``k`` blocks, ``stripes``). Queries and keys share the spec, so each query
+  piece sees a prefix of the source's key pieces whole (a kernel without a mask) and, at step 0,
+  its own piece under the causal mask; the rest is skipped, as a causal kernel skips its masked
+  tiles. In stripes of one position (striped attention, Brandon et al. arXiv 2311.09431: device
+  ``c`` of ``n`` holds positions ``c, c + n, …``) the whole step is one causal kernel
+  (``step_plan``): the layout the planner gives a causal ring.
 
 Backward walks the ring again: each step's keys and values travel as in forward, and the gradients
 of the keys and values (``dk``, ``dv``) travel with them, each device adding its queries'
@@ -28,10 +30,10 @@ so a step's gradients are exact parts of the whole.
 
 Kernels: on CPU, ATen's flash kernel for CPU; on CUDA in half precision, FlashAttention
 (``aten._scaled_dot_product_flash_attention``); elsewhere (CUDA in fp32, head sizes it refuses)
-the same arithmetic in plain ops. The costs: ``autopar.cost.ring_attention``. A step runs a
-kernel per query piece (two at step 0, with their merge): striped in ``k`` blocks, about ``2k``
-attention kernels and their elementwise merges a step, launches the cost model does not charge
-(it prices the op by its FLOPs); ``examples/gpu_checks.py --ring`` measures what they cost.
+the same arithmetic in plain ops. The costs: ``autopar.cost.ring_attention``, which prices the
+op by its FLOPs: in stripes of several positions a step runs a kernel per query piece and their
+merges, launches it does not charge (the planner does not choose that layout for a ring);
+``examples/gpu_checks.py --ring`` measures a step on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.program.collectives import AxisGroup
+from autopar.program.collectives import AxisGroup, _wait
 
 __all__ = [
     "BlockPlan",
@@ -319,10 +321,6 @@ def ring_shift(x: torch.Tensor, ax: AxisGroup, direction: str) -> torch.Tensor:
     send = [rows if r == (c + 1) % n else 0 for r in range(n)]
     recv = [rows if r == (c - 1) % n else 0 for r in range(n)]
     return _fc.all_to_all_single(x.contiguous(), recv, send, ax.group_name)
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _fc.wait_tensor(t)
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
