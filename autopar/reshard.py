@@ -42,6 +42,7 @@ __all__ = [
     "gathered_before_broadcast",
     "grad_sync_axes",
     "moved_by_reshard",
+    "repeat_stride",
     "reshard_steps",
     "unbroadcast_shape",
 ]
@@ -260,6 +261,24 @@ def unbroadcast_shape(chain: BroadcastChain) -> tuple[int, ...]:
     out = list(chain.reshape.meta["val"].shape)
     out[chain.dim] //= chain.times
     return tuple(out)
+
+
+def repeat_stride(chain: BroadcastChain | None, spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """The stride between the distinct values a device's piece (``spec``) of ``chain``'s result
+    holds along its repeats' dimension: its piece is ``repeat_interleave(piece[::stride], stride)``
+    there (grouped-query attention's key-value heads as a ring passes them, once each:
+    ``autopar.program.ring_attention``). A piece of ``r`` rows of a dimension repeated ``t`` times
+    starts at a multiple of ``r``: it holds ``r / t`` values ``t`` times each where ``t`` divides
+    ``r``, one value ``r`` times where ``r`` divides ``t``; 1 elsewhere, without a chain, or where a
+    striped split (``Shard(d, blocks > 1)``) of the dimension interleaves the pieces."""
+    if chain is None:
+        return 1
+    if any(isinstance(p, Shard) and p.dim == chain.dim and p.blocks > 1 for p in spec):
+        return 1
+    rows = local_shape(tuple(chain.reshape.meta["val"].shape), spec, mesh_shape)[chain.dim]
+    if rows % chain.times == 0:
+        return chain.times
+    return rows if chain.times % rows == 0 else 1
 
 
 def moved_by_reshard(

@@ -61,6 +61,7 @@ from autopar.reshard import (
     broadcast_chain,
     gathered_before_broadcast,
     grad_sync_axes,
+    repeat_stride,
     reshard_steps,
 )
 from autopar.rules.routing import grouped_mm_operands
@@ -496,9 +497,21 @@ class _Lowerer:
         given = dict(zip(names, args)) | kwargs
         if given.get("attn_mask") is not None or given.get("dropout_p", 0.0):
             raise self.fail(node, "ring attention takes no explicit mask and no dropout")
+        # Keys and values repeated for grouped-query attention (transformers' ``repeat_kv``) travel
+        # once per distinct head: each device takes every ``stride``-th of its heads, and the ring
+        # repeats them back per step (the cost model prices the same bytes).
+        kv = []
+        for x, name in zip(node.args[1:3], ("key", "value")):
+            chain = broadcast_chain(x)
+            stride = repeat_stride(chain, spec, self.mesh)
+            value = given[name]
+            if stride > 1:
+                assert chain is not None
+                value = self.g.call_function(aten.slice.Tensor, (value, chain.dim, 0, None, stride))
+            kv.append(value)
         return self.g.call_function(
             R.ring_attention,
-            (given["query"], given["key"], given["value"], self.ax(a), spec[a].blocks),
+            (given["query"], *kv, self.ax(a), spec[a].blocks),
             {"causal": bool(given.get("is_causal", False)), "scale": given.get("scale")},
         )
 

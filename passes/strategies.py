@@ -50,6 +50,7 @@ from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
 from autopar.passes.recompute_ops import recompute_candidate, recompute_twins
 from autopar.passes.recompute_rule import offloaded_layers, recomputed, recomputed_layers, repeated_layers
 from autopar.placement import Partial, Replicate, Shard, Spec, divides, local_shape, shard_slices
+from autopar.reshard import broadcast_chain, repeat_stride
 from autopar.rules import AxisStrategy, axis_strategies, block_hints, has_rule
 from autopar.rules.base import arg
 from autopar.rules.moe_regions import MoERegion, moe_regions, region_strategies
@@ -354,9 +355,13 @@ def _cost_strategy(
             rows = x_local[0] if x_local else rows
             comm += count * ctx.mesh.all_reduce_cost(rows * 4.0, a)
         elif c == "ring_attention":  # keys and values passed around the axis (cost.ring_attention)
-            k, v = (x.meta["val"] for x in node.args[1:3])
-            kv = sum(_nbytes(local_shape(tuple(t.shape), s.inputs[ins.index(x)], mesh), t.dtype)
-                     for x, t in zip(node.args[1:3], (k, v)))  # fmt: skip
+            # repeated heads (grouped-query attention) travel once each: ``reshard.repeat_stride``
+            kv = 0.0
+            for x in node.args[1:3]:
+                spec = s.inputs[ins.index(x)]
+                t = x.meta["val"]
+                stride = repeat_stride(broadcast_chain(x), spec, mesh)
+                kv += _nbytes(local_shape(tuple(t.shape), spec, mesh), t.dtype) / stride
             comm += sum(ring_exposed_time(mesh[a], kv, fwd, bwd, lambda b, a=a: ctx.mesh.p2p_cost(b, a)))
         elif c.startswith("moe_"):  # a grouped matmul over this device's experts (rules.routing)
             x, w = ins[0], ins[1]

@@ -483,6 +483,68 @@ def test_grouped_query_keys_and_values_are_gathered_before_their_heads_repeat() 
     assert len(expands) == sum(n.target is torch.ops.aten.expand.default for n in cap.gm.graph.nodes)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_ring_passes_grouped_query_heads_once_each(tp: int) -> None:
+    """LLaMA with 2 key-value heads for 4 query heads on a ring of 2 (cp = 2 × tp): transformers
+    repeats the key-value heads before attention (``repeat_kv``), and the ring passes each device's
+    distinct heads once — half the repeated bytes at tp 1 (stride 2) and 2 (one head of two, each
+    device's two query heads sharing it), and at tp 4 one head a device, each read by its one query
+    head: nothing to save (``autopar.reshard.repeat_stride``). The lowered program slices them
+    before the ring, and the plan's price of the ring is of the same bytes. Training equal to one
+    process: ``test_context_parallel_trains_like_one_process`` (cp = 2 and cp = 2 × tp = 2)."""
+    from autopar.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.program.collectives import AxisGroup
+    from autopar.reshard import broadcast_chain, repeat_stride
+
+    model, inputs = build("llama")
+    plan = cp_plan("llama", 2 * tp, tp=tp, comm="p2p")
+    cap = capture(model, inputs)
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    want = {1: 2, 2: 2, 4: 1}[tp]
+    for n in attention_nodes(plan):
+        node = by_name[n.name]
+        spec = parse_spec(n.inputs[0])
+        for x in node.args[1:3]:
+            assert broadcast_chain(x).times == 2
+            assert repeat_stride(broadcast_chain(x), spec, plan.mesh_shape) == want, (tp, n.inputs)
+    axes = [
+        AxisGroup(axis=a, name=name, size=n, coord=0, group=None)
+        for a, (name, n) in enumerate(zip(plan.mesh_axes, plan.mesh_shape))
+    ]
+    program = lower(cap, plan, axes, device="cpu")
+    rings = [n for n in program.graph.nodes if n.target is RA.ring_attention]
+    assert len(rings) == len(attention_nodes(plan)) == 2
+    for r in rings:
+        for kv in r.args[1:3]:
+            sliced = kv.target is torch.ops.aten.slice.Tensor
+            assert sliced == (want > 1), kv.target
+            if sliced:
+                assert kv.args[1:] == (1, 0, None, want), kv.args
+    # the price: the ring's comm on a 2-device ring of LLaMA with 8 query heads and 2 key-value
+    # heads is what 8 key-value heads (no repeat) cost with a quarter of the bytes
+    priced = {}
+    for kv_heads in (2, 8):
+        with torch.device("meta"):
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(
+                num_hidden_layers=1, hidden_size=1024, num_attention_heads=8, num_key_value_heads=kv_heads,
+                intermediate_size=2048, vocab_size=1024, max_position_embeddings=8192, use_cache=False,
+            )  # fmt: skip
+            m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        ids = torch.empty(1, 8192, dtype=torch.long, device="meta")
+        cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=2, nodes=1)
+        p = autopar.layouts.megatron(
+            m, {"input_ids": ids, "labels": ids.clone()}, cluster, tp=1, cp=2, cp_comm_type="p2p"
+        )
+        (priced[kv_heads],) = attention_nodes(p)
+    mesh = autopar.mesh.Mesh.full((2,), cluster)
+    kv_bytes = 2 * 8 * 4096 * 128 * 2  # 8 heads' keys and values of one rank, bf16
+    assert priced[8].comm_time == pytest.approx(mesh.p2p_cost(kv_bytes, 0), rel=1e-6)
+    assert priced[2].comm_time == pytest.approx(mesh.p2p_cost(kv_bytes / 4, 0), rel=1e-6)
+
+
 # ------------------------------------------------------------------------------- best_megatron
 
 
