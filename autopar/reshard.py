@@ -31,7 +31,7 @@ from torch.fx import Node
 
 from autopar.graph import tensor_inputs
 from autopar.ir import TENSOR
-from autopar.placement import Partial, Replicate, Shard, Spec, local_shape
+from autopar.placement import Partial, Placement, Replicate, Shard, Spec, local_shape
 
 __all__ = [
     "BroadcastChain",
@@ -39,8 +39,9 @@ __all__ = [
     "StepKind",
     "broadcast_chain",
     "bucketed_grad_sync",
-    "gathered_before_broadcast",
     "grad_sync_axes",
+    "lift_placement",
+    "moved_before_broadcast",
     "moved_by_reshard",
     "repeat_stride",
     "reshard_steps",
@@ -122,6 +123,19 @@ def reshard_steps(shape: Sequence[int], src: Spec, dst: Spec, mesh_shape: Sequen
                 p = cur[b]
                 emit(StepKind.ALL_GATHER, b, R, dim=p.dim, blocks=p.blocks)
 
+    # Phase 0: slice first where a split enters from Replicate along a dimension no other axis
+    # splits, before or after: the collectives that follow move the slice, not the whole (the
+    # reorder of grouped-query keys into a ring's stripes under more tensor-parallel devices than
+    # key-value heads moves each device's heads, not all of them). A slice is local either way.
+    for a in range(n_axes):
+        q = dst[a]
+        if (
+            cur[a] != q
+            and isinstance(cur[a], Replicate)
+            and isinstance(q, Shard)
+            and not any(shards_dim(p, q.dim) for b in range(n_axes) if b != a for p in (src[b], dst[b]))
+        ):
+            emit(StepKind.SLICE, a, q, dim=q.dim, blocks=q.blocks)
     # Phase 1: leave placements that must change, innermost axis first.
     for a in range(n_axes - 1, -1, -1):
         if cur[a] == dst[a]:
@@ -245,14 +259,27 @@ def broadcast_chain(node: Node) -> BroadcastChain | None:
     return BroadcastChain(un, ex, node, d - 1, times)
 
 
-def gathered_before_broadcast(chain: BroadcastChain | None, steps: Sequence[ReshardStep]) -> bool:
+def moved_before_broadcast(chain: BroadcastChain | None, steps: Sequence[ReshardStep]) -> bool:
     """Whether a reshard of ``chain``'s result by ``steps`` can run on the expand's input instead
-    (:class:`BroadcastChain`): every step an all-gather along a dimension other than the repeats'."""
-    return (
-        chain is not None
-        and bool(steps)
-        and all(s.kind == StepKind.ALL_GATHER and s.dim != chain.dim and s.blocks == 1 for s in steps)
+    (:class:`BroadcastChain`): every step an all-gather along a dimension other than the repeats'
+    (context parallelism's gathered keys and values), or an all-to-all whose two dimensions are
+    both other than the repeats' (the reorder of keys and values into a ring's stripes), each
+    moving ``times`` copies of the same values after the repeat and one before it."""
+    if chain is None or not steps:
+        return False
+    return all(
+        (s.kind == StepKind.ALL_GATHER and s.dim != chain.dim and s.blocks == 1)
+        or (s.kind == StepKind.ALL_TO_ALL and chain.dim not in (s.dim, s.dim2))
+        for s in steps
     )
+
+
+def lift_placement(p: Placement, chain: BroadcastChain) -> Placement:
+    """A placement of ``chain``'s result as the same split of the expand's input, which has one
+    dimension more (the repeats', inserted after ``chain.dim``)."""
+    if isinstance(p, Shard) and p.dim > chain.dim:
+        return Shard(p.dim + 1, p.blocks)
+    return p
 
 
 def unbroadcast_shape(chain: BroadcastChain) -> tuple[int, ...]:
@@ -291,9 +318,9 @@ def moved_by_reshard(
 ) -> tuple[tuple[int, ...], Sequence[ReshardStep]]:
     """The shape a reshard ``steps`` of a value of ``shape`` moves, and its steps: the value's own,
     or, where the value ends a ``chain`` the reshard gathers before its repeat
-    (``gathered_before_broadcast``), the unrepeated shape and the steps there. The solver's edge
+    (``moved_before_broadcast``), the unrepeated shape and the steps there. The solver's edge
     costs and the plan record both price a reshard through this; the lowering runs the same."""
-    if not gathered_before_broadcast(chain, steps):
+    if not moved_before_broadcast(chain, steps):
         return shape, steps
     small = unbroadcast_shape(chain)
     return small, reshard_steps(small, src, dst, mesh_shape)

@@ -59,8 +59,9 @@ from autopar.reshard import (
     BroadcastChain,
     StepKind,
     broadcast_chain,
-    gathered_before_broadcast,
     grad_sync_axes,
+    lift_placement,
+    moved_before_broadcast,
     repeat_stride,
     reshard_steps,
 )
@@ -210,14 +211,19 @@ class _Lowerer:
         key = (producer, dst, fused, self.pstage)
         value = self.reshard_memo.get(key)
         chain = broadcast_chain(producer)
-        if value is None and gathered_before_broadcast(chain, steps) and chain.expand.name in self.np:
-            value = self.reshard_memo[key] = self.gathered_before_repeat(chain, dst, fused)
+        if value is None and moved_before_broadcast(chain, steps) and chain.expand.name in self.np:
+            value = self.reshard_memo[key] = self.moved_before_repeat(chain, dst, fused)
         if value is None:
             value = self.param_value(producer)
             zero3 = stage == 3
             for n_step, st in enumerate(steps):
-                if zero3 and n_step == 0 and st.kind == StepKind.ALL_GATHER:
-                    # The parameter's first gather: its full copy is freed after use (ZeRO-3).
+                if (
+                    zero3
+                    and st.kind == StepKind.ALL_GATHER
+                    and all(o.kind == StepKind.SLICE for o in steps[:n_step])
+                ):
+                    # The parameter's first collective, a gather (after any local slice): its full
+                    # copy is freed after use (ZeRO-3).
                     kw = {
                         "dim": st.dim,
                         "blocks": st.blocks,
@@ -241,17 +247,19 @@ class _Lowerer:
             self.sync_memo[skey] = synced
         return synced
 
-    def gathered_before_repeat(self, chain: BroadcastChain, dst: Spec, fused: frozenset[int]) -> Node:
-        """A repeated value (``chain``: grouped-query attention's key-value heads) gathered before its
-        repeat: the expand's local input all-gathered on the axes ``dst`` gathers (its gradient
-        reduce-scattered on ``fused``), then broadcast and merged again at the gathered shape
-        (``autopar.reshard.BroadcastChain``; the cost model prices the same). The repeat the walk
-        lowered on the local pieces is left unread and removed at the end (``drop_unread``)."""
+    def moved_before_repeat(self, chain: BroadcastChain, dst: Spec, fused: frozenset[int]) -> Node:
+        """A repeated value (``chain``: grouped-query attention's key-value heads) resharded before
+        its repeat: the expand's local input gathered, or reordered by all-to-all, on the axes
+        where ``dst`` differs from the repeat's own spec, to the same split one dimension over
+        (``autopar.reshard.lift_placement``; its gradient reduce-scattered on ``fused``), then
+        broadcast and merged again at the new shape (``autopar.reshard.BroadcastChain``; the cost
+        model prices the same). The repeat the walk lowered on the local pieces is left unread and
+        removed at the end (``drop_unread``)."""
         lowered = self.env[chain.expand]
         value = lowered.args[0]
         src5 = parse_spec(self.np[chain.expand.name].inputs[0])
-        gathered = {a for a in range(len(dst)) if dst[a] != self.spec_out(chain.reshape)[a]}
-        dst5 = tuple(Replicate() if a in gathered else p for a, p in enumerate(src5))
+        own = self.spec_out(chain.reshape)
+        dst5 = tuple(p if dst[a] == own[a] else lift_placement(dst[a], chain) for a, p in enumerate(src5))
         shape5 = tuple(chain.unsqueeze.meta["val"].shape)
         steps = [st for st in reshard_steps(shape5, src5, dst5, self.mesh) if self.mesh[st.axis] > 1]
         last = {st.axis: st for st in steps}
@@ -265,7 +273,7 @@ class _Lowerer:
         return self.g.call_function(aten.reshape.default, (value, list(merged)))
 
     def drop_unread(self) -> None:
-        """Remove the repeats ``gathered_before_repeat`` left unread (walked in use order: the
+        """Remove the repeats ``moved_before_repeat`` left unread (walked in use order: the
         reshape, then the expand, then what fed it), each only where nothing reads it."""
         for n in self.unread:
             if n.graph is self.g and not n.users and n.op == "call_function" and n.target in _PURE_VIEWS:

@@ -437,7 +437,7 @@ def test_grouped_query_keys_and_values_are_gathered_before_their_heads_repeat() 
     from autopar.passes.lower import lower
     from autopar.placement import local_shape
     from autopar.program.collectives import AxisGroup
-    from autopar.reshard import broadcast_chain, gathered_before_broadcast, reshard_steps, unbroadcast_shape
+    from autopar.reshard import broadcast_chain, moved_before_broadcast, reshard_steps, unbroadcast_shape
 
     model, inputs = build("llama")
     plan = cp_plan("llama", 2, comm="all_gather")
@@ -455,7 +455,7 @@ def test_grouped_query_keys_and_values_are_gathered_before_their_heads_repeat() 
         assert chain.times == 2 and chain.dim == 1
         full = tuple(by_name[r.producer].meta["val"].shape)
         steps = reshard_steps(full, parse_spec(r.src), parse_spec(r.dst), plan.mesh_shape)
-        assert gathered_before_broadcast(chain, steps)
+        assert moved_before_broadcast(chain, steps)
         assert unbroadcast_shape(chain) == (full[0], full[1] // 2, *full[2:])
         # priced on the key-value heads: the gathered bytes are half those of the repeated heads
         itemsize = by_name[r.producer].meta["val"].element_size()
@@ -490,7 +490,9 @@ def test_the_ring_passes_grouped_query_heads_once_each(tp: int) -> None:
     distinct heads once — half the repeated bytes at tp 1 (stride 2) and 2 (one head of two, each
     device's two query heads sharing it), and at tp 4 one head a device, each read by its one query
     head: nothing to save (``autopar.reshard.repeat_stride``). The lowered program slices them
-    before the ring, and the plan's price of the ring is of the same bytes. Training equal to one
+    before the ring, and the plan's price of the ring is of the same bytes; their reorder into the
+    ring's stripes (an all-to-all) runs before the repeat, or, at tp 4, after a slice to the
+    device's one head. Training equal to one
     process: ``test_context_parallel_trains_like_one_process`` (cp = 2 and cp = 2 × tp = 2)."""
     from autopar.capture import capture
     from autopar.passes.lower import lower
@@ -512,7 +514,28 @@ def test_the_ring_passes_grouped_query_heads_once_each(tp: int) -> None:
         AxisGroup(axis=a, name=name, size=n, coord=0, group=None)
         for a, (name, n) in enumerate(zip(plan.mesh_axes, plan.mesh_shape))
     ]
+    # the reorder into the ring's stripes runs before the repeat (``reshard.moved_before_broadcast``):
+    # the keys' and values' all-to-alls move half the queries' bytes (2 key-value heads for 4)
+    cp = plan.mesh_axes.index("cp")
+    into = {}
+    for r in plan.reshards:
+        if by_name[r.consumer].target is torch.ops.aten.scaled_dot_product_attention.default:
+            arg = by_name[r.consumer].args.index(by_name[r.producer])
+            into.setdefault(r.consumer, {})[arg] = r.bytes_per_axis[cp]
+            assert any(c.startswith(f"all_to_all(axis={cp},") for c in r.collectives), r
+    assert len(into) == 2
+    for moved in into.values():
+        assert moved[1] == moved[2] == moved[0] / want, moved
     program = lower(cap, plan, axes, device="cpu")
+    reordered = [
+        n
+        for n in program.graph.nodes
+        if n.target is torch.ops.aten.expand.default and "all_to_all" in str(n.args[0].target)
+    ]
+    # keys and values of both layers reordered before their repeat; at tp 4 each device slices its
+    # one head of the repeated four first (``reshard_steps``: slices before collectives), and the
+    # reorder moves that head, as many bytes as the queries'
+    assert len(reordered) == (4 if want > 1 else 0)
     rings = [n for n in program.graph.nodes if n.target is RA.ring_attention]
     assert len(rings) == len(attention_nodes(plan)) == 2
     for r in rings:

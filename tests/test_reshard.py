@@ -48,6 +48,11 @@ def kinds(steps):
         (("S(0)", "S(0)"), ("S(0)", "R"), (2, 4), [("all_gather", 1)], (8, 8)),
         (("S(0)", "R"), ("S(0)", "S(1)"), (2, 4), [("slice", 1)], (8, 2)),
         (("R", "S(0)"), ("S(0)", "R"), (2, 4), [("all_gather", 1), ("slice", 0)], (8, 8)),
+        # a slice of a dimension no other axis splits comes first: the collectives after it move
+        # the device's piece, not the whole (grouped-query keys reordered into a ring's stripes
+        # under more tensor-parallel devices than key-value heads)
+        (("P", "R"), ("R", "S(1)"), (2, 4), [("slice", 1), ("all_reduce", 0)], (16, 2)),
+        (("S(0)", "R"), ("S(0)x2", "S(1)"), (2, 4), [("slice", 1), ("all_to_all", 0)], (8, 2)),
         (("P", "P"), ("R", "R"), (2, 4), [("all_reduce", 1), ("all_reduce", 0)], (16, 8)),
         (("P", "S(1)"), ("R", "S(1)"), (2, 4), [("all_reduce", 0)], (16, 2)),
         (("S(1)", "P"), ("S(1)", "S(0)"), (2, 4), [("reduce_scatter", 1)], (4, 4)),
