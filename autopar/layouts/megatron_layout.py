@@ -450,20 +450,27 @@ def _distributed_optimizer_spec(
     mesh: tuple[int, ...],
 ) -> tuple[str, ...]:
     """``spec`` (a parameter's tensor/expert-parallel placement) with its storage split along each
-    of ``data_axes`` too, each on the largest dimension not split yet that divides evenly (``R``
-    on an axis where none does: that axis keeps whole copies of the state)."""
+    of ``data_axes`` too, each on the largest dimension not split yet that divides evenly, else on
+    the largest one another data axis splits that still divides (Megatron-Core shards the state
+    over data and context ranks together, ``data_parallel_group_with_cp``: the gradient is
+    reduce-scattered over both, each axis moving its share, where a whole copy on one axis would
+    all-reduce the whole gradient there); ``R`` on an axis where none does (that axis keeps whole
+    copies of the state)."""
     local = list(shape)
     for a, p in enumerate(spec):
         if p != "R":
             local[int(p[2:-1])] //= mesh[a]
     taken = set(split)
+    data: set[int] = set()
     for a in data_axes:
         dims = [d for d in range(len(local)) if d not in taken and local[d] % mesh[a] == 0]
+        dims = dims or [d for d in data if local[d] % mesh[a] == 0]
         if dims:
             d = max(dims, key=lambda d: local[d])
             spec[a] = f"S({d})"
             local[d] //= mesh[a]
             taken.add(d)
+            data.add(d)
     return tuple(spec)
 
 
