@@ -506,18 +506,39 @@ def per_activation(
     meshes = bound_meshes(plan, budget)
     if meshes == ():
         return plan
+    return _second_look(
+        plan,
+        config.replace(recompute="ops", recompute_layers=None, meshes=meshes),
+        attempt,
+        score,
+        "per_activation_tried",
+        {},
+        ("step", "without_step"),
+        {"without": plan.recompute},
+    )
+
+
+def _second_look(
+    plan: Plan,
+    config: PlanConfig,
+    attempt: Callable[[PlanConfig], Plan],
+    score: Callable[[Plan], float] | None,
+    key: str,
+    note: dict[str, Any],
+    names: tuple[str, str],
+    extra: dict[str, Any],
+) -> Plan:
+    """``plan`` against one more solve under ``config``: the faster of the two (by ``score``, else
+    the predicted step), with ``info[key]`` saying what the other gave: ``note``, then the second
+    solve's step and ``plan``'s (``names``) and ``extra`` — or why the solve failed."""
     try:
-        ops = attempt(config.replace(recompute="ops", recompute_layers=None, meshes=meshes))
+        other = attempt(config)
     except (InfeasibleError, NotBetter) as e:
-        plan.info["per_activation_tried"] = {"failed": str(e).splitlines()[0][:200]}
+        plan.info[key] = note | {"failed": str(e).splitlines()[0][:200]}
         return plan
-    steps = [score(p) if score is not None else p.predicted.step_time for p in (plan, ops)]
-    best = ops if steps[1] < steps[0] else plan
-    best.info["per_activation_tried"] = {
-        "step": steps[1],
-        "without_step": steps[0],
-        "without": plan.recompute,
-    }
+    steps = [score(p) if score is not None else p.predicted.step_time for p in (plan, other)]
+    best = other if steps[1] < steps[0] else plan
+    best.info[key] = note | {names[0]: steps[1], names[1]: steps[0]} | extra
     return best
 
 
@@ -552,15 +573,16 @@ def _fewer_layers(
     if k is None:
         return plan
     note: dict[str, Any] = {"layers": k, "of": len(repeated_layers(cap.gm.graph))}
-    try:
-        fewer = attempt(config.replace(recompute_layers=k))
-    except (InfeasibleError, NotBetter) as e:
-        plan.info["recompute_layers_tried"] = note | {"failed": str(e).splitlines()[0][:200]}
-        return plan
-    steps = [score(p) if score is not None else p.predicted.step_time for p in (plan, fewer)]
-    best = fewer if steps[1] < steps[0] else plan
-    best.info["recompute_layers_tried"] = note | {"step": steps[1], "every_layer_step": steps[0]}
-    return best
+    return _second_look(
+        plan,
+        config.replace(recompute_layers=k),
+        attempt,
+        score,
+        "recompute_layers_tried",
+        note,
+        ("step", "every_layer_step"),
+        {},
+    )
 
 
 def _user_stacklevel() -> int:
