@@ -13,8 +13,10 @@ virtual pipeline (vp) sizes, sequence parallelism and the distributed optimizer 
 defaults for these runs), micro-batch size ``mbs`` (1 where the source gives none) and the row's
 global batch, so ``gbs / (dp · mbs)`` micro-batches per step (gradient accumulation when pp = 1),
 the row's context parallelism (``cp``, its sequence split over ``cp`` ranks; ``dp = gpus / (tp · pp
-· cp)``), and the recomputation and optimizer-state dtype of the row's recipe where the table gives
-them (its ``recompute`` and ``optimizer_state_dtype`` columns: the Nemotron-4 340B recipe keeps the
+· cp)``) in the form the run used — Megatron-Core's default, the ring (``--cp-comm-type p2p``:
+``TEDotProductAttention`` passes ``"p2p"`` to Transformer Engine where the config names no form),
+unless the row's ``cp_comm_type`` column names another — and the recomputation and
+optimizer-state dtype of the row's recipe where the table gives them (its ``recompute`` and ``optimizer_state_dtype`` columns: the Nemotron-4 340B recipe keeps the
 optimizer's state in bfloat16 and recomputes the core attention); elsewhere fp32 optimizer state
 and the lightest recomputation that fits the device (none, then selective, then full).
 
@@ -146,13 +148,15 @@ def plan_row(r: dict[str, str], model: torch.nn.Module) -> autopar.Plan:
     m = int(r["gbs"]) // (dp * mbs)
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=gpus // 8)
     inputs = example_inputs(r)
+    form = ((r.get("cp_comm_type") or "").strip() or "p2p") if cp > 1 else None
     given = (r.get("recompute") or "").strip()
     state = (r.get("optimizer_state_dtype") or "").strip() or None
     last: Exception | None = None
     for recompute in (given,) if given else RECOMPUTE:
         try:
             return autopar.layouts.megatron(
-                model, inputs, cluster, tp=tp, pp=pp, cp=cp, microbatches=m, sequence_parallel=tp > 1,
+                model, inputs, cluster, tp=tp, pp=pp, cp=cp, cp_comm_type=form, microbatches=m,
+                sequence_parallel=tp > 1,
                 distributed_optimizer=True, schedule="interleaved" if vp > 1 else "1f1b", virtual=vp,
                 recompute=recompute, optimizer_state_dtype=state,
             )  # fmt: skip
