@@ -7,6 +7,8 @@ the published figure.
     python examples/published_runs.py                 # every row (minutes: each row is planned)
     python examples/published_runs.py --rows 1 2 5    # some rows (1-based, the CSV's order)
     python examples/published_runs.py --source mcore_gpt
+    python examples/published_runs.py --source dgxc_llama31 --cp-form auto   # cp in each layer's cheapest form
+    python examples/published_runs.py --rows 22 -v    # the simulated breakdown and the audit's figures
 
 Each row's layout is ``autopar.layouts.megatron`` with the row's tensor (tp), pipeline (pp) and
 virtual pipeline (vp) sizes, sequence parallelism and the distributed optimizer (Megatron-Core's
@@ -139,16 +141,19 @@ def published_tflops(r: dict[str, str], per_token: float) -> float:
     return per_token * tokens / (float(r["step_time_s"]) * int(r["gpus"])) / 1e12
 
 
-def plan_row(r: dict[str, str], model: torch.nn.Module) -> autopar.Plan:
+def plan_row(r: dict[str, str], model: torch.nn.Module, cp_form: str | None = None) -> autopar.Plan:
     """The row's own layout (module docstring): its recipe's recomputation and optimizer-state
-    dtype where the row gives them, else the lightest recomputation that fits."""
+    dtype where the row gives them, else the lightest recomputation that fits. ``cp_form``: the
+    context-parallel form instead of the run's (``"auto"``: each layer's cheapest, the solver's
+    pick; ``"all_gather"``, ``"a2a"``, ``"p2p"``)."""
     gpus, tp, pp, cp = int(r["gpus"]), int(r["tp"]), int(r["pp"]), _int(r, "cp", 1)
     vp, mbs = _int(r, "vp", 1), _int(r, "mbs", 1)
     dp = gpus // (tp * pp * cp)
     m = int(r["gbs"]) // (dp * mbs)
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=gpus // 8)
     inputs = example_inputs(r)
-    form = ((r.get("cp_comm_type") or "").strip() or "p2p") if cp > 1 else None
+    form = (cp_form or (r.get("cp_comm_type") or "").strip() or "p2p") if cp > 1 else None
+    form = None if form == "auto" else form
     given = (r.get("recompute") or "").strip()
     state = (r.get("optimizer_state_dtype") or "").strip() or None
     last: Exception | None = None
@@ -179,7 +184,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", help="1-based rows of the table (default: all)")
     ap.add_argument("--source", help="only rows of this source (mcore_gpt, dgxc_llama31, ...)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print each plan's simulated breakdown")
+    ap.add_argument(
+        "-v", "--verbose", action="store_true", help="print each plan's simulated breakdown and audit figures"
+    )
+    ap.add_argument(
+        "--cp-form",
+        choices=("auto", "all_gather", "a2a", "p2p"),
+        help="rows with cp > 1 in this context-parallel form, not the run's (auto: each layer's cheapest)",
+    )
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     table = rows()
@@ -198,7 +210,7 @@ def main() -> None:
         model = build_model(r)
         per_token = flops_per_token(model, r)
         try:
-            plan = plan_row(r, model)
+            plan = plan_row(r, model, args.cp_form)
         except autopar.solver.InfeasibleError as e:
             print(f"{head}  does not fit: {str(e).splitlines()[0][:100]}", flush=True)
             continue
@@ -221,6 +233,7 @@ def main() -> None:
         audits.append(not flags)
         if args.verbose:
             print(f"      {_breakdown(plan)}", flush=True)
+            print(f"      {found.figures()}", flush=True)
             for f in found.warnings:
                 print(f"      {f}", flush=True)
     if errors:
