@@ -7,8 +7,8 @@ the published figure.
     python examples/published_runs.py                 # every row (minutes: each row is planned)
     python examples/published_runs.py --rows 1 2 5    # some rows (1-based, the CSV's order)
     python examples/published_runs.py --source mcore_gpt
-    python examples/published_runs.py --source dgxc_llama31 --cp-form auto   # cp in each layer's cheapest form
-    python examples/published_runs.py --rows 22 -v    # the simulated breakdown and the audit's figures
+    python examples/published_runs.py --source dgxc_llama31 --cp-form auto  # each layer's cheapest cp form
+    python examples/published_runs.py --rows 22 -v    # the simulated breakdown, the audit's figures
 
 Each row's layout is ``autopar.layouts.megatron`` with the row's tensor (tp), pipeline (pp) and
 virtual pipeline (vp) sizes, sequence parallelism and the distributed optimizer (Megatron-Core's
@@ -18,9 +18,10 @@ the row's context parallelism (``cp``, its sequence split over ``cp`` ranks; ``d
 · cp)``) in the form the run used — Megatron-Core's default, the ring (``--cp-comm-type p2p``:
 ``TEDotProductAttention`` passes ``"p2p"`` to Transformer Engine where the config names no form),
 unless the row's ``cp_comm_type`` column names another — and the recomputation and
-optimizer-state dtype of the row's recipe where the table gives them (its ``recompute`` and ``optimizer_state_dtype`` columns: the Nemotron-4 340B recipe keeps the
-optimizer's state in bfloat16 and recomputes the core attention); elsewhere fp32 optimizer state
-and the lightest recomputation that fits the device (none, then selective, then full).
+optimizer-state dtype of the row's recipe where the table gives them (its ``recompute`` and
+``optimizer_state_dtype`` columns: the Nemotron-4 340B recipe keeps the optimizer's state in
+bfloat16 and recomputes the core attention); elsewhere fp32 optimizer state and the lightest
+recomputation that fits the device (none, then selective, then full).
 
 Models, on the meta device in bf16:
 

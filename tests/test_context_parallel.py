@@ -223,7 +223,7 @@ def test_context_parallel_plan_splits_the_sequence_and_attention(kind: str, comm
     assert not autopar.audit.audit(plan).warnings, autopar.audit.audit(plan)
 
 
-def _one_layer(kind: str) -> tuple[torch.nn.Module, Any]:
+def _one_layer(kind: str, kv_heads: int = 8) -> tuple[torch.nn.Module, Any]:
     """One 8192-token sequence through one layer on the meta device, bf16: our GPT (``is_causal``),
     transformers' LLaMA (its mask proven causal at capture: ``is_causal``), or LLaMA given an
     ``attention_mask`` (a triangle mask combined with the padding, kept in the graph)."""
@@ -237,7 +237,7 @@ def _one_layer(kind: str) -> tuple[torch.nn.Module, Any]:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(
-            num_hidden_layers=1, hidden_size=1024, num_attention_heads=8, num_key_value_heads=8,
+            num_hidden_layers=1, hidden_size=1024, num_attention_heads=8, num_key_value_heads=kv_heads,
             intermediate_size=2048, vocab_size=1024, max_position_embeddings=8192, use_cache=False,
         )  # fmt: skip
         batch = {"input_ids": ids, "labels": ids.clone()}
@@ -500,8 +500,8 @@ def test_the_ring_passes_grouped_query_heads_once_each(tp: int) -> None:
     head: nothing to save (``autopar.reshard.repeat_stride``). The lowered program slices them
     before the ring, and the plan's price of the ring is of the same bytes; their reorder into the
     ring's stripes (an all-to-all) runs before the repeat, or, at tp 4, after a slice to the
-    device's one head. Training equal to one
-    process: ``test_context_parallel_trains_like_one_process`` (cp = 2 and cp = 2 × tp = 2)."""
+    device's one head. Training equal to one process:
+    ``test_context_parallel_trains_like_one_process`` (cp = 2 and cp = 2 × tp = 2)."""
     from autopar.capture import capture
     from autopar.passes.lower import lower
     from autopar.program.collectives import AxisGroup
@@ -555,20 +555,10 @@ def test_the_ring_passes_grouped_query_heads_once_each(tp: int) -> None:
     # the price: the ring's comm on a 2-device ring of LLaMA with 8 query heads and 2 key-value
     # heads is what 8 key-value heads (no repeat) cost with a quarter of the bytes
     priced = {}
+    cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=2, nodes=1)
     for kv_heads in (2, 8):
-        with torch.device("meta"):
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            cfg = LlamaConfig(
-                num_hidden_layers=1, hidden_size=1024, num_attention_heads=8, num_key_value_heads=kv_heads,
-                intermediate_size=2048, vocab_size=1024, max_position_embeddings=8192, use_cache=False,
-            )  # fmt: skip
-            m = LlamaForCausalLM(cfg).to(torch.bfloat16)
-        ids = torch.empty(1, 8192, dtype=torch.long, device="meta")
-        cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=2, nodes=1)
-        p = autopar.layouts.megatron(
-            m, {"input_ids": ids, "labels": ids.clone()}, cluster, tp=1, cp=2, cp_comm_type="p2p"
-        )
+        m, batch = _one_layer("llama", kv_heads)
+        p = autopar.layouts.megatron(m, batch, cluster, tp=1, cp=2, cp_comm_type="p2p")
         (priced[kv_heads],) = attention_nodes(p)
     mesh = autopar.mesh.Mesh.full((2,), cluster)
     kv_bytes = 2 * 8 * 4096 * 128 * 2  # 8 heads' keys and values of one rank, bf16
