@@ -17,6 +17,14 @@ output structure from the graph's flat outputs.
 
 The graph is put in its device-independent form (``autopar.canonical``) before its fingerprint is
 taken, and the user inputs used as indices get their valid ranges (``autopar.input_bounds``).
+
+**No KV cache.** A training step has no use for the key-value cache of generation, and
+``transformers`` models build one by default (their configs say ``use_cache=True``): the cache
+object in the output is no type the exporter knows, and filling it keeps every layer's keys and
+values alive. While exporting, every ``config`` of the model's modules that says
+``use_cache=True`` says ``False`` (as ``transformers`` itself does for a model trained with
+gradient checkpointing) and is set back after, so a model built from its default config is
+captured as it trains. An input ``use_cache=True`` the user passes is left as given.
 """
 
 from __future__ import annotations
@@ -150,7 +158,7 @@ def _explain_export_failure(model: nn.Module, exc: BaseException) -> str:
     hint = (
         "data-dependent control flow or shapes cannot be exported: compute on tensors without "
         "Python branches on their values (torch.where / torch.cond), pass shapes that are fixed, "
-        "and for transformers models build the config with use_cache=False"
+        "and for transformers models do not pass use_cache=True"
     )
     if "Unsupported" in type(exc).__name__ or "not supported" in str(exc):
         hint = "replace the unsupported call with a tensor op, or register it as a custom op (torch.library)"
@@ -223,11 +231,35 @@ def _no_stack_traces() -> Any:
         config.do_not_emit_stack_traces = before
 
 
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module) -> Any:
+    """Every module ``config`` of ``model`` that says ``use_cache=True`` says ``False`` inside the
+    block, and ``True`` again after it (module docstring: no KV cache)."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        log.info(
+            "capture: use_cache=False on %d config(s) while exporting (a training step keeps no KV cache)",
+            len(configs),
+        )
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
 def export_program(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None) -> Any:
-    """``torch.export.export`` (non-strict), its failure explained (``_explain_export_failure``)."""
+    """``torch.export.export`` (non-strict) with no KV cache (module docstring), its failure
+    explained (``_explain_export_failure``)."""
     held = _ExporterOutput()
     try:
-        with held, _no_stack_traces():
+        with held, _no_stack_traces(), _no_kv_cache(model):
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # re-raised with context: which module, which op, what to do
         err = CaptureError(_explain_export_failure(model, exc))

@@ -56,7 +56,8 @@ def build(name: str) -> tuple[nn.Module, object]:
     if name == "mistral":
         return _lm("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, use_cache=False, **small)
     if name == "qwen2":
-        return _lm("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, use_cache=False, **small)
+        # its default config (use_cache=True): the capture turns the KV cache off
+        return _lm("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, **small)
     if name == "gpt_neox":
         return _lm("GPTNeoXConfig", "GPTNeoXForCausalLM", use_cache=False, **small)
     if name == "opt":

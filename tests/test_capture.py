@@ -58,6 +58,34 @@ def test_capture_llama(make_llama, batch):
     assert "aten.linear.default" in ops
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_a_model_built_from_its_default_config_is_captured_without_its_kv_cache(arch):
+    """``transformers`` configs say ``use_cache=True``: the export turns the cache off (its object
+    is no type the exporter knows), leaves no cache among the outputs and sets the configs back."""
+    import transformers
+
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64)
+        model = transformers.GPT2LMHeadModel(config)
+    else:  # encoder-decoder: its decoder stack holds a config of its own
+        config = transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+        )
+        model = transformers.T5ForConditionalGeneration(config)
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    cached = [c for c in configs.values() if c.use_cache]  # T5's encoder stack already says False
+    assert config in cached
+    ids = torch.randint(0, 64, (2, 8))
+    cap = autopar.capture(model, {"input_ids": ids, "labels": ids.clone()})
+    out_names = str(cap.out_spec)
+    assert "loss" in out_names and "logits" in out_names
+    assert "past_key_values" not in out_names
+    assert [c for c in configs.values() if c.use_cache] == cached  # set back after the export
+    outputs = next(n for n in cap.graph.nodes if n.op == "output").args[0]
+    eager = model(input_ids=ids, labels=ids, use_cache=False)  # what a training step returns
+    assert len(outputs) == len([v for v in eager.values() if isinstance(v, torch.Tensor)]), outputs
+
+
 def test_capture_on_the_meta_device(make_llama, batch):
     model = make_llama(layers=2, meta=True)
     cap = autopar.capture(model, batch(4, 32, 256, device="meta"))

@@ -136,6 +136,26 @@ def test_cumsum_and_softmax_keep_their_dimension_whole():
         assert _table(node) == {(("R",), ("R",), ""), (("S(0)",), ("S(0)",), "")}
 
 
+def test_roll_and_flip_keep_every_dimension_they_do_not_move_split():
+    """Swin's shifted windows roll the feature map along height and width: the batch and the
+    channels stay split, and each device's roll of its piece is the piece of the whole roll."""
+    x = torch.randn(4, 6, 6, 8)
+    g = _graph(lambda t: torch.roll(t, shifts=(-2, -2), dims=(1, 2)) + torch.flip(t, dims=[3]), x)
+    roll, flip = _node(g, "roll"), _node(g, "flip")
+    assert _table(roll) == {
+        (("R",), ("R",), ""),
+        (("S(0)",), ("S(0)",), ""),
+        (("S(3)",), ("S(3)",), ""),
+        (("P",), ("P",), ""),
+    }
+    assert _table(flip) == {(("R",), ("R",), ""), (("S(0)",), ("S(0)",), ""), (("S(1)",), ("S(1)",), ""), (("S(2)",), ("S(2)",), ""), (("P",), ("P",), "")}  # fmt: skip
+    whole = torch.roll(x, shifts=(-2, -2), dims=(1, 2))
+    for piece, out in zip(x.chunk(2, dim=3), whole.chunk(2, dim=3)):
+        assert torch.equal(torch.roll(piece, shifts=(-2, -2), dims=(1, 2)), out)
+    flat = _node(_graph(lambda t: torch.roll(t, 3), x), "roll")  # no dims: the flattened tensor
+    assert _table(flat) == {(("R",), ("R",), ""), (("P",), ("P",), "")}
+
+
 def test_pointwise_broadcast_aligns_inputs():
     g = _graph(lambda x, b: x * b, torch.randn(4, 8), torch.randn(8))
     table = _table(_node(g, "mul"))

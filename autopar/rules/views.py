@@ -1,5 +1,5 @@
 """Views and shape ops follow the dimension mapping: ``view``/``reshape``/``expand``/``transpose``/
-``permute``/``unsqueeze``/``split``/``cat``/``slice``/``pad``. A reshape moves a shard only where the
+``permute``/``unsqueeze``/``split``/``cat``/``slice``/``pad``/``roll``/``flip``. A reshape moves a shard only where the
 sharded dimension leads its group of merged or split dimensions, so every local piece stays
 contiguous."""
 
@@ -193,6 +193,26 @@ def _pad(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         for d in range(rank)
         if d not in padded and shape_of(src)[d] > 1
     ]
+
+
+@register(aten.roll, aten.flip)
+def _roll(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """Rolling or flipping moves elements only along its own dimensions: any other one can stay
+    split, and a partial sum stays partial (each is a permutation). ``roll`` without dimensions
+    rolls the flattened tensor: nothing stays split."""
+    src = node.args[0]
+    rank = len(shape_of(src))
+    if op_key(node) is aten.roll:
+        dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dims", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    moved = {norm_dim(d, rank) for d in dims} if dims else set(range(rank))
+    out = [
+        AxisStrategy((Shard(d),), (Shard(d),)) for d in range(rank) if d not in moved and shape_of(src)[d] > 1
+    ]
+    out.append(AxisStrategy((P,), (P,)))
+    return out
 
 
 @register(aten.cat, aten.concat, aten.stack)
