@@ -16,14 +16,18 @@ Words:
   and a dimension of its output or of an input divides ``n`` ways: the axis's devices compute the
   same thing ``n`` times. Splitting it would save up to ``(n − 1)/n`` of its time. Left out: ops
   that cost at most ``CHEAP_KERNELS`` kernel launches (``DeviceSpec.kernel_overhead``: splitting
-  does not shorten a launch); work that does not depend on the batch (a position embedding's
-  lookup of ``arange``, rotary tables, masks of constants: every device needs it whole, so
-  splitting it only adds a gather); and an op replicated on purpose, the only reader of a weight
-  whose gradient is then not reduced over the axis, where that reduction (bucketed: bandwidth
-  only) would cost more than the split saves (an embedding lookup run whole on every
-  data-parallel device instead of all-reducing a large vocabulary's gradient). The motivating
-  case: an LLaMA planned with pipeline stages and micro-batches ran its LM head and loss
-  replicated over ``dp``, every data-parallel rank computing every rank's logits.
+  does not shorten a launch); a stage's replicated work on an axis that, split all of it, would
+  save at most one collective's latency there (an all-reduce of one element: split work meets the
+  rest of the plan with at least one collective on the axis — a small model's loss, run whole on
+  every device rather than all-reduced from its pieces over a slow local link); work that does not
+  depend on the batch (a position embedding's lookup of ``arange``, rotary tables, masks of
+  constants: every device needs it whole, so splitting it only adds a gather); and an op
+  replicated on purpose, the only reader of a weight whose gradient is then not reduced over the
+  axis, where that reduction (bucketed: bandwidth only) would cost more than the split saves (an
+  embedding lookup run whole on every data-parallel device instead of all-reducing a large
+  vocabulary's gradient). The motivating case: an LLaMA planned with pipeline stages and
+  micro-batches ran its LM head and loss replicated over ``dp``, every data-parallel rank
+  computing every rank's logits.
 * **unruled op** — an op with tensor inputs but no sharding rule (``autopar.rules.base.has_rule_for``):
   it always runs replicated (correct, possibly slower; the planner names them when it plans).
 * **communication bound** — per mesh axis, the bytes the plan's layout (its placements and each
@@ -85,6 +89,7 @@ from autopar.audit_figures import (
     AxisComm,
     AxisReplication,
     axis_groups,
+    collective_floors,
     communication,
     model_flops,
     peak_flops,
@@ -280,7 +285,14 @@ def audit(plan: Plan) -> Audit:
     ruled = rule_names()  # importing autopar.rules registers every family's rules
     groups = axis_groups(plan)
     replicated = replicated_work(
-        plan, by_name, stage_of, stage_compute, ruled, groups, cheap=CHEAP_KERNELS * kernel
+        plan,
+        by_name,
+        stage_of,
+        stage_compute,
+        ruled,
+        groups,
+        cheap=CHEAP_KERNELS * kernel,
+        floors=collective_floors(plan),
     )
     for r in replicated:
         if r.share < REPLICATED_NOTE:

@@ -77,7 +77,12 @@ def replicated_work(
     ruled: frozenset[str],
     groups: list[Any] | None,
     cheap: float,
+    floors: list[float] | None = None,
 ) -> list[AxisReplication]:
+    """Replicated work per axis (``autopar.audit``'s module docstring); ``floors``: per axis, the
+    seconds of the cheapest collective on it (``collective_floors``): a stage's replicated work on
+    an axis whose whole split would save no more than that is not counted, since split work must
+    meet the rest of the plan with at least one collective on that axis."""
     from autopar.cost import comm
 
     itemsize = int(plan.info.get("param_bytes", 4))
@@ -123,6 +128,8 @@ def replicated_work(
             per_stage[stage_of.get(node.name, 0)][label] += node.compute_time
         best: tuple[float, int, dict[str, float]] = (0.0, 0, {})
         for s, ops in per_stage.items():
+            if floors is not None and sum(ops.values()) * (1 - 1 / n) <= floors[a]:
+                continue  # splitting all of it would not pay for one collective
             share = sum(ops.values()) / stage_compute[s] if stage_compute[s] > 0 else 0.0
             if share > best[0]:
                 best = (share, s, ops)
@@ -237,6 +244,25 @@ def axis_groups(plan: Plan) -> list[Any] | None:
     except (KeyError, TypeError, ValueError):
         return None
     return [full.group(a + 1).without_latency() for a in range(len(plan.mesh_shape))]
+
+
+def collective_floors(plan: Plan) -> list[float] | None:
+    """Per stage-mesh axis, the seconds of its cheapest collective: an all-reduce of one element,
+    latency-bound (``autopar.cost.comm``); None where the plan names no usable cluster."""
+    if not plan.cluster:
+        return None
+    from autopar.cluster import Cluster
+    from autopar.cost import comm
+    from autopar.mesh import Mesh
+
+    try:
+        cluster = Cluster.from_dict(plan.cluster)
+        pp = plan.pipeline.pp if plan.pipeline is not None else 1
+        full = Mesh((pp, *plan.mesh_shape), cluster)
+    except (KeyError, TypeError, ValueError):
+        return None
+    itemsize = int(plan.info.get("param_bytes", 4))
+    return [comm.group_all_reduce_cost(itemsize, full.group(a + 1)) for a in range(len(plan.mesh_shape))]
 
 
 def _bound_times(groups: list[Any] | None, grads: list[float], partial: list[float]) -> list[float]:

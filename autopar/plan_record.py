@@ -5,6 +5,7 @@ solver's predicted figures.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -17,6 +18,7 @@ from autopar.cost.reshard_cost import (
     edge_cost,
     grad_reduce_axes,
     grad_sync_bytes,
+    scalar_output_cost,
     step_cost,
 )
 from autopar.grad_compression import GradCompression
@@ -93,6 +95,18 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
     return tuple(names)
 
 
+def _scalar_outputs(gm: torch.fx.GraphModule) -> dict[Node, int]:
+    """The scalar values the program returns (a loss), with their item sizes: each is returned
+    whole on every device (``cost.reshard_cost.scalar_output_cost``)."""
+    out: dict[Node, int] = {}
+    for o in (n for n in gm.graph.nodes if n.op == "output"):
+        for i in o.all_input_nodes:
+            val = i.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() == 0:
+                out[i] = val.element_size()
+    return out
+
+
 def build_plan(
     gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any, compression: GradCompression | None = None
 ) -> Plan:
@@ -102,12 +116,17 @@ def build_plan(
     choice = sol.choice
     nodes: list[NodePlan] = []
     chosen: dict[Node, Strategy] = {}
+    returned = _scalar_outputs(gm)
     for n in gm.graph.nodes:
         ns = n.meta.get(STRATEGIES)
         info = n.meta.get(TENSOR)
         if ns is None or info is None:
             continue
         s = ns.strategies[choice[n.name]]
+        if n in returned:  # a loss returned whole: its all-reduce is this node's, as the solver charged
+            s = dataclasses.replace(
+                s, comm_time=s.comm_time + scalar_output_cost(returned[n], s.outputs[0], mesh)
+            )
         chosen[n] = s
         nodes.append(
             NodePlan(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from autopar.cost.compression import CompressedSync, GradCompression, compressed_sync
 from autopar.mesh import Mesh
-from autopar.placement import Spec, local_shape
+from autopar.placement import Replicate, Spec, local_shape
 from autopar.reshard import ReshardStep, StepKind, grad_sync_axes, reshard_steps
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "grad_sync_bytes",
     "kept_gather_bytes",
     "reshard_cost",
+    "scalar_output_cost",
     "step_backward_cost",
     "step_cost",
 ]
@@ -75,6 +76,17 @@ def step_backward_cost(step: ReshardStep, itemsize: int, mesh: Mesh, fused_sync:
 def reshard_cost(shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, mesh: Mesh) -> float:
     """Forward seconds to reshard (no backward)."""
     return sum(step_cost(s, itemsize, mesh) for s in reshard_steps(shape, src, dst, mesh.shape))
+
+
+def scalar_output_cost(itemsize: int, src: Spec, mesh: Mesh) -> float:
+    """Seconds to return a scalar output (a loss) laid out as ``src`` whole on every device: the
+    per-rank program always returns a scalar replicated (``passes.lower``), so a partial loss is
+    all-reduced over each axis it is partial on — a latency-bound collective, one message each
+    way, that can cost more than the split loss saves on a small model."""
+    target = tuple(Replicate() for _ in mesh.shape)
+    if tuple(src) == target:
+        return 0.0
+    return edge_cost((), itemsize, src, target, tuple(False for _ in mesh.shape), False, mesh)
 
 
 def edge_cost(

@@ -37,7 +37,13 @@ from torch.fx import GraphModule, Node
 
 from autopar.capture import Captured
 from autopar.config import PlanConfig
-from autopar.cost.reshard_cost import compressed_grad_sync, edge_cost, grad_reduce_axes, kept_gather_bytes
+from autopar.cost.reshard_cost import (
+    compressed_grad_sync,
+    edge_cost,
+    grad_reduce_axes,
+    kept_gather_bytes,
+    scalar_output_cost,
+)
 from autopar.grad_compression import GradCompression
 from autopar.graph import OpFamily, op_family, read_by_lookup, tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
@@ -434,8 +440,6 @@ class _Builder:
 
     def add_output_edges(self) -> None:
         """Scalar outputs (a loss) must end replicated; larger outputs are returned as laid out."""
-        target = tuple(Replicate() for _ in self.mesh.shape)
-        no_split = tuple(False for _ in self.mesh.shape)
         for out in (n for n in self.gm.graph.nodes if n.op == "output"):
             for i in out.all_input_nodes:
                 val = i.meta.get("val")
@@ -445,11 +449,9 @@ class _Builder:
                 d = self.decisions[self.index[leader]]
                 strats = i.meta[STRATEGIES].strategies
                 for k in range(d.size):
-                    src = strats[fmap[k]].outputs[0]
-                    if src != target:
-                        d.unary[k] += edge_cost(
-                            (), val.element_size(), src, target, no_split, False, self.mesh
-                        )
+                    d.unary[k] += scalar_output_cost(
+                        val.element_size(), strats[fmap[k]].outputs[0], self.mesh
+                    )
 
     def graph(self) -> StrategyGraph:
         node_choice = {n.name: (self.index[self.roots[n][0]], self.roots[n][1]) for n in self.nodes}

@@ -117,6 +117,51 @@ def test_replication_that_saves_a_larger_weight_gradient_reduction_is_not_counte
     )
 
 
+def test_a_small_models_loss_kept_whole_over_a_slow_link_is_priced_and_not_called_waste():
+    """On two local gloo processes (60 µs a message) a tiny GPT's loss is cheaper whole on each
+    device than split: splitting saves ~20 µs of compute, and the split loss must be all-reduced
+    (the program returns it whole), 120 µs. The prediction charges that all-reduce, as the solver
+    does (before, the plan forced split predicted a faster step than the optimum's), and the audit
+    does not call the whole loss waste: split all of it, the axis's replicated work would save less
+    than one collective there."""
+    from autopar.audit_figures import collective_floors, replicated_work
+    from autopar.cost.reshard_cost import scalar_output_cost
+    from autopar.mesh import Mesh
+    from autopar.placement import Partial
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(n_layer=2, n_head=4, n_embd=32, vocab_size=64))
+    ids = torch.randint(0, 64, (4, 16))
+    cluster = autopar.Cluster.local(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole = autopar.plan(model, (ids, ids.clone()), cluster, mesh_shape=(2,))
+    assert not [w for w in caught if issubclass(w.category, AuditWarning)]
+    split = autopar.plan(
+        model,
+        (ids, ids.clone()),
+        cluster,
+        mesh_shape=(2,),
+        fixed={"args[0]": ("S(0)",), "args[1]": ("S(0)",)},
+    )
+    whole_loss, split_loss = (
+        next(n for n in p.nodes if n.op == "cross_entropy_loss") for p in (whole, split)
+    )
+    assert whole_loss.outputs == (("R",),) and split_loss.outputs == (("P",),)
+    reduce = scalar_output_cost(4, (Partial(),), Mesh((2,), cluster))
+    assert reduce > 1e-4 and split_loss.comm_time == pytest.approx(reduce)
+    assert whole.predicted.optimal and split.predicted.step_time > whole.predicted.step_time
+    # The whole loss is replicated work the audit would count without the floor, and does not.
+    floors = collective_floors(whole)
+    assert floors == [pytest.approx(reduce)]
+    by_name = {n.name: n for n in whole.nodes}
+    total = {0: sum(n.compute_time for n in whole.nodes)}
+    args = (whole, by_name, {}, total, frozenset({"cross_entropy_loss", "view", "linear"}), None, 0.0)
+    assert replicated_work(*args)[0].share > REPLICATED_WARN
+    assert replicated_work(*args, floors=floors)[0].share == 0.0
+    assert Audit.from_dict(whole.info["audit"]).replicated[0].share == 0.0
+
+
 def test_pipelined_plans_take_the_share_per_stage():
     """The 1 ms loss is 1/11 of the step's compute but all of stage 1's: the last stage's share
     is what the audit reports (a pipeline's slowest stage sets the step)."""
