@@ -43,8 +43,8 @@ _GATHER_OR_SCATTER = (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER)
 
 
 def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
-    """Name each axis from the strategies the solver chose for the matmuls, weighted by their
-    FLOPs: ``tp`` when they split the weights, ``dp`` when they split the batch (dimension 0),
+    """Name each axis from the strategies the solver chose for the matmuls and convolutions,
+    weighted by their FLOPs: ``tp`` when they split the weights, ``dp`` when they split the batch (dimension 0),
     ``sp`` when they split another activation dimension — ``cp`` when, besides, every attention
     splits its work there (context parallelism: the sequence split through attention too, by the
     queries or, traded for heads, by all-to-all); an axis where nothing is split is ``rep``.
@@ -61,7 +61,7 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
             seen_attention = True
             split = ns.strategies[choice[n.name]].split
             attention_split = [a and (i < len(split) and split[i]) for i, a in enumerate(attention_split)]
-        if ns is None or op_family(n) is not OpFamily.MATMUL:
+        if ns is None or op_family(n) not in (OpFamily.MATMUL, OpFamily.CONV):
             continue
         s = ns.strategies[choice[n.name]]
         gmm = grouped_mm_operands(n)

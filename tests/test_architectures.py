@@ -47,6 +47,20 @@ class _CNN(nn.Module):
         return F.cross_entropy(self.net(x), y)
 
 
+class _SegNet(nn.Module):
+    """A segmentation head: a strided conv, then classes per position upsampled back to the image
+    (``F.interpolate``) and a per-pixel cross-entropy (logits (N, C, H, W), target (N, H, W))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.classes = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.classes(F.relu(self.down(x)))
+        return F.cross_entropy(F.interpolate(logits, scale_factor=2, mode="bilinear"), y)
+
+
 def build(name: str) -> tuple[nn.Module, object]:
     """A tiny model of architecture ``name`` (random weights, dropout 0) and one batch."""
     torch.manual_seed(0)
@@ -137,6 +151,8 @@ def build(name: str) -> tuple[nn.Module, object]:
         return model, {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 10, (4,))}
     if name == "cnn":
         return _CNN(), (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    if name == "segnet":
+        return _SegNet(), (torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4, 16, 16)))
     raise ValueError(name)
 
 
@@ -179,6 +195,8 @@ def _worker(
             model, batch = build(name)
             if layout == "megatron":
                 plan = autopar.layouts.megatron(model, batch, cluster, tp=world)
+            elif name == "segnet":  # the batch split: interpolation and the per-pixel loss split with it
+                plan = autopar.plan(model, batch, cluster, fixed={"args[0]": ("S(0)",), "args[1]": ("S(0)",)})
             else:
                 plan = autopar.plan(model, batch, cluster, mesh_shape=(world,)) if data_parallel else None
             pm = autopar.parallelize(model, cluster, batch, plan=plan)
@@ -190,9 +208,10 @@ def _worker(
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_train_like_one_process_beyond_gpt_and_llama() -> None:
-    """MoE (Mixtral), encoder-decoder (T5), vision (ViT) and a CNN train on 2 processes under the
-    auto plan and the Megatron layout with the losses of one process (SGD: exact gradients)."""
-    names = ["mixtral", "t5", "vit", "cnn"]
+    """MoE (Mixtral), encoder-decoder (T5), vision (ViT), a CNN and a segmentation head (its
+    upsampling and per-pixel loss split with the batch) train on 2 processes under the auto plan
+    and the Megatron layout with the losses of one process (SGD: exact gradients)."""
+    names = ["mixtral", "t5", "vit", "cnn", "segnet"]
     results = spawn(_worker, 2, names, timeout=540)[0]
     # Every one of these models runs its whole step (forward and backward) as one captured program;
     # none falls back to the forward program under autograd.

@@ -156,6 +156,21 @@ def test_roll_and_flip_keep_every_dimension_they_do_not_move_split():
     assert _table(flat) == {(("R",), ("R",), ""), (("P",), ("P",), "")}
 
 
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+def test_interpolation_splits_the_batch_and_channels_and_keeps_partial_sums(mode):
+    """A segmentation head upsamples its feature map (SegFormer, U-Nets): without a rule it ran
+    whole on every device. Batch and channels split, the spatial dimensions stay whole, and each
+    device's interpolation of its channels is the channels' piece of the whole interpolation."""
+    x = torch.randn(4, 6, 5, 5)
+    g = _graph(lambda t: F.interpolate(t, scale_factor=2, mode=mode), x)
+    (node,) = [n for n in g.nodes if n.op == "call_function" and "upsample" in str(n.target)]
+    assert has_rule(node)
+    assert _table(node) == {(("R",), ("R",), ""), (("S(0)",), ("S(0)",), ""), (("S(1)",), ("S(1)",), ""), (("P",), ("P",), "")}  # fmt: skip
+    whole = F.interpolate(x, scale_factor=2, mode=mode)
+    for piece, out in zip(x.chunk(2, dim=1), whole.chunk(2, dim=1)):
+        torch.testing.assert_close(F.interpolate(piece, scale_factor=2, mode=mode), out)
+
+
 def test_pointwise_broadcast_aligns_inputs():
     g = _graph(lambda x, b: x * b, torch.randn(4, 8), torch.randn(8))
     table = _table(_node(g, "mul"))

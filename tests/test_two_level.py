@@ -100,14 +100,21 @@ def test_the_plan_records_two_levels_and_prices_them():
     flat = _dp_plan(fast)
     assert flat.two_level == ()
     # The plan's communication is its weights' gradients reduced in two levels, not in one ring
-    # (a tied weight's two gradients are summed first and reduced once).
+    # (a tied weight's two gradients are summed first and reduced once), and the loss's
+    # all-reduce (the program returns it whole).
     from _runtime_helpers import build
+
+    from autopar.cost.reshard_cost import scalar_output_cost
+    from autopar.placement import parse_spec
 
     model, _ = build("gpt", batch=BATCH)
     grads = sum(p.numel() * 4 for p in model.parameters())
     g = Mesh.full((4,), cluster).group(0).without_latency()
     two, one = comm.two_level_all_reduce_cost(grads, g), comm.group_all_reduce_cost(grads, g)
-    assert plan.predicted.comm_time == pytest.approx(two, rel=0.05) and two < one / 1.3
+    loss = next(n for n in plan.nodes if n.op == "cross_entropy_loss")
+    assert loss.outputs == (("P",),)
+    returned = scalar_output_cost(4, parse_spec(loss.outputs[0]), Mesh.full((4,), cluster))
+    assert plan.predicted.comm_time == pytest.approx(two + returned, rel=0.05) and two < one / 1.3
     assert flat.two_level == ()
     # The plan file names only mesh axes.
     bad = plan.to_dict() | {"two_level": [[1]]}

@@ -1,5 +1,7 @@
 """Cross-entropy and NLL: shard the rows (output ``Partial``) and/or the classes (vocabulary-parallel
-cross-entropy; its max and sum-exp all-reduces are part of the op, costed as in-op communication)."""
+cross-entropy; its max and sum-exp all-reduces are part of the op, costed as in-op communication).
+With classes per position (logits ``(N, C, d1, ...)``, target ``(N, d1, ...)``: a segmentation
+loss), the batch and the positions are rows; the classes stay whole."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from autopar.placement import Shard
 from autopar.rules.base import AxisStrategy, P, R, aten, op_key, register, shape_of
 
 
-@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss_forward)
+@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d, aten.nll_loss_forward)
 def _cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     x, t = node.args[0], node.args[1]
     key = op_key(node)
@@ -21,8 +23,20 @@ def _cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     n_out = len(tensor_outputs(node))
     if weight is not None or reduction not in (1, 2) or n_out != 1 or smoothing:
         return []
-    xs = shape_of(x)
-    if len(xs) != 2 or len(shape_of(t)) != 1:
+    xs, ts = shape_of(x), shape_of(t)
+    if len(xs) >= 3 and len(ts) == len(xs) - 1:
+        # Per-position classes (segmentation: logits (N, C, d1, ...), target (N, d1, ...)): every
+        # dimension but the classes' holds rows; the classes stay whole.
+        return [
+            AxisStrategy(
+                tuple(Shard(d) if i is x else Shard(d - 1 if d else 0) for i in ins),
+                (P,),
+                rewrite=Rewrite.LOSS_ROWS,
+            )
+            for d in (0, *range(2, len(xs)))
+            if xs[d] > 1
+        ]
+    if len(xs) != 2 or len(ts) != 1:
         return []
     out = []
     if xs[0] > 1:

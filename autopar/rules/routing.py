@@ -12,6 +12,8 @@ Mixture-of-experts regions, which these ops build, are found and placed as whole
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.fx import Node
 
@@ -198,6 +200,26 @@ def _pool(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         for d in range(max(lead, 0))
         if shape_of(x)[d] > 1
     ]
+
+
+_UPSAMPLE_NAMES = (
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa", "upsample_bicubic2d", "_upsample_bicubic2d_aa", "upsample_trilinear3d",
+)  # fmt: skip
+
+
+@register(*(getattr(aten, n) for n in _UPSAMPLE_NAMES if hasattr(aten, n)))
+def _upsample(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """Interpolation (``F.interpolate``, ``nn.Upsample``) reads neighbours along the trailing
+    ``k`` spatial dimensions of its ``k``-d name: the batch and channels before them split, and a
+    partial sum stays partial (each output is a fixed weighted sum of inputs)."""
+    x = node.args[0]
+    spatial = re.search(r"(\d)d", op_name(node))
+    lead = len(shape_of(x)) - (int(spatial.group(1)) if spatial else 2)
+    out = [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(max(lead, 0)) if shape_of(x)[d] > 1]
+    out.append(AxisStrategy((P,), (P,)))
+    return out
 
 
 def grouped_mm_operands(node: Node) -> tuple[Node, Node, Node] | None:
