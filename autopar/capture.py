@@ -322,12 +322,40 @@ def captured_from(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tup
         in_spec=ep.call_spec.in_spec,
         constants=constants,
     )
+    _check_fixed_shapes(gm)
     cap.fingerprint = graph_fingerprint(gm.graph)
     cap.index_inputs = index_bounds(gm.graph, inputs)
     check_position_tables(gm.graph, params)
     if any(p.requires_grad for p in model.parameters()):
         check_loss_output(gm.graph)
     return cap
+
+
+def _check_fixed_shapes(gm: torch.fx.GraphModule) -> None:
+    """Refuse a graph with a tensor whose size depends on the input's values (a boolean mask's
+    selection, ``nonzero``): the exporter keeps such a size as a symbol with no value, and a plan
+    needs every size. The error names the first such op, its module and its source line."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    found = [
+        n
+        for n in gm.graph.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor) and free_unbacked_symbols(n.meta["val"])
+    ]
+    # Name an aten op (the boolean index), not the exporter's ``getitem`` of its count.
+    for n in sorted(found, key=lambda n: not isinstance(n.target, torch._ops.OpOverload))[:1]:
+        val = n.meta["val"]
+        stack = list((n.meta.get("nn_module_stack") or {}).values())
+        module = f" in module {stack[-1][0] or '<root>'} ({stack[-1][1].rsplit('.', 1)[-1]})" if stack else ""
+        lines = [ln.strip() for ln in (n.meta.get("stack_trace") or "").strip().splitlines()]
+        source = f", at {lines[-2]}: {lines[-1]}" if len(lines) >= 2 and "torch/fx" not in lines[-2] else ""
+        raise CaptureError(
+            f"the model computes a tensor whose size depends on its inputs' values: {n.target} gives "
+            f"{tuple(val.shape)}{module}{source}. autopar plans every tensor's size before training, so "
+            "it cannot plan this one.\n  fix: select with a fixed number of elements — index by "
+            "positions (x[torch.arange(b), idx], torch.gather) instead of a boolean mask (x[mask]), or "
+            "torch.where(mask, x, 0) to keep the shape"
+        )
 
 
 def traced_by(cap: Captured) -> str:

@@ -162,6 +162,27 @@ def test_data_dependent_control_flow_raises_capture_error_naming_the_module():
     assert isinstance(err.value.__cause__, Exception)  # the exporter's own error is kept
 
 
+class _Masked(nn.Module):
+    """Selects rows by a boolean mask of the input (BART's classification head picks its
+    end-of-sentence tokens so): the selection's size depends on the mask's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)[keep].sum()
+
+
+def test_a_size_that_depends_on_the_inputs_values_is_refused_naming_the_op():
+    x = torch.randn(4, 6, 8)
+    with pytest.raises(autopar.CaptureError) as err:
+        autopar.capture(_Masked(), (x, x[..., 0] > 0))
+    msg = str(err.value)
+    assert "size depends on its inputs' values: aten.index.Tensor" in msg
+    assert "(_Masked)" in msg and "fix:" in msg and "boolean mask" in msg
+
+
 def test_inputs_on_another_device_than_the_model_are_named_in_the_fix(make_gpt):
     with torch.device("meta"):
         model = make_gpt()
