@@ -448,6 +448,8 @@ class _Lowerer:
 
     def lower_mean(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         shards = math.prod(n for n, r in zip(self.mesh, p.rewrites) if r == Rewrite.MEAN_PARTIAL)
+        if op_name(node) == "binary_cross_entropy_with_logits":
+            return self.g.call_function(O.bce_with_logits_mean_partial, (args[0], args[1], shards))
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         return self.g.call_function(O.mean_partial, (args[0], dims, keep, shards))

@@ -61,6 +61,18 @@ class _SegNet(nn.Module):
         return F.cross_entropy(F.interpolate(logits, scale_factor=2, mode="bilinear"), y)
 
 
+class _MultiLabel(nn.Module):
+    """Multi-label classification: a logit per label and a binary cross-entropy's mean over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(16, 32)
+        self.labels = nn.Linear(32, 6)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self.labels(F.gelu(self.hidden(x))), y)
+
+
 def build(name: str) -> tuple[nn.Module, object]:
     """A tiny model of architecture ``name`` (random weights, dropout 0) and one batch."""
     torch.manual_seed(0)
@@ -151,6 +163,8 @@ def build(name: str) -> tuple[nn.Module, object]:
         return model, {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 10, (4,))}
     if name == "cnn":
         return _CNN(), (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    if name == "multilabel":
+        return _MultiLabel(), (torch.randn(8, 16), (torch.rand(8, 6) > 0.5).float())
     if name == "segnet":
         return _SegNet(), (torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4, 16, 16)))
     raise ValueError(name)
@@ -195,8 +209,8 @@ def _worker(
             model, batch = build(name)
             if layout == "megatron":
                 plan = autopar.layouts.megatron(model, batch, cluster, tp=world)
-            elif name == "segnet":  # the batch split: interpolation and the per-pixel loss split with it
-                plan = autopar.plan(model, batch, cluster, fixed={"args[0]": ("S(0)",), "args[1]": ("S(0)",)})
+            elif name in ("segnet", "multilabel"):  # the batch split (FSDP), and the losses with it
+                plan = autopar.layouts.fsdp(model, batch, cluster)
             else:
                 plan = autopar.plan(model, batch, cluster, mesh_shape=(world,)) if data_parallel else None
             pm = autopar.parallelize(model, cluster, batch, plan=plan)
@@ -208,10 +222,11 @@ def _worker(
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_train_like_one_process_beyond_gpt_and_llama() -> None:
-    """MoE (Mixtral), encoder-decoder (T5), vision (ViT), a CNN and a segmentation head (its
-    upsampling and per-pixel loss split with the batch) train on 2 processes under the auto plan
-    and the Megatron layout with the losses of one process (SGD: exact gradients)."""
-    names = ["mixtral", "t5", "vit", "cnn", "segnet"]
+    """MoE (Mixtral), encoder-decoder (T5), vision (ViT), a CNN, a segmentation head (its
+    upsampling and per-pixel loss split with the batch) and a multi-label classifier (its binary
+    cross-entropy's mean split with the batch) train on 2 processes under the auto plan and the
+    Megatron layout with the losses of one process (SGD: exact gradients)."""
+    names = ["mixtral", "t5", "vit", "cnn", "segnet", "multilabel"]
     results = spawn(_worker, 2, names, timeout=540)[0]
     # Every one of these models runs its whole step (forward and backward) as one captured program;
     # none falls back to the forward program under autograd.
@@ -220,6 +235,13 @@ def test_train_like_one_process_beyond_gpt_and_llama() -> None:
     ]
     assert not fallbacks, f"whole-step capture fell back for {fallbacks}"
     _assert_one_process_losses(results, names)
+    # Their split losses are what trained: the layout ran them on each device's rows.
+    for name, loss, spec in (("segnet", "cross_entropy_loss", "upsample_bilinear2d"),
+                             ("multilabel", "binary_cross_entropy_with_logits", None)):  # fmt: skip
+        plan = autopar.layouts.fsdp(*build(name), autopar.Cluster.local(2))
+        assert next(n for n in plan.nodes if n.op == loss).outputs == (("P",),), name
+        if spec:
+            assert next(n for n in plan.nodes if n.op == spec).outputs == (("S(0)",),)
 
 
 def _assert_one_process_losses(results: dict[str, dict[str, list[float]]], names: list[str]) -> None:

@@ -171,6 +171,23 @@ def test_interpolation_splits_the_batch_and_channels_and_keeps_partial_sums(mode
         torch.testing.assert_close(F.interpolate(piece, scale_factor=2, mode=mode), out)
 
 
+def test_binary_cross_entropy_splits_logits_and_target_alike_and_its_mean_is_partial():
+    x, y = torch.randn(8, 6), torch.rand(8, 6)
+    for reduction, out, rewrite in (("mean", "P", "mean_partial"), ("sum", "P", ""), ("none", None, "")):
+        g = _graph(lambda a, b, r=reduction: F.binary_cross_entropy_with_logits(a, b, reduction=r), x, y)
+        node = _node(g, "binary_cross_entropy_with_logits")
+        want = {(("R", "R"), ("R",), "")} | {
+            ((f"S({d})", f"S({d})"), (out or f"S({d})",), rewrite) for d in (0, 1)
+        }
+        assert _table(node) == want, reduction
+    from autopar.program.local_ops import bce_with_logits_mean_partial
+
+    pieces = sum(bce_with_logits_mean_partial(a, b, 2) for a, b in zip(x.chunk(2), y.chunk(2)))
+    torch.testing.assert_close(pieces, F.binary_cross_entropy_with_logits(x, y))
+    weighted = _graph(lambda a, b: F.binary_cross_entropy_with_logits(a, b, pos_weight=torch.ones(6)), x, y)
+    assert _table(_node(weighted, "binary_cross_entropy_with_logits")) == {(("R", "R", "R"), ("R",), "")}
+
+
 def test_pointwise_broadcast_aligns_inputs():
     g = _graph(lambda x, b: x * b, torch.randn(4, 8), torch.randn(8))
     table = _table(_node(g, "mul"))

@@ -51,3 +51,29 @@ def _cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
             )
         )
     return out
+
+
+@register(aten.binary_cross_entropy_with_logits)
+def _binary_cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
+    """An element-wise loss (multi-label classification, ELECTRA's discriminator): logits and
+    target of one shape split alike along any dimension; its sum is partial, its mean partial after
+    dividing by the shards (``Rewrite.MEAN_PARTIAL``), unreduced it stays split. Weights and
+    positive-class weights (broadcast) are left to run whole."""
+    x, t = node.args[0], node.args[1]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    pos_weight = node.args[3] if len(node.args) > 3 else node.kwargs.get("pos_weight")
+    reduction = node.args[4] if len(node.args) > 4 else node.kwargs.get("reduction", 1)
+    xs = shape_of(x)
+    if weight is not None or pos_weight is not None or shape_of(t) != xs or x is t:
+        return []
+    out = []
+    for d in range(len(xs)):
+        if xs[d] <= 1:
+            continue
+        if reduction == 0:
+            out.append(AxisStrategy((Shard(d), Shard(d)), (Shard(d),)))
+        elif reduction == 2:
+            out.append(AxisStrategy((Shard(d), Shard(d)), (P,)))
+        elif reduction == 1:
+            out.append(AxisStrategy((Shard(d), Shard(d)), (P,), rewrite=Rewrite.MEAN_PARTIAL))
+    return out
