@@ -229,9 +229,9 @@ def communication(plan: Plan, by_name: dict[str, NodePlan], groups: list[Any] | 
     ]
 
 
-def axis_groups(plan: Plan) -> list[Any] | None:
-    """Each stage-mesh axis's device group (``autopar.cost.comm.Group``) with no per-message
-    latency (gradients travel in buckets); None where the plan names no usable cluster."""
+def _stage_groups(plan: Plan) -> list[Any] | None:
+    """Each stage-mesh axis's device group (``autopar.cost.comm.Group``) on the plan's cluster,
+    the pipeline axis outside; None where the plan names no usable cluster."""
     if not plan.cluster:
         return None
     from autopar.cluster import Cluster
@@ -243,26 +243,24 @@ def axis_groups(plan: Plan) -> list[Any] | None:
         full = Mesh((pp, *plan.mesh_shape), cluster)
     except (KeyError, TypeError, ValueError):
         return None
-    return [full.group(a + 1).without_latency() for a in range(len(plan.mesh_shape))]
+    return [full.group(a + 1) for a in range(len(plan.mesh_shape))]
+
+
+def axis_groups(plan: Plan) -> list[Any] | None:
+    """Each stage-mesh axis's device group with no per-message latency (gradients travel in
+    buckets); None where the plan names no usable cluster."""
+    groups = _stage_groups(plan)
+    return None if groups is None else [g.without_latency() for g in groups]
 
 
 def collective_floors(plan: Plan) -> list[float] | None:
     """Per stage-mesh axis, the seconds of its cheapest collective: an all-reduce of one element,
     latency-bound (``autopar.cost.comm``); None where the plan names no usable cluster."""
-    if not plan.cluster:
-        return None
-    from autopar.cluster import Cluster
     from autopar.cost import comm
-    from autopar.mesh import Mesh
 
-    try:
-        cluster = Cluster.from_dict(plan.cluster)
-        pp = plan.pipeline.pp if plan.pipeline is not None else 1
-        full = Mesh((pp, *plan.mesh_shape), cluster)
-    except (KeyError, TypeError, ValueError):
-        return None
+    groups = _stage_groups(plan)
     itemsize = int(plan.info.get("param_bytes", 4))
-    return [comm.group_all_reduce_cost(itemsize, full.group(a + 1)) for a in range(len(plan.mesh_shape))]
+    return None if groups is None else [comm.group_all_reduce_cost(itemsize, g) for g in groups]
 
 
 def _bound_times(groups: list[Any] | None, grads: list[float], partial: list[float]) -> list[float]:
