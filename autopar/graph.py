@@ -39,6 +39,7 @@ __all__ = [
     "outer_instance",
     "output_node",
     "read_by_lookup",
+    "returned_scalars",
     "tensor_inputs",
     "tensor_outputs",
     "tensor_val",
@@ -267,6 +268,17 @@ def mutates(n: Node) -> bool:
 def output_node(gm: GraphModule) -> Node:
     """The graph's ``output`` node."""
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def returned_scalars(gm: GraphModule) -> dict[Node, int]:
+    """The scalar tensors the graph returns (a loss), with their item sizes: a per-rank program
+    returns each whole on every device (``autopar.cost.reshard_cost.scalar_output_cost``)."""
+    out: dict[Node, int] = {}
+    for i in output_node(gm).all_input_nodes:
+        val = i.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() == 0:
+            out[i] = val.element_size()
+    return out
 
 
 def is_tensor_node(n: Node) -> bool:

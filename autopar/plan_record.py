@@ -22,7 +22,7 @@ from autopar.cost.reshard_cost import (
     step_cost,
 )
 from autopar.grad_compression import GradCompression
-from autopar.graph import OpFamily, op_family, op_name, read_by_lookup, tensor_inputs
+from autopar.graph import OpFamily, op_family, op_name, read_by_lookup, returned_scalars, tensor_inputs
 from autopar.ir import COST, STRATEGIES, TENSOR, Strategy
 from autopar.mesh import Mesh
 from autopar.placement import Replicate, Shard, format_spec
@@ -44,13 +44,14 @@ _GATHER_OR_SCATTER = (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER)
 
 def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str, int]) -> tuple[str, ...]:
     """Name each axis from the strategies the solver chose for the matmuls and convolutions,
-    weighted by their FLOPs: ``tp`` when they split the weights, ``dp`` when they split the batch (dimension 0),
-    ``sp`` when they split another activation dimension — ``cp`` when, besides, every attention
-    splits its work there (context parallelism: the sequence split through attention too, by the
-    queries or, traded for heads, by all-to-all); an axis where nothing is split is ``rep``.
-    Names repeated on several axes are numbered (``dp0``, ``dp1``). An axis along which experts'
-    weights are split by expert (a grouped matmul's weight ``S(0)``) is ``ep``, whatever the
-    other matmuls do along it (its tokens are data-parallel for them, as in Megatron-LM)."""
+    weighted by their FLOPs: ``tp`` when they split the weights, ``dp`` when they split the
+    batch (dimension 0), ``sp`` when they split another activation dimension — ``cp`` when,
+    besides, every attention splits its work there (context parallelism: the sequence split
+    through attention too, by the queries or, traded for heads, by all-to-all); an axis where
+    nothing is split is ``rep``. Names repeated on several axes are numbered (``dp0``,
+    ``dp1``). An axis along which experts' weights are split by expert (a grouped matmul's
+    weight ``S(0)``) is ``ep``, whatever the other matmuls do along it (its tokens are
+    data-parallel for them, as in Megatron-LM)."""
     votes = [{"dp": 0.0, "tp": 0.0, "sp": 0.0} for _ in mesh]
     experts = set()
     attention_split = [True] * len(mesh)
@@ -95,18 +96,6 @@ def axis_names(mesh: tuple[int, ...], gm: torch.fx.GraphModule, choice: dict[str
     return tuple(names)
 
 
-def _scalar_outputs(gm: torch.fx.GraphModule) -> dict[Node, int]:
-    """The scalar values the program returns (a loss), with their item sizes: each is returned
-    whole on every device (``cost.reshard_cost.scalar_output_cost``)."""
-    out: dict[Node, int] = {}
-    for o in (n for n in gm.graph.nodes if n.op == "output"):
-        for i in o.all_input_nodes:
-            val = i.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dim() == 0:
-                out[i] = val.element_size()
-    return out
-
-
 def build_plan(
     gm: torch.fx.GraphModule, cap: Captured, mesh: Mesh, sol: Any, compression: GradCompression | None = None
 ) -> Plan:
@@ -116,7 +105,7 @@ def build_plan(
     choice = sol.choice
     nodes: list[NodePlan] = []
     chosen: dict[Node, Strategy] = {}
-    returned = _scalar_outputs(gm)
+    returned = returned_scalars(gm)
     for n in gm.graph.nodes:
         ns = n.meta.get(STRATEGIES)
         info = n.meta.get(TENSOR)

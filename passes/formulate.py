@@ -45,7 +45,7 @@ from autopar.cost.reshard_cost import (
     scalar_output_cost,
 )
 from autopar.grad_compression import GradCompression
-from autopar.graph import OpFamily, op_family, read_by_lookup, tensor_inputs, written_inputs
+from autopar.graph import OpFamily, op_family, read_by_lookup, returned_scalars, tensor_inputs, written_inputs
 from autopar.ir import STRATEGIES, TENSOR, NodeStrategies, Strategy
 from autopar.mesh import Mesh
 from autopar.passes import PassContext
@@ -440,18 +440,14 @@ class _Builder:
 
     def add_output_edges(self) -> None:
         """Scalar outputs (a loss) must end replicated; larger outputs are returned as laid out."""
-        for out in (n for n in self.gm.graph.nodes if n.op == "output"):
-            for i in out.all_input_nodes:
-                val = i.meta.get("val")
-                if i not in self.roots or not isinstance(val, torch.Tensor) or val.dim() > 0:
-                    continue
-                leader, fmap = self.roots[i]
-                d = self.decisions[self.index[leader]]
-                strats = i.meta[STRATEGIES].strategies
-                for k in range(d.size):
-                    d.unary[k] += scalar_output_cost(
-                        val.element_size(), strats[fmap[k]].outputs[0], self.mesh
-                    )
+        for i, itemsize in returned_scalars(self.gm).items():
+            if i not in self.roots:
+                continue
+            leader, fmap = self.roots[i]
+            d = self.decisions[self.index[leader]]
+            strats = i.meta[STRATEGIES].strategies
+            for k in range(d.size):
+                d.unary[k] += scalar_output_cost(itemsize, strats[fmap[k]].outputs[0], self.mesh)
 
     def graph(self) -> StrategyGraph:
         node_choice = {n.name: (self.index[self.roots[n][0]], self.roots[n][1]) for n in self.nodes}

@@ -447,9 +447,13 @@ class _Lowerer:
         return y
 
     def lower_mean(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
+        """A mean over split dimensions (``Rewrite.MEAN_PARTIAL``): ``aten.mean`` as ``mean_partial``;
+        any other op reducing to the mean of all its elements (an element-wise loss's) runs as it is
+        on this device's equal piece, divided by the number of pieces."""
         shards = math.prod(n for n, r in zip(self.mesh, p.rewrites) if r == Rewrite.MEAN_PARTIAL)
-        if op_name(node) == "binary_cross_entropy_with_logits":
-            return self.g.call_function(O.bce_with_logits_mean_partial, (args[0], args[1], shards))
+        if op_name(node) != "mean":
+            local = self.g.call_function(_out_of_place(node), tuple(args), kwargs)
+            return self.g.call_function(aten.div.Tensor, (local, shards))
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         return self.g.call_function(O.mean_partial, (args[0], dims, keep, shards))

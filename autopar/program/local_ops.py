@@ -8,8 +8,7 @@
   (an all-reduce of counts), so the output is ``Partial`` along those axes. Classes: the
   log-sum-exp and the target logit are assembled with three all-reduces (max, sum of exp, target),
   and the backward needs no communication (Megatron-LM's vocabulary-parallel cross-entropy).
-* ``mean_partial`` — a mean over a sharded dimension: the local mean divided by the shard count
-  (``bce_with_logits_mean_partial``: the same for the element-wise loss's mean).
+* ``mean_partial`` — a mean over a sharded dimension: the local mean divided by the shard count.
 * ``causal_query_attention`` — causal attention of this device's query rows against the whole
   keys and values (context parallelism's all-gather form, Megatron-Core's
   ``cp_comm_type="all_gather"``): query row ``i`` at global position ``pos[i]`` sees keys
@@ -25,7 +24,6 @@ import torch
 from autopar.program.collectives import AxisGroup, reduce_values
 
 __all__ = [
-    "bce_with_logits_mean_partial",
     "causal_query_attention",
     "mean_partial",
     "sharded_cross_entropy",
@@ -54,12 +52,6 @@ def mean_partial(x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool, sha
     if dims is None or len(dims) == 0:
         return x.mean() / shards
     return x.mean(dim=list(dims), keepdim=keepdim) / shards
-
-
-def bce_with_logits_mean_partial(x: torch.Tensor, target: torch.Tensor, shards: int) -> torch.Tensor:
-    """``binary_cross_entropy_with_logits``'s mean over this device's equal piece, divided by the
-    number of pieces: the pieces' sum is the whole mean."""
-    return torch.nn.functional.binary_cross_entropy_with_logits(x, target) / shards
 
 
 def causal_query_attention(
