@@ -56,9 +56,10 @@ def _cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
 @register(aten.binary_cross_entropy_with_logits)
 def _binary_cross_entropy(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     """An element-wise loss (multi-label classification, ELECTRA's discriminator): logits and
-    target of one shape split alike along any dimension; its sum is partial, its mean partial after
-    dividing by the shards (``Rewrite.MEAN_PARTIAL``: the local loss over the pieces), unreduced it stays split. Weights and
-    positive-class weights (broadcast) are left to run whole."""
+    target of one shape split alike along any dimension; its sum is partial, its mean partial
+    after dividing by the shards (``Rewrite.MEAN_PARTIAL``: the local loss over the pieces'
+    count), unreduced it stays split. Weights and positive-class weights (broadcast) are left to
+    run whole."""
     x, t = node.args[0], node.args[1]
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
     pos_weight = node.args[3] if len(node.args) > 3 else node.kwargs.get("pos_weight")
