@@ -82,8 +82,13 @@ def replicated_work(
     """Replicated work per axis (``autopar.audit``'s module docstring); ``floors``: per axis, the
     seconds of the cheapest collective on it (``collective_floors``): a stage's replicated work on
     an axis whose whole split would save no more than that is not counted, since split work must
-    meet the rest of the plan with at least one collective on that axis."""
+    meet the rest of the plan with at least one collective on that axis — and one more for each
+    op of the stage, replicated on the axis, whose rows split only with a collective inside it
+    (``autopar.rules.norms.SYNCED_WHEN_SPLIT``: a training batch norm synchronizes its
+    statistics; kept whole, it needs its input gathered instead). Such an op whose own split
+    would save no more than one collective is not counted by itself."""
     from autopar.cost import comm
+    from autopar.rules.norms import SYNCED_WHEN_SPLIT
 
     itemsize = int(plan.info.get("param_bytes", 4))
     microbatches = plan.pipeline.microbatches if plan.pipeline is not None else 1
@@ -97,15 +102,19 @@ def replicated_work(
         if n <= 1:
             continue
         per_stage: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        syncs: dict[int, int] = defaultdict(
+            int
+        )  # per stage, replicated ops that split only with a collective
         for node in plan.nodes:
-            if (
-                node.kind != "op"
-                or node.compute_time <= cheap
-                or node.op not in ruled
-                or node.name not in batched
-            ):
+            if node.kind != "op" or node.op not in ruled or node.name not in batched:
                 continue
             if node.split[a] or _placed_on(node, a):
+                continue
+            if node.op in SYNCED_WHEN_SPLIT:
+                syncs[stage_of.get(node.name, 0)] += 1
+                if floors is not None and node.compute_time * (1 - 1 / n) <= floors[a]:
+                    continue
+            if node.compute_time <= cheap:
                 continue
             shapes = [node.shape] + [by_name[i].shape for i in node.input_names if i in by_name]
             if not any(d >= n and d % n == 0 for s in shapes for d in s):
@@ -128,8 +137,8 @@ def replicated_work(
             per_stage[stage_of.get(node.name, 0)][label] += node.compute_time
         best: tuple[float, int, dict[str, float]] = (0.0, 0, {})
         for s, ops in per_stage.items():
-            if floors is not None and sum(ops.values()) * (1 - 1 / n) <= floors[a]:
-                continue  # splitting all of it would not pay for one collective
+            if floors is not None and sum(ops.values()) * (1 - 1 / n) <= floors[a] * (1 + syncs[s]):
+                continue  # splitting all of it would not pay for the collectives it needs
             share = sum(ops.values()) / stage_compute[s] if stage_compute[s] > 0 else 0.0
             if share > best[0]:
                 best = (share, s, ops)

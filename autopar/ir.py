@@ -84,6 +84,11 @@ class Rewrite(str, enum.Enum):
     """Attention over a sequence split along the axis, queries, keys and values alike, the keys and
     values passed around the axis's ring while each device attends to them (context
     parallelism's point-to-point form: ``autopar.program.ring_attention``)."""
+    SYNC_BATCH_NORM = "sync_batch_norm"
+    """Training batch norm over a batch (or spatial extent) split along the axis: each device's
+    per-channel count, mean and squared deviations are gathered and merged, so every device
+    normalizes with the statistics of the whole batch and updates the running statistics alike
+    (``torch.nn.SyncBatchNorm``'s statistics; ``autopar.program.local_ops.sync_batch_norm``)."""
 
     def __str__(self) -> str:
         return self.value

@@ -561,6 +561,29 @@ class _Lowerer:
             kw["row_copies"] = copies
         return self.g.call_function(fn, (args[0], args[1]), kw | {"row_axes": row_axes})
 
+    def lower_batch_norm(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
+        """Training batch norm over rows split along the axes the plan names
+        (``Rewrite.SYNC_BATCH_NORM``): the statistics merged over them (``O.sync_batch_norm``)."""
+        axes = [
+            self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.SYNC_BATCH_NORM and self.mesh[a] > 1
+        ]
+        names = [a.name for a in node.target._schema.arguments]
+        given = dict(zip(names, args)) | kwargs
+        return self.g.call_function(
+            O.sync_batch_norm,
+            (
+                given["input"],
+                given.get("weight"),
+                given.get("bias"),
+                given.get("running_mean"),
+                given.get("running_var"),
+                given["momentum"],
+                given["eps"],
+                axes,
+                op_name(node),
+            ),
+        )
+
     def lower_output(self, node: Node) -> None:
         replicated = tuple(Replicate() for _ in self.mesh)
         no_split = tuple(False for _ in self.mesh)
@@ -591,6 +614,7 @@ LOCAL_OPS = {
     Rewrite.LOSS_CLASSES: _Lowerer.lower_loss,
     Rewrite.CAUSAL_QUERIES: _Lowerer.lower_causal_queries,
     Rewrite.RING_ATTENTION: _Lowerer.lower_ring_attention,
+    Rewrite.SYNC_BATCH_NORM: _Lowerer.lower_batch_norm,
 }
 """Each ``Rewrite`` and the method that emits its local op (``autopar.program.local_ops``)."""
 

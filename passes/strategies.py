@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 from torch.fx import GraphModule, Node
 
+from autopar.cost.batch_norm import sync_batch_norm_cost
 from autopar.cost.compute import TensorArg, causal_share, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
@@ -363,6 +364,13 @@ def _cost_strategy(
                 stride = repeat_stride(broadcast_chain(x), spec, mesh)
                 kv += _nbytes(local_shape(tuple(t.shape), spec, mesh), t.dtype) / stride
             comm += sum(ring_exposed_time(mesh[a], kv, fwd, bwd, lambda b, a=a: ctx.mesh.p2p_cost(b, a)))
+        elif c == "sync_batch_norm":  # statistics gathered over the rows' devices (cost.batch_norm)
+            x = ins[0]
+            channels = local_shape(tuple(x.meta["val"].shape), s.inputs[0], mesh)[1]
+            before = math.prod(mesh[b] for b in range(a) if s.comms[b] == "sync_batch_norm")
+            comm += sync_batch_norm_cost(
+                ctx.mesh, a, channels, before=before, requires_grad=_requires_grad(x)
+            )
         elif c.startswith("moe_"):  # a grouped matmul over this device's experts (rules.routing)
             x, w = ins[0], ins[1]
             xb = _nbytes(local_shape(tuple(x.meta["val"].shape), s.inputs[0], mesh), x.meta["val"].dtype)

@@ -162,6 +162,57 @@ def test_a_small_models_loss_kept_whole_over_a_slow_link_is_priced_and_not_calle
     assert Audit.from_dict(whole.info["audit"]).replicated[0].share == 0.0
 
 
+def _bn_cnn() -> torch.nn.Module:
+    """Four convolutions, each with a training BatchNorm, and a classifier."""
+    layers: list[torch.nn.Module] = []
+    for c_in in (3, 8, 8, 8):
+        layers += [
+            torch.nn.Conv2d(c_in, 8, 3, padding=1, bias=False),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+        ]
+    return torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.LazyLinear(10))
+
+
+def test_a_small_cnns_batch_norms_kept_whole_over_a_slow_link_are_not_called_waste():
+    """A batch norm splits its batch only by synchronizing its statistics (a collective inside
+    the op). On two local gloo processes (60 µs a message) a tiny CNN is cheaper whole on each
+    device than split: each of its four batch norms would pay a gather and a reduce-scatter. The
+    audit counts one collective per such op on top of the one any split pays, so it does not call
+    the whole model waste; with collectives a hundred times cheaper it does."""
+    from autopar.audit_figures import collective_floors, replicated_work
+    from autopar.rules.base import rule_names
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _bn_cnn()
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.body(x), y)
+
+    torch.manual_seed(0)
+    model = Net()
+    batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
+    model(*batch)  # materialize the lazy classifier
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.plan(model, batch, autopar.Cluster.local(2), mesh_shape=(2,))
+    bns = [n for n in plan.nodes if n.op == "batch_norm"]
+    assert len(bns) == 4 and all(n.outputs[0] == ("R",) for n in bns)
+    assert not [w for w in caught if issubclass(w.category, AuditWarning)]
+    floors = collective_floors(plan)
+    assert floors is not None
+    by_name = {n.name: n for n in plan.nodes}
+    total = {0: sum(n.compute_time for n in plan.nodes)}
+    args = (plan, by_name, {}, total, rule_names(), None, 0.0)
+    assert replicated_work(*args, floors=floors)[0].share == 0.0
+    # One collective's floor alone would call the replicated convolutions waste.
+    work = sum(n.compute_time for n in plan.nodes if n.op in ("conv2d", "batch_norm")) / 2
+    assert work > floors[0]
+    assert replicated_work(*args, floors=[f / 100 for f in floors])[0].share > REPLICATED_WARN
+
+
 def test_pipelined_plans_take_the_share_per_stage():
     """The 1 ms loss is 1/11 of the step's compute but all of stage 1's: the last stage's share
     is what the audit reports (a pipeline's slowest stage sets the step)."""

@@ -7,6 +7,8 @@ before its fix:
 * BatchNorm's running statistics sharded by channel: a buffer an op writes into must reach it in
   its stored layout (a reshard copies it, and the write is lost) — planning keeps it there, and
   lowering refuses a plan that does not;
+* BatchNorm over a batch split over the devices: before its synchronized form it could split
+  channels only;
 * linears written ``x @ self.weight.T`` (transformers' Falcon) get Megatron-LM's tensor parallelism.
 
 The training checks run the three models on 2 gloo processes against one process, buffers
@@ -95,6 +97,11 @@ def _plan(name: str, layout: str, world: int) -> autopar.Plan | None:
     if layout == "bn_channels":  # BatchNorm split by channel: its running statistics too
         fixed = {"bn1.weight": ("S(0)",), "bn2.weight": ("S(0)",), "c1.weight": ("S(0)",)}
         return autopar.plan(model, batch, cluster, mesh_shape=(world,), fixed=fixed)
+    if layout == "bn_batch":  # BatchNorm over a split batch: statistics merged (synchronized)
+        # Latency-free links: the solver keeps the batch split through BatchNorm rather than
+        # gathering a model this small.
+        fast = autopar.Cluster.local(world, link_latency=1e-9)
+        return autopar.plan(model, batch, fast, mesh_shape=(world,), fixed={"args[0]": ("S(0)",)})
     return None  # auto: planned inside parallelize
 
 
@@ -156,6 +163,22 @@ def test_lowering_refuses_a_plan_that_reshards_a_buffer_an_op_writes_into():
         lower(autopar.capture(model, batch), bad, _axes(bad, (0,)), certify=False)
 
 
+def test_batch_norm_over_a_split_batch_merges_its_statistics():
+    """A training BatchNorm reading a batch split over the devices runs synchronized: its
+    statistics are gathered (priced as in-op communication), and the batch stays split through it
+    — before its rule, BatchNorm could split channels only, so a data-parallel CNN gathered every
+    activation it normalized."""
+    plan = _plan("bn_cnn", "bn_batch", 2)
+    bns = [n for n in plan.nodes if n.op == "batch_norm"]
+    assert len(bns) == 2
+    for bn in bns:
+        assert bn.inputs[0] == ("S(0)",) and bn.outputs[0] == ("S(0)",), bn
+        assert bn.rewrites == ("sync_batch_norm",) and bn.comms == ("sync_batch_norm",), bn
+        assert bn.comm_time > 0, bn
+    program = lower(autopar.capture(*build("bn_cnn")), plan, _axes(plan, (0,)))
+    assert "sync_batch_norm" in program.code
+
+
 def test_transposed_weight_matmuls_get_megatron_tensor_parallelism():
     plan = _plan("transposed_mlp", "megatron", 2)
     placed = plan.param_placements()
@@ -165,7 +188,11 @@ def test_transposed_weight_matmuls_get_megatron_tensor_parallelism():
 
 # ------------------------------------------------------------------------------------ 2 processes
 
-CASES = {"encoder": ("megatron", "auto"), "bn_cnn": ("bn_channels", "auto"), "transposed_mlp": ("megatron",)}
+CASES = {
+    "encoder": ("megatron", "auto"),
+    "bn_cnn": ("bn_channels", "bn_batch", "auto"),
+    "transposed_mlp": ("megatron",),
+}
 
 
 def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -156,6 +156,32 @@ def test_roll_and_flip_keep_every_dimension_they_do_not_move_split():
     assert _table(flat) == {(("R",), ("R",), ""), (("P",), ("P",), "")}
 
 
+def test_batch_norm_splits_channels_or_rows_synchronized_in_training():
+    """Channels split with weight, bias and running statistics; rows (batch, height, width) split
+    with them whole — in training only through the synchronized statistics
+    (``Rewrite.SYNC_BATCH_NORM``, a collective inside the op), in evaluation as they are. Before,
+    only channels split, so a data-parallel CNN gathered every activation it normalized."""
+    x, w, b, rm, rv = torch.randn(4, 6, 5, 5), torch.randn(6), torch.randn(6), torch.zeros(6), torch.ones(6)
+    rows = [("S(0)", "R", "R", "R", "R"), ("S(2)", "R", "R", "R", "R"), ("S(3)", "R", "R", "R", "R")]
+    channels = (("S(1)", "S(0)", "S(0)", "S(0)", "S(0)"), ("S(1)",), "")
+    replicated = (("R",) * 5, ("R",), "")
+    for training, rewrite in ((True, "sync_batch_norm"), (False, "")):
+        g = _graph(
+            lambda t, *p, tr=training: F.batch_norm(t, p[2], p[3], p[0], p[1], training=tr), x, w, b, rm, rv
+        )
+        (node,) = [n for n in g.nodes if n.op == "call_function" and "batch_norm" in str(n.target)]
+        assert has_rule(node)
+        expected = {replicated, channels} | {(r, (r[0],), rewrite) for r in rows}
+        table = _table(node)
+        assert {(ins, outs[:1], rw) for ins, outs, rw in table} == expected, (training, table)
+        synced = [s for s in axis_strategies(node) if s.rewrite]
+        assert all(s.comm == "sync_batch_norm" for s in synced) and bool(synced) == training
+    # Instance norm's statistics are per sample: its batch splits with no collective.
+    g = _graph(lambda t: F.instance_norm(t), x)
+    (node,) = [n for n in g.nodes if n.op == "call_function" and "instance_norm" in str(n.target)]
+    assert (("S(0)",), ("S(0)",), "") in _table(node)
+
+
 @pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
 def test_interpolation_splits_the_batch_and_channels_and_keeps_partial_sums(mode):
     """A segmentation head upsamples its feature map (SegFormer, U-Nets): without a rule it ran

@@ -13,6 +13,11 @@
   keys and values (context parallelism's all-gather form, Megatron-Core's
   ``cp_comm_type="all_gather"``): query row ``i`` at global position ``pos[i]`` sees keys
   ``0..pos[i]``; each run of the device's rows is one causal kernel over the keys up to it.
+* ``sync_batch_norm`` — training batch norm with the batch (or a spatial dimension) split: each
+  device's per-channel count, mean and sum of squared deviations (M2) are all-gathered and merged
+  (Chan et al.'s pairwise update, as ``torch.nn.SyncBatchNorm`` merges them), so every device
+  normalizes with the whole batch's statistics; the gather's backward is a reduce-scatter, the
+  statistics' gradient being partial (each device normalizes only its own rows).
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.program.collectives import AxisGroup, reduce_values
+from autopar.program.collectives import AxisGroup, all_gather, reduce_values
 
 __all__ = [
     "causal_query_attention",
     "mean_partial",
     "sharded_cross_entropy",
     "sharded_nll_loss",
+    "sync_batch_norm",
     "vocab_parallel_embedding",
 ]
 
@@ -232,3 +238,59 @@ def sharded_nll_loss(
     """``aten.nll_loss`` with rows split (the lowering refuses one with classes split)."""
     total = torch.nn.functional.nll_loss(log_probs, target, ignore_index=ignore_index, reduction="sum")
     return _reduce_rows(total, target, ignore_index, reduction, row_axes, row_copies)
+
+
+def sync_batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    axes: Sequence[AxisGroup],
+    form: str = "batch_norm",
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A training batch norm whose rows are split along ``axes`` (see the module docstring).
+
+    ``form`` is the aten op replaced, which fixes what is returned and whether the running
+    statistics are written in place: ``batch_norm`` (the output; in place), ``native_batch_norm``
+    and ``_native_batch_norm_legit`` (output, mean, inverse standard deviation; in place),
+    ``_native_batch_norm_legit_functional`` (those and the new running mean and variance). The
+    statistics are fp32 whatever ``x``'s dtype, as the aten kernels accumulate them."""
+    dims = (0, *range(2, x.dim()))
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    xf = x.float()
+    n = float(x.numel() // max(x.shape[1], 1))
+    mean = xf.mean(dims) if n else xf.new_zeros(x.shape[1])
+    m2 = ((xf - mean.view(shape)) ** 2).sum(dims)
+    stats = torch.stack([torch.full_like(mean, n), mean, m2]).unsqueeze(0)  # (1, 3, C)
+    for ax in axes:
+        stats = all_gather(stats, ax, 0, grad_partial=True)  # (devices so far, 3, C)
+    counts, means, m2s = stats.unbind(1)
+    total = counts.sum(0)
+    g_mean = (counts * means).sum(0) / total
+    g_m2 = m2s.sum(0) + (counts * (means - g_mean) ** 2).sum(0)
+    var = g_m2 / total
+    invstd = torch.rsqrt(var + eps)
+    y = (xf - g_mean.view(shape)) * invstd.view(shape)
+    if weight is not None:
+        y = y * weight.float().view(shape)
+    if bias is not None:
+        y = y + bias.float().view(shape)
+    y = y.to(x.dtype)
+    new_mean = new_var = None
+    if running_mean is not None and running_var is not None:
+        with torch.no_grad():
+            unbiased = g_m2.detach() / (total - 1).clamp(min=1)
+            new_mean = running_mean * (1 - momentum) + g_mean.detach().to(running_mean.dtype) * momentum
+            new_var = running_var * (1 - momentum) + unbiased.to(running_var.dtype) * momentum
+            if form != "_native_batch_norm_legit_functional":
+                running_mean.copy_(new_mean)
+                running_var.copy_(new_var)
+    if form == "batch_norm":
+        return y
+    saved = (g_mean.detach(), invstd.detach())
+    if form == "_native_batch_norm_legit_functional":
+        return (y, *saved, new_mean, new_var)
+    return (y, *saved)

@@ -1,11 +1,12 @@
 """Normalizations: layer/RMS/group norm shard the leading (non-normalized) dimensions; batch norm
-shards channels only (its statistics span the batch)."""
+shards channels, or rows with its statistics merged over the devices (synchronized batch norm)."""
 
 from __future__ import annotations
 
 from torch.fx import Node
 
 from autopar.graph import tensor_outputs
+from autopar.ir import Rewrite
 from autopar.placement import Shard
 from autopar.rules.base import AxisStrategy, R, aten, op_key, register, shape_of
 
@@ -28,20 +29,58 @@ def _layer_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     return out
 
 
+SYNCED_WHEN_SPLIT = frozenset(
+    {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional"}
+)
+"""Ops (as ``autopar.graph.op_name`` writes them) whose rows split over an axis only with a
+collective inside the op on it (a training batch norm's synchronized statistics)."""
+
+_TRAINING_ARG = {
+    aten.batch_norm: 5,
+    aten.native_batch_norm: 5,
+    aten._native_batch_norm_legit: 5,
+    aten._native_batch_norm_legit_functional: 5,
+}
+"""Each batch norm op's ``training`` argument (``_native_batch_norm_legit_no_training`` never trains)."""
+
+
 @register(
     aten.batch_norm,
     aten.native_batch_norm,
+    aten._native_batch_norm_legit,
     aten._native_batch_norm_legit_functional,
     aten._native_batch_norm_legit_no_training,
     aten.instance_norm,
 )
 def _batch_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
-    # Batch statistics span the batch: only the channel dimension (1) can be sharded, taking
-    # weight, bias and running stats along with it.
+    """Channels (dimension 1) split alike with weight, bias and running statistics; rows (the
+    batch, or a spatial dimension) split with the statistics whole: in training they are merged
+    over the devices (``Rewrite.SYNC_BATCH_NORM``, an all-gather of three numbers per channel);
+    in evaluation the stored statistics make the op element-wise. Instance norm's statistics are
+    per sample and channel: its batch splits freely when it keeps no running statistics."""
     x = node.args[0]
-    if len(shape_of(x)) < 2 or shape_of(x)[1] == 1:
+    xs = shape_of(x)
+    if len(xs) < 2:
         return []
     outs = tensor_outputs(node)
-    in_p = tuple(Shard(1) if i is x else Shard(0) for i in ins)
-    out_p = tuple(Shard(1) if o.dim() == len(shape_of(x)) else Shard(0) for o in outs)
-    return [AxisStrategy(in_p, out_p)]
+    key = op_key(node)
+    out = []
+    if xs[1] > 1:
+        in_p = tuple(Shard(1) if i is x else Shard(0) for i in ins)
+        out_p = tuple(Shard(1) if o.dim() == len(xs) else Shard(0) for o in outs)
+        out.append(AxisStrategy(in_p, out_p))
+    if key is aten.instance_norm:
+        if node.args[3] is None and xs[0] > 1:
+            out.append(AxisStrategy(tuple(Shard(0) if i is x else R for i in ins), (Shard(0),)))
+        return out
+    training = bool(node.args[_TRAINING_ARG[key]]) if key in _TRAINING_ARG else False
+    for d in (0, *range(2, len(xs))):
+        if xs[d] <= 1:
+            continue
+        in_p = tuple(Shard(d) if i is x else R for i in ins)
+        out_p = tuple(Shard(d) if o.dim() == len(xs) else R for o in outs)
+        if training:
+            out.append(AxisStrategy(in_p, out_p, rewrite=Rewrite.SYNC_BATCH_NORM, comm="sync_batch_norm"))
+        else:
+            out.append(AxisStrategy(in_p, out_p))
+    return out
