@@ -16,6 +16,9 @@ in the wheel: read a file through ``data_path(name)``, never by a path relative 
   ``examples/published_runs.py``; ``published_runs_more.csv`` — more such rows (Nemotron-4 15B and
   340B, GPT-3 175B, LLaMA 3.1 405B from NVIDIA's dgxc-benchmarking), held out: read after the cost
   model was fitted, never tuned to.
+* ``published_vision_runs.csv`` — published data-parallel ResNet-50 training throughput (NVIDIA's
+  DeepLearningExamples on DGX A100 and DGX-1, TF32/FP32 and mixed precision), predicted by
+  ``examples/vision_runs.py``: the CNN counterpart of the language-model rows, held out.
 
 ``check_calibration()`` returns one :class:`Comparison` per figure; ``format_comparisons`` prints
 them (``examples/check_calibration.py``).

@@ -18,7 +18,13 @@ memory_efficiency))`` — the roofline (Williams, Waterman and Patterson, CACM 2
    output tiles each run a loop over the reduction length ``K`` with a fixed prologue and epilogue
    (NVIDIA, "Matrix Multiplication Background User's Guide", §2.1 and §3), so efficiency grows with
    ``K`` to a plateau ``e_max``; ``fill = min(1, tiles / SMs)`` (128×128 output tiles) for a GEMM
-   too small to occupy the device. Fitted to measured matmuls by ``autopar.cost.fit``. Wave
+   too small to occupy the device. A GEMM with few output tiles and a long reduction (the
+   weight gradient of a convolution or linear over many rows: channels × channels out, batch ×
+   positions reduced) runs its reduction in ``s`` pieces on as many more SMs, the partial tiles
+   summed after (split-K: CUTLASS's parallel split-K; stream-K, Osama et al., PPoPP 2023, which
+   cuBLAS's and cuDNN's kernels use): ``fill`` counts ``tiles · s`` and ``K½`` applies to ``K/s``,
+   ``s`` the power of two that makes the kernel fastest (``split_k``); the partial tiles' fp32
+   traffic, ``2·s·m·n·4`` bytes, joins its memory bound. Fitted to measured matmuls by ``autopar.cost.fit``. Wave
    quantization beyond the first wave is not modelled: cuBLAS's Hopper kernels (persistent,
    stream-K) hide it, and the H100 reference shows none (16384×50304×2048 at 69.1 % of peak,
    8192×2048×2048 at 71.2 %).
@@ -65,6 +71,7 @@ __all__ = [
     "memory_time",
     "op_flops",
     "roofline_time",
+    "split_k",
 ]
 
 BACKWARD_FLOP_RATIO = {"matmul": 2.0, "attention": 2.5, "other": 1.0}
@@ -184,14 +191,38 @@ def memory_time(nbytes: float, device: DeviceSpec) -> float:
 
 
 def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> float:
-    """Fraction of peak an ``m×k @ k×n`` GEMM (``batch`` of them) reaches (module docstring, 1)."""
+    """Fraction of peak an ``m×k @ k×n`` GEMM (``batch`` of them) reaches (module docstring, 1),
+    its reduction split ``split_k`` ways where its output tiles alone leave SMs idle."""
+    splits = split_k(m, n, k, device, batch)
+    return _split_efficiency(m, n, k, device, batch, splits)
+
+
+def _split_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int, splits: int) -> float:
     e = device.compute_efficiency
     if device.matmul_k_half > 0:
-        e *= k / (k + device.matmul_k_half)
+        piece = k / splits
+        e *= piece / (piece + device.matmul_k_half)
     if device.sm_count > 0:
-        tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+        tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE) * splits
         e *= min(1.0, tiles / device.sm_count)
     return e
+
+
+def split_k(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> int:
+    """How many pieces a GEMM's reduction runs in (module docstring, 1): 1 where its output tiles
+    fill the device; else the power of two, up to the SMs its tiles leave idle and to pieces of
+    one tile's length, that makes it fastest — each piece pays its own prologue and epilogue
+    (``K½`` on a shorter ``K``)."""
+    if device.sm_count <= 0:
+        return 1
+    tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+    best, best_e, s = 1, -1.0, 1
+    while s == 1 or (tiles * s <= 2 * device.sm_count and k / s >= TILE):
+        e = _split_efficiency(m, n, k, device, batch, s)
+        if e > best_e:
+            best, best_e = s, e
+        s *= 2
+    return best
 
 
 def _head_dim_factor(d: int) -> float:
@@ -222,8 +253,11 @@ def kernel_time(kernel: Kernel, device: DeviceSpec) -> float:
     """Seconds ``kernel`` takes on ``device`` (module docstring)."""
     memory = kernel.nbytes / device.achieved_bandwidth
     if kernel.kind is KernelKind.GEMM:
-        e = gemm_efficiency(kernel.m, kernel.n, kernel.k, device, kernel.batch)
+        splits = split_k(kernel.m, kernel.n, kernel.k, device, kernel.batch)
+        e = _split_efficiency(kernel.m, kernel.n, kernel.k, device, kernel.batch, splits)
         compute = kernel.flops / (device.flops_for(kernel.dtype) * e)
+        if splits > 1:  # the partial tiles, written and read back in fp32
+            memory += 2 * splits * kernel.batch * kernel.m * kernel.n * 4 / device.achieved_bandwidth
     elif kernel.kind is KernelKind.ATTENTION:
         e = attention_efficiency(kernel.seq, kernel.head_dim, kernel.causal, kernel.backward, device)
         compute = kernel.flops / (device.flops_for(kernel.dtype) * e)

@@ -74,7 +74,11 @@ def _gemm_dims(op: str, ins: Sequence[TensorArg], out: TensorArg) -> tuple[int, 
 
 def _conv_dims(ins: Sequence[TensorArg], out: TensorArg, groups: int) -> tuple[int, int, int, int]:
     """Implicit-GEMM dimensions of a convolution: rows = batch × output positions, columns = output
-    channels per group, reduction = input channels per group × kernel size; one GEMM per group."""
+    channels per group, reduction = input channels per group × kernel size; one GEMM per group.
+    Its backward runs two more (NVIDIA, "Convolutional Layers User's Guide", §"Convolution
+    Algorithms"): the data gradient with the input channels per group as columns and the output
+    channels per group × kernel size reduced (its FLOPs the forward's: every multiply-add once),
+    the weight gradient with the rows reduced."""
     w = ins[1].shape
     c_out = out.shape[1] if len(out.shape) > 1 else 1
     rows = out.numel // max(c_out, 1)
@@ -252,8 +256,10 @@ def op_kernels(
         dtype = _gemm_dtype(ins[0].dtype, True)
         fwd.append(_gemm(m, n, k, g, dtype))
         if requires_grad:
-            if ins[0].grad:
-                bwd.append(_gemm(m, k, n, g, dtype))
+            if ins[0].grad:  # dgrad: columns the input channels, reduction output channels × kernel
+                w = ins[1].shape
+                c_in, taps = (w[1], math.prod(w[2:])) if len(w) > 1 else (1, 1)
+                bwd.append(_gemm(m, c_in, n * taps, g, dtype))
             if ins[1].grad:
                 bwd.append(_gemm(k, n, m, g, dtype))
             if len(ins) > 2 and ins[2].grad:

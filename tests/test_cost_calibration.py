@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import Cluster
-from autopar.cost.compute import gemm_efficiency
+from autopar.cost.compute import gemm_efficiency, split_k
 from autopar.cost.memory import zero_bytes_per_param
 from autopar.cost.optimizer import OptimizerSettings, optimizer_bytes_per_param
 from autopar.reference import check_calibration, read_matmul_rows, read_step_rows
@@ -40,8 +40,16 @@ def test_matmul_efficiency_rises_with_the_reduction_and_fills_the_device():
     dev = Cluster.preset("H100-SXM").device
     effs = [gemm_efficiency(8192, 8192, k, dev) for k in (256, 1024, 4096, 16384)]
     assert effs == sorted(effs) and effs[-1] <= dev.compute_efficiency
-    # Fewer output tiles than streaming multiprocessors leave units idle.
-    assert gemm_efficiency(128, 128, 8192, dev) < gemm_efficiency(8192, 8192, 8192, dev) / 10
+    big = gemm_efficiency(8192, 8192, 8192, dev)
+    # Fewer output tiles than streaming multiprocessors leave units idle where the reduction is
+    # too short to split among them.
+    assert split_k(128, 128, 512, dev) <= 4
+    assert gemm_efficiency(128, 128, 512, dev) < big / 10
+    # A long reduction is split over the idle units (split-K): a convolution's or linear's weight
+    # gradient over many rows (256 × 128 channels, 256 images × 56 × 56 positions reduced) runs
+    # near the plateau, not at a hundredth of the device as its two output tiles alone would.
+    assert split_k(256, 128, 256 * 56 * 56, dev) >= 32
+    assert gemm_efficiency(256, 128, 256 * 56 * 56, dev) > big / 2
 
 
 def test_zero_bytes_per_parameter_match_the_paper():
