@@ -71,6 +71,7 @@ __all__ = [
     "memory_time",
     "op_flops",
     "roofline_time",
+    "runs_on",
     "split_k",
 ]
 
@@ -112,6 +113,9 @@ class TensorArg:
     stored: float | None = None
     """Bytes of memory it actually occupies when less than ``numel · itemsize`` (an expanded view
     reads its small source); ``None``: ``numel · itemsize``."""
+    channels_last: bool = False
+    """Laid out with the channels (dimension 1) innermost (``torch.channels_last``): a
+    convolution's input reaches the tensor cores without a transpose (``op_kernels``)."""
 
     @property
     def numel(self) -> int:
@@ -154,6 +158,10 @@ class Kernel:
     launches: int = 1
     """Kernel launches it stands for (each ``DeviceSpec.kernel_overhead``): 0 for a share of a
     generated kernel launched at another op (``autopar.cost.compiled``)."""
+    tensor_cores: str = ""
+    """A layout change that runs only where the device has tensor cores for this dtype (its
+    ``peak_flops`` names it): a convolution's transposes around a channels-first tensor
+    (``op_kernels``); elsewhere no kernel."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +257,15 @@ def attention_efficiency(seq: int, head_dim: int, causal: bool, backward: bool, 
     return e * seq / (seq + half) if half > 0 else e
 
 
+def runs_on(kernel: Kernel, device: DeviceSpec) -> bool:
+    """Whether ``kernel`` runs at all on ``device`` (``Kernel.tensor_cores``)."""
+    return not kernel.tensor_cores or kernel.tensor_cores in device.peak_flops
+
+
 def kernel_time(kernel: Kernel, device: DeviceSpec) -> float:
     """Seconds ``kernel`` takes on ``device`` (module docstring)."""
+    if not runs_on(kernel, device):
+        return 0.0
     memory = kernel.nbytes / device.achieved_bandwidth
     if kernel.kind is KernelKind.GEMM:
         splits = split_k(kernel.m, kernel.n, kernel.k, device, kernel.batch)

@@ -9,8 +9,9 @@ predicted step turned into images per second, against the published figure.
     python examples/vision_runs.py --rows 2 4   # some rows (1-based)
 
 Precision: ``tf32`` and ``fp32`` plan the float32 model (float32 convolutions run on TF32 tensor
-cores where the device has them, cuDNN's default); ``amp`` plans it in bfloat16 (autocast fp16 in
-the source; the same tensor-core rate). The plan synchronizes BatchNorm over the data-parallel
+cores where the device has them, cuDNN's default) in PyTorch's default channels-first layout, as
+the source runs them; ``amp`` plans it in bfloat16 (autocast fp16 in the source; the same
+tensor-core rate) with model and images channels-last (the source's ``memory_format: nhwc``). The plan synchronizes BatchNorm over the data-parallel
 ranks (autopar keeps one device's numerics); the source's DDP runs each GPU's BatchNorm alone —
 a few latency-bound gathers per layer, small beside the step.
 """
@@ -56,11 +57,13 @@ def predict(row: VisionRow) -> float:
 
     with torch.device("meta"):
         model = transformers.ResNetForImageClassification(transformers.ResNetConfig(num_labels=1000))
-    dtype = torch.bfloat16 if row.precision == "amp" else torch.float32
-    model = model.to(dtype)
+    amp = row.precision == "amp"
+    dtype = torch.bfloat16 if amp else torch.float32
+    layout = torch.channels_last if amp else torch.contiguous_format  # the source's memory_format
+    model = model.to(dtype=dtype, memory_format=layout)
     b = row.batch_per_gpu * row.gpus
     batch = {
-        "pixel_values": torch.empty(b, 3, 224, 224, device="meta", dtype=dtype),
+        "pixel_values": torch.empty(b, 3, 224, 224, device="meta", dtype=dtype).to(memory_format=layout),
         "labels": torch.empty(b, dtype=torch.long, device="meta"),
     }
     cluster = autopar.Cluster.preset(row.device, row.gpus)

@@ -431,7 +431,21 @@ def _arg(n: Node, grad: bool) -> TensorArg:
             stored = float(v.untyped_storage().nbytes())
         except (RuntimeError, NotImplementedError, AttributeError):
             stored = None
-    return TensorArg(tuple(int(s) for s in v.shape), dtype, grad, stored)
+    return TensorArg(tuple(int(s) for s in v.shape), dtype, grad, stored, channels_last(v))
+
+
+def channels_last(v: torch.Tensor) -> bool:
+    """Whether a 4-d or 5-d value is laid out channels-last (``torch.channels_last`` or
+    ``channels_last_3d``): dense in that order, its channel stride (dimension 1) strictly the
+    smallest — so a 1×1 convolution's weight converted with ``model.to(memory_format=...)`` counts
+    (its strides say so) though its memory reads the same either way."""
+    if v.dim() not in (4, 5) or v.shape[1] <= 1:
+        return False
+    fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
+    try:
+        return v.is_contiguous(memory_format=fmt) and v.stride(1) < min(v.stride()[2:])
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def grad_contributions(node: Node) -> int:

@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.compute import OpKernels, kernel_time
+from autopar.cost.compute import OpKernels, kernel_time, runs_on
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.optimizer import OptimizerSettings, optimizer_step_time
 from autopar.cost.step import MemoryTrace, StepEstimate, eager_time
@@ -147,6 +147,9 @@ def single_device_step(gm: GraphModule, ctx: PassContext, options: StepOptions |
         if n.op != "call_function":
             continue
         ks = node_kernels(n, tf32=ctx.config.matmul_tf32)
+        ks = OpKernels(  # a layout change this device never runs is no launch either
+            tuple(k for k in ks.fwd if runs_on(k, device)), tuple(k for k in ks.bwd if runs_on(k, device))
+        )
         bwd_kernels[n] = ks
         dev = sum(kernel_time(k, device) for k in ks.fwd)
         fwd_dev += dev

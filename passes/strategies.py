@@ -44,7 +44,13 @@ from autopar.cost.ring_attention import ring_exposed_time, striped_ring_share
 from autopar.graph import OpFamily, op_family, op_info, op_name, outer_instance, tensor_inputs, tensor_outputs
 from autopar.ir import COST, STRATEGIES, TENSOR, NodeStrategies, Rewrite, Strategy
 from autopar.passes import PassContext, zero_stages
-from autopar.passes.annotate import extra_saved_bytes, node_kernels, ordered_tensor_args, value_is_saved
+from autopar.passes.annotate import (
+    channels_last,
+    extra_saved_bytes,
+    node_kernels,
+    ordered_tensor_args,
+    value_is_saved,
+)
 from autopar.passes.chain_records import CHAIN, compile_assumed
 from autopar.passes.formulate import parse_fixed, spec_matches
 from autopar.passes.fusion import FUSION, fusion_assumed, fusion_role
@@ -328,7 +334,11 @@ def _cost_strategy(
         v = a.meta["val"]
         spec = spec_of.get(a)
         shape = local_shape(tuple(v.shape), spec, mesh) if spec is not None else tuple(v.shape)
-        args.append(TensorArg(shape, str(v.dtype).replace("torch.", ""), _requires_grad(a)))
+        args.append(
+            TensorArg(
+                shape, str(v.dtype).replace("torch.", ""), _requires_grad(a), channels_last=channels_last(v)
+            )
+        )
     local_outs = [
         TensorArg(local_shape(tuple(o.shape), spec, mesh), str(o.dtype).replace("torch.", ""))
         for o, spec in zip(outs, s.outputs)
