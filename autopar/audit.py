@@ -70,6 +70,10 @@ Thresholds (each finding says what it measured against):
 * ``COMM_WARN`` = 4 × the bound on an axis, and the excess worth more than ``COMM_MATERIAL`` = 5 %
   of the step at the axis's bandwidth: sequence parallelism and ZeRO read up to 3× by
   construction (above); beyond 4× something moves data the layout does not need.
+* ``LAYOUT_WARN`` = 5 % of the compute in layout changes a library runs around an op
+  (``plan.info["layout_time"]``, ``autopar.ir.Strategy.layout_time``): cuDNN transposing the
+  channels-first tensors of convolutions on tensor cores, which a model and its images converted
+  to channels-last never pay (~30 % of a ResNet-50's step, MosaicML's Composer "Channels Last").
 * ``MFU_ERROR`` = 0.9: no training step reaches 90 % of a GPU's dense peak (the calibrated large
   matmul alone plateaus at 0.807 of it on every preset, ``DeviceSpec.compute_efficiency``): above
   it the prediction is a bug, not a result.
@@ -123,6 +127,9 @@ COMM_WARN = 4.0
 """Plan bytes over the bound on an axis above which the audit warns (with ``COMM_MATERIAL``)."""
 COMM_MATERIAL = 0.05
 """Share of the step the excess communication must be worth for the audit to warn."""
+LAYOUT_WARN = 0.05
+"""Share of the compute in layout changes around ops (``plan.info["layout_time"]``) above which
+the audit warns."""
 MFU_ERROR = 0.9
 """MFU above which the prediction is an error."""
 
@@ -150,11 +157,12 @@ class Finding:
     """``"info"`` (a figure worth reading), ``"warning"`` (it costs time worth fixing) or
     ``"error"`` (the prediction cannot be right)."""
     kind: str
-    """``"replicated_work"``, ``"unruled_ops"``, ``"communication"`` or ``"utilization"``."""
+    """``"replicated_work"``, ``"unruled_ops"``, ``"communication"``, ``"layout"`` or ``"utilization"``."""
     message: str
     share: float = 0.0
     """What the finding measures, as a fraction: of a stage's compute (replicated work), of the
-    step's compute (unruled ops), of the step (excess communication), of the peak (utilisation)."""
+    step's compute (unruled ops, layout changes), of the step (excess communication), of the peak
+    (utilisation)."""
 
     def __str__(self) -> str:
         return f"{self.severity}: {self.message}"
@@ -343,6 +351,20 @@ def audit(plan: Plan) -> Audit:
                     excess,
                 )
             )
+
+    layout = float(plan.info.get("layout_time", 0.0))
+    if total > 0 and layout / total > LAYOUT_WARN:
+        findings.append(
+            Finding(
+                "warning",
+                "layout",
+                f"{layout / total * 100:.0f} % of the compute is cuDNN transposing channels-first tensors "
+                f"around convolutions on tensor cores: convert the model and its inputs to channels-last "
+                f"(model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)) "
+                f"and plan again",
+                layout / total,
+            )
+        )
 
     flops = model_flops(plan, by_name)
     peak = peak_flops(plan)

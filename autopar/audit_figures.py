@@ -86,7 +86,11 @@ def replicated_work(
     op of the stage, replicated on the axis, whose rows split only with a collective inside it
     (``autopar.rules.norms.SYNCED_WHEN_SPLIT``: a training batch norm synchronizes its
     statistics; kept whole, it needs its input gathered instead). Such an op whose own split
-    would save no more than one collective is not counted by itself."""
+    would save no more than one collective is not counted by itself. What a split saves is the
+    fraction the plan records (``NodePlan.split_gain``: by the cost model) of the op's compute,
+    else an even split's ``(1 − 1/n)``; an op whose split would save under half of an even
+    split's is not counted (kernels too small to fill the device take as long on a piece: a tiny
+    model's LM head)."""
     from autopar.cost import comm
     from autopar.rules.norms import SYNCED_WHEN_SPLIT
 
@@ -102,9 +106,9 @@ def replicated_work(
         if n <= 1:
             continue
         per_stage: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        syncs: dict[int, int] = defaultdict(
-            int
-        )  # per stage, replicated ops that split only with a collective
+        gains: dict[int, float] = defaultdict(float)  # per stage, what splitting its counted work saves
+        # per stage, replicated ops that split only with a collective
+        syncs: dict[int, int] = defaultdict(int)
         for node in plan.nodes:
             if node.kind != "op" or node.op not in ruled or node.name not in batched:
                 continue
@@ -116,6 +120,12 @@ def replicated_work(
                     continue
             if node.compute_time <= cheap:
                 continue
+            even = 1 - 1 / n  # what an even split saves
+            if len(node.split_gain) == len(plan.mesh_shape) and node.split_gain[a] >= 0:  # the cost model's
+                if node.split_gain[a] < even / 2:
+                    continue  # its kernels do not shorten when split: they never fill the device
+                even = node.split_gain[a]
+            gain = node.compute_time * even
             shapes = [node.shape] + [by_name[i].shape for i in node.input_names if i in by_name]
             if not any(d >= n and d % n == 0 for s in shapes for d in s):
                 continue
@@ -131,13 +141,14 @@ def replicated_work(
                     )
                     for p in unreduced
                 )
-                if unreduced and node.compute_time * microbatches * (1 - 1 / n) <= added:
+                if unreduced and gain * microbatches <= added:
                     continue
             label = f"{_LAYER_INDEX.sub(r'.*', node.module) or '<top>'}: {node.op}"
             per_stage[stage_of.get(node.name, 0)][label] += node.compute_time
+            gains[stage_of.get(node.name, 0)] += gain
         best: tuple[float, int, dict[str, float]] = (0.0, 0, {})
         for s, ops in per_stage.items():
-            if floors is not None and sum(ops.values()) * (1 - 1 / n) <= floors[a] * (1 + syncs[s]):
+            if floors is not None and gains[s] <= floors[a] * (1 + syncs[s]):
                 continue  # splitting all of it would not pay for the collectives it needs
             share = sum(ops.values()) / stage_compute[s] if stage_compute[s] > 0 else 0.0
             if share > best[0]:

@@ -160,6 +160,9 @@ class Strategy:
     """Forward + backward seconds on one device, local shapes."""
     comm_time: float = field(default=0.0, compare=False)
     """Seconds of collectives inside the op (forward + backward)."""
+    layout_time: float = field(default=0.0, compare=False)
+    """Of ``compute_time``: seconds of layout changes the op's library runs around it (cuDNN's
+    transposes of a channels-first convolution on tensor cores, ``autopar.cost.op_kernels``)."""
     memory: float = field(default=0.0, compare=False)
     """Bytes one device holds for this node: saved activations, or parameter training state."""
     offloaded: float = field(default=0.0, compare=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -137,6 +138,7 @@ def build_plan(
                 zero_stage=s.zero_stage,
                 offloaded=s.offloaded,
                 recomputed=s.recomputed,
+                split_gain=_split_gain(s, ns.strategies, mesh.shape),
             )
         )
     reshards: list[ReshardPlan] = []
@@ -238,6 +240,7 @@ def build_plan(
                 )
             )
     compute = sum(s.compute_time for s in chosen.values())
+    layout = sum(s.layout_time for s in chosen.values())
     params = {}
     inputs = {}
     for n, s in chosen.items():
@@ -274,8 +277,31 @@ def build_plan(
                 "solve_time": sol.solve_time,
                 **sol.stats,
             }
-        },
+        }
+        | ({"layout_time": layout} if layout > 0 else {}),
     )
+
+
+def _split_gain(s: Strategy, options: Sequence[Strategy], mesh: tuple[int, ...]) -> tuple[float, ...]:
+    """``NodePlan.split_gain``: per axis, among the options that split the other axes as ``s``
+    does, one less the fastest splitting this axis over the fastest not splitting it; -1 where
+    either is missing (a layout that fixed the node's strategy leaves no rival to compare)."""
+
+    def pattern(t: Strategy, a: int) -> tuple[bool, ...]:
+        return tuple(bool(t.split and t.split[b]) for b in range(len(mesh)) if b != a)
+
+    out = []
+    for a, n in enumerate(mesh):
+        alike = [t for t in options if pattern(t, a) == pattern(s, a)]
+        split = [t.compute_time for t in alike if t.split and t.split[a]]
+        whole = [t.compute_time for t in alike if not (t.split and t.split[a])]
+        if n <= 1:
+            out.append(0.0)
+        elif not split or not whole or min(whole) <= 0:
+            out.append(-1.0)
+        else:
+            out.append(max(0.0, 1 - min(split) / min(whole)))
+    return tuple(out)
 
 
 def _step_str(st: Any) -> str:

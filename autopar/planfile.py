@@ -61,6 +61,14 @@ class NodePlan:
     recomputed: bool = False
     """Computed again in backward instead of saved (``Plan.recompute == "ops"``: the solver's
     per-activation choice)."""
+    split_gain: tuple[float, ...] = ()
+    """Per mesh axis: the fraction of the op's compute that splitting it along the axis saves, by
+    the cost model — among its strategies that split the other axes as the chosen one does, one
+    less the fastest that splits this axis over the fastest that does not: ``(n − 1)/n`` for
+    kernels that fill the device, less for kernels too small to (a tiny model's LM head takes as
+    long on a piece); -1 where the planner had no such pair to compare (a layout that fixed the
+    op's strategy). The plan audit's replicated work counts by it (``autopar.audit``). Empty
+    where the plan's maker did not record it."""
 
 
 @dataclass(frozen=True, slots=True)

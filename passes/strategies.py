@@ -357,6 +357,8 @@ def _cost_strategy(
     dev = ctx.cluster.device
     fwd = sum(kernel_time(k, dev) for k in ks.fwd)
     bwd = sum(kernel_time(k, dev) for k in ks.bwd)
+    layout_fwd = sum(kernel_time(k, dev) for k in ks.fwd if k.tensor_cores)
+    layout = layout_fwd + sum(kernel_time(k, dev) for k in ks.bwd if k.tensor_cores)
     comm = 0.0
     for a, c in enumerate(s.comms):
         if c.startswith("all_reduce:"):
@@ -400,12 +402,16 @@ def _cost_strategy(
         mem += sum(_nbytes(local_shape(tuple(o.shape), sp, mesh), o.dtype) for o, sp in zip(outs, s.outputs))
     mem += extra_saved_bytes(node, fused) / divisor
     if recomputed(node, ctx.config.recompute, layers):  # its forward runs again in backward; nothing saved
-        return replace(s, compute_time=2 * fwd + bwd, comm_time=2 * comm, memory=0.0)
+        return replace(
+            s, compute_time=2 * fwd + bwd, comm_time=2 * comm, memory=0.0, layout_time=layout + layout_fwd
+        )
     if offload and mem > 0 and outer_instance(info.module) in offload:
         # saved on the host; one offloaded layer's worth counted on the device (cost.offload)
         share = ACTIVATION_WINDOW / len(offload)
-        return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem * share, offloaded=mem)
-    return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem)
+        return replace(
+            s, compute_time=fwd + bwd, comm_time=comm, memory=mem * share, offloaded=mem, layout_time=layout
+        )
+    return replace(s, compute_time=fwd + bwd, comm_time=comm, memory=mem, layout_time=layout)
 
 
 def _requires_grad(node: Node) -> bool:

@@ -213,6 +213,45 @@ def test_a_small_cnns_batch_norms_kept_whole_over_a_slow_link_are_not_called_was
     assert replicated_work(*args, floors=[f / 100 for f in floors])[0].share > REPLICATED_WARN
 
 
+def test_channels_first_convolutions_on_tensor_cores_are_named_with_the_fix():
+    """cuDNN transposes a channels-first tensor around every convolution it runs on tensor cores:
+    a CNN planned in PyTorch's default layout on A100s spends a quarter of its compute there, and
+    the audit says so with the fix; the same model converted to channels-last pays none, and on a
+    device without tensor cores for its dtype (float32 on V100s) there is nothing to say."""
+
+    def planned(layout: torch.memory_format, device: str) -> autopar.Plan:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(
+                *[
+                    m
+                    for c_in in (3, 64, 64, 64)
+                    for m in (torch.nn.Conv2d(c_in, 64, 3, padding=1), torch.nn.ReLU())
+                ],
+                torch.nn.AdaptiveAvgPool2d(1),
+                torch.nn.Flatten(),
+                torch.nn.Linear(64, 10),
+            )
+        model = model.to(memory_format=layout)
+        x = torch.empty(256, 3, 64, 64, device="meta").to(memory_format=layout)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = autopar.plan(model, (x,), autopar.Cluster.preset(device, 2), mesh_shape=(2,))
+        plan.info["caught"] = [str(w.message) for w in caught if issubclass(w.category, AuditWarning)]
+        return plan
+
+    first = planned(torch.contiguous_format, "A100-80GB")
+    (finding,) = [f for f in Audit.from_dict(first.info["audit"]).findings if f.kind == "layout"]
+    assert finding.severity == "warning" and 0.1 < finding.share < 0.6, finding
+    assert "memory_format=torch.channels_last" in finding.message
+    assert any("channels-last" in m for m in first.info["caught"])
+    last = planned(torch.channels_last, "A100-80GB")
+    assert "layout_time" not in last.info
+    assert not [f for f in Audit.from_dict(last.info["audit"]).findings if f.kind == "layout"]
+    assert last.predicted.step_time < first.predicted.step_time * (1 - finding.share / 2)
+    v100 = planned(torch.contiguous_format, "V100-32GB")
+    assert "layout_time" not in v100.info
+
+
 def test_pipelined_plans_take_the_share_per_stage():
     """The 1 ms loss is 1/11 of the step's compute but all of stage 1's: the last stage's share
     is what the audit reports (a pipeline's slowest stage sets the step)."""
@@ -291,7 +330,9 @@ def test_communication_is_compared_with_its_bound(gpt_plan):
 def gpt_batch():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, vocab_size=1024, block_size=128))
-    idx = torch.empty(16, 128, dtype=torch.long, device="meta")
+    # 64 sequences: with 16, the LM head's GEMMs on 8 A100s are too small to fill the device, so
+    # splitting it further saves nothing and the optimum keeps it whole on one axis.
+    idx = torch.empty(64, 128, dtype=torch.long, device="meta")
     return model, (idx, idx.clone())
 
 
@@ -339,10 +380,10 @@ def test_megatron_with_sequence_parallelism_is_clean_and_without_it_norms_repeat
         plain = autopar.layouts.megatron(*gpt_batch, A100, tp=4, float32_matmul_precision="high")
     assert len(got) == 1 and got[0].filename == __file__  # one warning, at the caller's line
     tp = Audit.from_dict(plain.info["audit"]).replicated[1]
-    # Above the warning threshold, the norms first: each LayerNorm is 2.5 % of the step (the residual
-    # add beside it no longer fused with it: that kernel measured slower than eager).
+    # Above the warning threshold, the norms among its three largest, beside the residual adds (no
+    # longer fused with them: that kernel measured slower than eager).
     assert tp.axis == "tp" and tp.share > REPLICATED_WARN
-    assert [op for op, _ in tp.ops[:2]] == ["blocks.*.ln_1: layer_norm", "blocks.*.ln_2: layer_norm"]
+    assert {"blocks.*.ln_1: layer_norm", "blocks.*.ln_2: layer_norm"} <= {op for op, _ in tp.ops}
 
 
 def test_fsdp_is_audited_and_splits_the_work_with_every_gathered_weight(gpt_batch):
