@@ -182,6 +182,24 @@ def test_batch_norm_splits_channels_or_rows_synchronized_in_training():
     assert (("S(0)",), ("S(0)",), "") in _table(node)
 
 
+def test_random_fills_split_like_dropout():
+    """A router's Gumbel or exponential noise (PhiMoE's ``empty_like(x).exponential_()``), uniform
+    jitter and Bernoulli masks: each device draws its piece, as dropout does; before, they had no
+    rule and ran whole on every device."""
+    x = torch.rand(4, 6)
+    fills = {
+        "exponential_": lambda t: torch.empty_like(t).exponential_() * t,
+        "uniform_": lambda t: torch.empty_like(t).uniform_(-1, 1) + t,
+        "normal_": lambda t: torch.empty_like(t).normal_() + t,
+        "bernoulli": lambda t: torch.bernoulli(t) * t,
+    }
+    for op, fn in fills.items():
+        node = _node(_graph(fn, x), op)
+        assert has_rule(node), op
+        table = _table(node)
+        assert (("S(0)",), ("S(0)",), "") in table and (("S(1)",), ("S(1)",), "") in table, (op, table)
+
+
 @pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
 def test_interpolation_splits_the_batch_and_channels_and_keeps_partial_sums(mode):
     """A segmentation head upsamples its feature map (SegFormer, U-Nets): without a rule it ran

@@ -41,6 +41,13 @@ UNARY = [
     aten.bitwise_not,
     aten.dropout,
     aten.native_dropout,
+    # Random fills of a tensor's elements (Gumbel or exponential noise of a router, jitter): each
+    # device draws its piece, as dropout does.
+    aten.uniform_,
+    aten.exponential_,
+    aten.normal_,
+    aten.bernoulli_,
+    aten.bernoulli,
     aten.clone,
     aten.lift_fresh_copy,
     aten.fill,
