@@ -563,7 +563,8 @@ class _Lowerer:
 
     def lower_batch_norm(self, node: Node, p: NodePlan, args: tuple, kwargs: dict, ins: list[Node]) -> Node:
         """Training batch norm over rows split along the axes the plan names
-        (``Rewrite.SYNC_BATCH_NORM``): the statistics merged over them (``O.sync_batch_norm``)."""
+        (``Rewrite.SYNC_BATCH_NORM``): the statistics merged over them (``O.sync_batch_norm``),
+        gathered or all-reduced as the plan's in-op collective says."""
         axes = [
             self.ax(a) for a, r in enumerate(p.rewrites) if r == Rewrite.SYNC_BATCH_NORM and self.mesh[a] > 1
         ]
@@ -581,6 +582,7 @@ class _Lowerer:
                 given["eps"],
                 axes,
                 op_name(node),
+                "sync_batch_norm_reduce" in p.comms,
             ),
         )
 

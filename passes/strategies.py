@@ -34,7 +34,7 @@ from dataclasses import replace
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.cost.batch_norm import sync_batch_norm_cost
+from autopar.cost.batch_norm import sync_batch_norm_cost, sync_batch_norm_reduce_cost
 from autopar.cost.compute import TensorArg, causal_share, itemsize, kernel_time, memory_time
 from autopar.cost.memory import training_state_bytes
 from autopar.cost.moe import expert_all_to_all_cost
@@ -142,6 +142,8 @@ def _combine(
             node, combo, mesh_shape
         ):
             continue
+        if len({c.comm for c in combo if c.rewrite is Rewrite.SYNC_BATCH_NORM}) > 1:
+            continue  # a batch norm merges its statistics in one form over all its axes
         in_specs = tuple(
             None if combo[0].inputs[j] is None else tuple(c.inputs[j] for c in combo) for j in range(len(ins))
         )
@@ -383,6 +385,10 @@ def _cost_strategy(
             comm += sync_batch_norm_cost(
                 ctx.mesh, a, channels, before=before, requires_grad=_requires_grad(x)
             )
+        elif c == "sync_batch_norm_reduce":  # or all-reduced in two passes (cost.batch_norm)
+            x = ins[0]
+            channels = local_shape(tuple(x.meta["val"].shape), s.inputs[0], mesh)[1]
+            comm += sync_batch_norm_reduce_cost(ctx.mesh, a, channels, requires_grad=_requires_grad(x))
         elif c.startswith("moe_"):  # a grouped matmul over this device's experts (rules.routing)
             x, w = ins[0], ins[1]
             xb = _nbytes(local_shape(tuple(x.meta["val"].shape), s.inputs[0], mesh), x.meta["val"].dtype)

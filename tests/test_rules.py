@@ -161,6 +161,8 @@ def test_batch_norm_splits_channels_or_rows_synchronized_in_training():
     with them whole — in training only through the synchronized statistics
     (``Rewrite.SYNC_BATCH_NORM``, a collective inside the op), in evaluation as they are. Before,
     only channels split, so a data-parallel CNN gathered every activation it normalized."""
+    from autopar.rules.norms import SYNC_FORMS
+
     x, w, b, rm, rv = torch.randn(4, 6, 5, 5), torch.randn(6), torch.randn(6), torch.zeros(6), torch.ones(6)
     rows = [("S(0)", "R", "R", "R", "R"), ("S(2)", "R", "R", "R", "R"), ("S(3)", "R", "R", "R", "R")]
     channels = (("S(1)", "S(0)", "S(0)", "S(0)", "S(0)"), ("S(1)",), "")
@@ -175,7 +177,9 @@ def test_batch_norm_splits_channels_or_rows_synchronized_in_training():
         table = _table(node)
         assert {(ins, outs[:1], rw) for ins, outs, rw in table} == expected, (training, table)
         synced = [s for s in axis_strategies(node) if s.rewrite]
-        assert all(s.comm == "sync_batch_norm" for s in synced) and bool(synced) == training
+        # Each row split in both merge forms: gathered, or all-reduced in two passes.
+        assert {s.comm for s in synced} == (set(SYNC_FORMS) if training else set())
+        assert len(synced) == (len(rows) * len(SYNC_FORMS) if training else 0)
     # Instance norm's statistics are per sample: its batch splits with no collective.
     g = _graph(lambda t: F.instance_norm(t), x)
     (node,) = [n for n in g.nodes if n.op == "call_function" and "instance_norm" in str(n.target)]

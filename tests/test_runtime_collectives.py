@@ -226,6 +226,46 @@ def _check_run_reshard(axes, salt: int) -> dict[str, list[str]]:
     return {f"run_reshard on mesh {mesh} ({len(layouts)}² layout pairs)": problems}
 
 
+def _check_sync_batch_norm(axes: list, piece: int, pieces: int) -> dict[str, list[str]]:
+    """``local_ops.sync_batch_norm`` in both forms, the batch split over ``axes`` (this device's
+    ``piece`` of ``pieces``), against ``F.batch_norm`` on the whole batch: output, the input's
+    and the weight's gradients (the weight's summed over the devices), running statistics."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autopar.program.local_ops import sync_batch_norm
+
+    out: dict[str, list[str]] = {}
+    for reduce in (False, True):
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(4 * pieces, 3, 5, 5, generator=g) * 3 + 1
+        r = torch.randn(x.shape, generator=g)
+        w0, b0 = torch.randn(3, generator=g), torch.randn(3, generator=g)
+        ref_x, ref_w = x.clone().requires_grad_(), w0.clone().requires_grad_()
+        rm, rv = torch.zeros(3), torch.ones(3)
+        y = F.batch_norm(ref_x, rm, rv, ref_w, b0, training=True, momentum=0.1, eps=1e-5)
+        (y * r).sum().backward()
+        rows = slice(4 * piece, 4 * piece + 4)
+        mine_x, mine_w = x[rows].clone().requires_grad_(), w0.clone().requires_grad_()
+        mrm, mrv = torch.zeros(3), torch.ones(3)
+        got = sync_batch_norm(mine_x, mine_w, b0, mrm, mrv, 0.1, 1e-5, axes, "batch_norm", reduce)
+        (got * r[rows]).sum().backward()
+        dw = mine_w.grad.clone()
+        dist.all_reduce(dw)  # a replicated weight read by split work: its gradient is partial
+        msgs = []
+        for what, a, b in (
+            ("output", got, y[rows]),
+            ("input gradient", mine_x.grad, ref_x.grad[rows]),
+            ("weight gradient", dw, ref_w.grad),
+            ("running mean", mrm, rm),
+            ("running variance", mrv, rv),
+        ):
+            if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+                msgs.append(f"{what} differs by {(a - b).abs().max():.2e}")
+        out[f"sync_batch_norm ({'all-reduce' if reduce else 'all-gather'}) over {len(axes)} axes"] = msgs
+    return out
+
+
 def collectives_worker(rank: int, world: int) -> dict[str, list[str]]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -237,6 +277,7 @@ def collectives_worker(rank: int, world: int) -> dict[str, list[str]]:
     for name, msgs in _Checks(ax, salt=0).all().items():
         problems[f"world axis: {name}"] = msgs
     problems.update(_check_run_reshard([ax], salt=0))
+    problems.update(_check_sync_batch_norm([ax], rank, world))
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
         coord = mesh.get_coordinate()
@@ -248,6 +289,7 @@ def collectives_worker(rank: int, world: int) -> dict[str, list[str]]:
             for name, msgs in _Checks(sub, salt=1 + coord[1 - a]).all().items():
                 problems[f"{sub.name} axis of 2 × 2: {name}"] = msgs
         problems.update(_check_run_reshard(axes, salt=3))
+        problems.update(_check_sync_batch_norm(axes, 2 * coord[0] + coord[1], 4))
     return problems
 
 
@@ -267,6 +309,8 @@ def test_collectives_forward_values_and_conjugate_gradients(world):
         "grad_sync",
         "all_gather_param",
         "run_reshard",
+        "sync_batch_norm (all-gather)",
+        "sync_batch_norm (all-reduce)",
     ):
         assert any(op in n for n in names), f"no check ran for {op}"
     assert any("blocks=3" in n and "all_gather" in n for n in names)

@@ -17,7 +17,8 @@
   device's per-channel count, mean and sum of squared deviations (M2) are all-gathered and merged
   (Chan et al.'s pairwise update, as ``torch.nn.SyncBatchNorm`` merges them), so every device
   normalizes with the whole batch's statistics; the gather's backward is a reduce-scatter, the
-  statistics' gradient being partial (each device normalizes only its own rows).
+  statistics' gradient being partial (each device normalizes only its own rows). Or, where the
+  devices span nodes, two all-reduces: the sums, then the squared deviations from the global mean.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.program.collectives import AxisGroup, all_gather, reduce_values
+from autopar.program.collectives import AxisGroup, all_gather, all_reduce, grad_sync, reduce_values
 
 __all__ = [
     "causal_query_attention",
@@ -250,6 +251,7 @@ def sync_batch_norm(
     eps: float,
     axes: Sequence[AxisGroup],
     form: str = "batch_norm",
+    reduce: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """A training batch norm whose rows are split along ``axes`` (see the module docstring).
 
@@ -257,20 +259,29 @@ def sync_batch_norm(
     statistics are written in place: ``batch_norm`` (the output; in place), ``native_batch_norm``
     and ``_native_batch_norm_legit`` (output, mean, inverse standard deviation; in place),
     ``_native_batch_norm_legit_functional`` (those and the new running mean and variance). The
-    statistics are fp32 whatever ``x``'s dtype, as the aten kernels accumulate them."""
+    statistics are fp32 whatever ``x``'s dtype, as the aten kernels accumulate them.
+    ``reduce``: merge them in two all-reduces (the sums, then the squared deviations from the
+    global mean) instead of one all-gather (``autopar.cost.batch_norm``)."""
     dims = (0, *range(2, x.dim()))
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     xf = x.float()
     n = float(x.numel() // max(x.shape[1], 1))
-    mean = xf.mean(dims) if n else xf.new_zeros(x.shape[1])
-    m2 = ((xf - mean.view(shape)) ** 2).sum(dims)
-    stats = torch.stack([torch.full_like(mean, n), mean, m2]).unsqueeze(0)  # (1, 3, C)
-    for ax in axes:
-        stats = all_gather(stats, ax, 0, grad_partial=True)  # (devices so far, 3, C)
-    counts, means, m2s = stats.unbind(1)
-    total = counts.sum(0)
-    g_mean = (counts * means).sum(0) / total
-    g_m2 = m2s.sum(0) + (counts * (means - g_mean) ** 2).sum(0)
+    if reduce:
+        sums = torch.cat([xf.sum(dims), xf.new_full((1,), n)])
+        sums = _sum_over(sums, axes)
+        total = sums[-1]
+        g_mean = sums[:-1] / total
+        g_m2 = _sum_over(((xf - g_mean.view(shape)) ** 2).sum(dims), axes)
+    else:
+        mean = xf.mean(dims) if n else xf.new_zeros(x.shape[1])
+        m2 = ((xf - mean.view(shape)) ** 2).sum(dims)
+        stats = torch.stack([torch.full_like(mean, n), mean, m2]).unsqueeze(0)  # (1, 3, C)
+        for ax in axes:
+            stats = all_gather(stats, ax, 0, grad_partial=True)  # (devices so far, 3, C)
+        counts, means, m2s = stats.unbind(1)
+        total = counts.sum(0)
+        g_mean = (counts * means).sum(0) / total
+        g_m2 = m2s.sum(0) + (counts * (means - g_mean) ** 2).sum(0)
     var = g_m2 / total
     invstd = torch.rsqrt(var + eps)
     y = (xf - g_mean.view(shape)) * invstd.view(shape)
@@ -294,3 +305,11 @@ def sync_batch_norm(
     if form == "_native_batch_norm_legit_functional":
         return (y, *saved, new_mean, new_var)
     return (y, *saved)
+
+
+def _sum_over(t: torch.Tensor, axes: Sequence[AxisGroup]) -> torch.Tensor:
+    """Sum of ``t`` over the devices of ``axes``, used by each device for its own rows: its
+    gradient is partial, so all-reduced backward too (``grad_sync`` after ``all_reduce``)."""
+    for ax in axes:
+        t = grad_sync(all_reduce(t, ax), ax)
+    return t

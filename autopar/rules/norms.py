@@ -35,6 +35,12 @@ SYNCED_WHEN_SPLIT = frozenset(
 """Ops (as ``autopar.graph.op_name`` writes them) whose rows split over an axis only with a
 collective inside the op on it (a training batch norm's synchronized statistics)."""
 
+SYNC_FORMS = ("sync_batch_norm", "sync_batch_norm_reduce")
+"""The in-op collectives a synchronized batch norm merges its statistics with: an all-gather of
+count, mean and M2 per device (latency ``(n − 1)·α`` on a ring), or two all-reduces, of the sums
+and then of the squared deviations from the global mean (a tree's ``log n`` across nodes); the
+solver takes the cheaper (``autopar.cost.batch_norm``)."""
+
 _TRAINING_ARG = {
     aten.batch_norm: 5,
     aten.native_batch_norm: 5,
@@ -56,7 +62,8 @@ def _batch_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     """Channels (dimension 1) split alike with weight, bias and running statistics; rows (the
     batch, or a spatial dimension) split with the statistics whole: in training they are merged
     over the devices (``Rewrite.SYNC_BATCH_NORM``, an all-gather of three numbers per channel);
-    in evaluation the stored statistics make the op element-wise. Instance norm's statistics are
+    in evaluation the stored statistics make the op element-wise (each merge form in
+    ``SYNC_FORMS`` is a strategy of its own). Instance norm's statistics are
     per sample and channel: its batch splits freely when it keeps no running statistics."""
     x = node.args[0]
     xs = shape_of(x)
@@ -79,8 +86,9 @@ def _batch_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
             continue
         in_p = tuple(Shard(d) if i is x else R for i in ins)
         out_p = tuple(Shard(d) if o.dim() == len(xs) else R for o in outs)
-        if training:
-            out.append(AxisStrategy(in_p, out_p, rewrite=Rewrite.SYNC_BATCH_NORM, comm="sync_batch_norm"))
+        if training:  # both forms of merging the statistics (``autopar.cost.batch_norm``)
+            for form in SYNC_FORMS:
+                out.append(AxisStrategy(in_p, out_p, rewrite=Rewrite.SYNC_BATCH_NORM, comm=form))
         else:
             out.append(AxisStrategy(in_p, out_p))
     return out
