@@ -201,8 +201,7 @@ def memory_time(nbytes: float, device: DeviceSpec) -> float:
 def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> float:
     """Fraction of peak an ``m×k @ k×n`` GEMM (``batch`` of them) reaches (module docstring, 1),
     its reduction split ``split_k`` ways where its output tiles alone leave SMs idle."""
-    splits = split_k(m, n, k, device, batch)
-    return _split_efficiency(m, n, k, device, batch, splits)
+    return _best_split(m, n, k, device, batch)[1]
 
 
 def _split_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int, splits: int) -> float:
@@ -221,14 +220,20 @@ def split_k(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> int:
     fill the device; else the power of two, up to the SMs its tiles leave idle and to pieces of
     one tile's length, that makes it fastest — each piece pays its own prologue and epilogue
     (``K½`` on a shorter ``K``)."""
+    return _best_split(m, n, k, device, batch)[0]
+
+
+def _best_split(m: int, n: int, k: int, device: DeviceSpec, batch: int) -> tuple[int, float]:
+    """``(split_k, efficiency at it)``."""
+    best = (1, _split_efficiency(m, n, k, device, batch, 1))
     if device.sm_count <= 0:
-        return 1
+        return best
     tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
-    best, best_e, s = 1, -1.0, 1
-    while s == 1 or (tiles * s <= 2 * device.sm_count and k / s >= TILE):
+    s = 2
+    while tiles * s <= 2 * device.sm_count and k / s >= TILE:
         e = _split_efficiency(m, n, k, device, batch, s)
-        if e > best_e:
-            best, best_e = s, e
+        if e > best[1]:
+            best = (s, e)
         s *= 2
     return best
 
@@ -268,8 +273,7 @@ def kernel_time(kernel: Kernel, device: DeviceSpec) -> float:
         return 0.0
     memory = kernel.nbytes / device.achieved_bandwidth
     if kernel.kind is KernelKind.GEMM:
-        splits = split_k(kernel.m, kernel.n, kernel.k, device, kernel.batch)
-        e = _split_efficiency(kernel.m, kernel.n, kernel.k, device, kernel.batch, splits)
+        splits, e = _best_split(kernel.m, kernel.n, kernel.k, device, kernel.batch)
         compute = kernel.flops / (device.flops_for(kernel.dtype) * e)
         if splits > 1:  # the partial tiles, written and read back in fp32
             memory += 2 * splits * kernel.batch * kernel.m * kernel.n * 4 / device.achieved_bandwidth

@@ -444,8 +444,8 @@ def channels_last(v: torch.Tensor) -> bool:
     fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
     try:
         return v.is_contiguous(memory_format=fmt) and v.stride(1) < min(v.stride()[2:])
-    except (RuntimeError, NotImplementedError):
-        return False
+    except (RuntimeError, NotImplementedError):  # symbolic strides it cannot decide (a symbolic
+        return False  # micro-batch export): taken as channels-first, its transposes priced
 
 
 def grad_contributions(node: Node) -> int:

@@ -41,13 +41,16 @@ count, mean and M2 per device (latency ``(n − 1)·α`` on a ring), or two all-
 and then of the squared deviations from the global mean (a tree's ``log n`` across nodes); the
 solver takes the cheaper (``autopar.cost.batch_norm``)."""
 
-_TRAINING_ARG = {
-    aten.batch_norm: 5,
-    aten.native_batch_norm: 5,
-    aten._native_batch_norm_legit: 5,
-    aten._native_batch_norm_legit_functional: 5,
-}
-"""Each batch norm op's ``training`` argument (``_native_batch_norm_legit_no_training`` never trains)."""
+_TRAINS = frozenset(
+    {
+        aten.batch_norm,
+        aten.native_batch_norm,
+        aten._native_batch_norm_legit,
+        aten._native_batch_norm_legit_functional,
+    }
+)
+"""Batch norm ops whose ``training`` flag is argument 5 (``_native_batch_norm_legit_no_training``
+never trains)."""
 
 
 @register(
@@ -61,10 +64,10 @@ _TRAINING_ARG = {
 def _batch_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
     """Channels (dimension 1) split alike with weight, bias and running statistics; rows (the
     batch, or a spatial dimension) split with the statistics whole: in training they are merged
-    over the devices (``Rewrite.SYNC_BATCH_NORM``, an all-gather of three numbers per channel);
-    in evaluation the stored statistics make the op element-wise (each merge form in
-    ``SYNC_FORMS`` is a strategy of its own). Instance norm's statistics are
-    per sample and channel: its batch splits freely when it keeps no running statistics."""
+    over the devices (``Rewrite.SYNC_BATCH_NORM``, one strategy per merge form of
+    ``SYNC_FORMS``); in evaluation the stored statistics make the op element-wise. Instance norm's
+    statistics are per sample and channel: its batch splits freely when it keeps no running
+    statistics."""
     x = node.args[0]
     xs = shape_of(x)
     if len(xs) < 2:
@@ -80,7 +83,7 @@ def _batch_norm(node: Node, ins: list[Node]) -> list[AxisStrategy]:
         if node.args[3] is None and xs[0] > 1:
             out.append(AxisStrategy(tuple(Shard(0) if i is x else R for i in ins), (Shard(0),)))
         return out
-    training = bool(node.args[_TRAINING_ARG[key]]) if key in _TRAINING_ARG else False
+    training = key in _TRAINS and bool(node.args[5])
     for d in (0, *range(2, len(xs))):
         if xs[d] <= 1:
             continue
