@@ -8,7 +8,9 @@ than this machine's memory can be planned.
 
 
 **Micro-batches** (``autopar.microbatch``): a pipelined plan or gradient accumulation runs the
-graph of one micro-batch, specialised from one export with a symbolic batch.
+graph of one micro-batch, specialised from one export with a symbolic batch (of the model cut to
+two of its repeated layers where it has them, ``autopar.cut_export``: ``capture`` then keeps the
+export as the exporter gave it, ``Captured.raw``).
 
 ``Captured`` keeps what later stages need: the graph, which placeholder is which parameter /
 buffer / user input (and all the names a tied parameter goes by), and how to rebuild the model's
@@ -44,12 +46,14 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.canonical import canonicalize, graph_fingerprint
+from autopar.cut_export import repeated_lists
 from autopar.graph import recompiled_once
 from autopar.input_bounds import IndexBound, check_position_tables, index_bounds
 
 __all__ = [
     "CaptureError",
     "Captured",
+    "RawExport",
     "batch_size",
     "capture",
     "captured_from",
@@ -69,6 +73,15 @@ class CaptureError(RuntimeError):
     ``exporter_output`` keeps what the exporter printed meanwhile (its partial graph, warnings)."""
 
     exporter_output: str = ""
+
+
+@dataclass
+class RawExport:
+    """An export and a copy of its graph made before ``captured_from`` rewrote it."""
+
+    program: Any
+    """The ``torch.export.ExportedProgram`` (its signature names the copy's placeholders)."""
+    graph_module: torch.fx.GraphModule
 
 
 @dataclass
@@ -95,6 +108,9 @@ class Captured:
     index_inputs: dict[str, list[IndexBound]] = field(default_factory=dict)
     """User input path -> the ranges its values must lie in (``index_bounds``): sharded lookups
     and losses would silently mask ids the single-device model rejects, so the runtime checks."""
+    raw: RawExport | None = None
+    """The export as the exporter gave it, kept (by ``capture``) where the model has repeated
+    layers: its micro-batch graphs are read from it (``autopar.cut_export``)."""
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -273,7 +289,14 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     """Export ``model`` on ``example_inputs`` into an ATen fx graph (see module docstring)."""
     args, kwargs = normalize_inputs(example_inputs)
     ep = export_program(model, args, kwargs)
-    return captured_from(model, ep, ep.graph_module, args, kwargs)
+    raw = None
+    if repeated_lists(model):  # kept for the micro-batch graphs (``Captured.raw``)
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(ep.graph_module.graph, {}))
+        raw = RawExport(ep, torch.fx.GraphModule(ep.graph_module, graph))
+    cap = captured_from(model, ep, ep.graph_module, args, kwargs)
+    cap.raw = raw
+    return cap
 
 
 def captured_from(model: nn.Module, ep: Any, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Captured:

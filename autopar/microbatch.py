@@ -5,10 +5,13 @@
 that graph for any ``m``: the model is exported once with its batch dimension symbolic, and each
 micro-batch's graph is that export *specialised* — the batch symbol replaced by its value in every
 size argument and in every node's ``val`` — which takes a fraction of an export (0.6 s against
-5–7 s for LLaMA-3-8B's whole-batch capture). A model that cannot be exported with a symbolic
-batch (its code branches on the batch size) is exported once per micro-batch count instead. The
-planner and the runtime both take micro-batch graphs from here, so a plan's node names and
-fingerprint are the ones the runtime captures.
+5–7 s for LLaMA-3-8B's whole-batch capture). A model with repeated layers is exported with a
+symbolic batch cut to two of them, and its micro-batch graphs are the whole batch's concrete export
+with the sizes read from that (``autopar.cut_export``: 2.6 s against 10–17 s for LLaMA-3-8B's
+32 layers); where its layers differ, the whole model is exported with a symbolic batch. A model
+that cannot be exported with a symbolic batch (its code branches on the batch size) is exported
+once per micro-batch count instead. The planner and the runtime both take micro-batch graphs from
+here, so a plan's node names and fingerprint are the ones the runtime captures.
 
 """
 
@@ -32,6 +35,7 @@ from autopar.capture import (
     microbatch_inputs,
     normalize_inputs,
 )
+from autopar.cut_export import cut_lists, repeated_lists, specialise_aligned
 from autopar.graph import tensor_val
 
 __all__ = ["MicrobatchCaptures", "specialise_batch"]
@@ -50,8 +54,12 @@ class MicrobatchCaptures:
         self.args, self.kwargs = normalize_inputs(example_inputs)
         self._graphs: dict[int, Captured] = {1: whole} if whole is not None else {}
         self._symbolic: Any = None
+        self._cut: Any = None  # the cut model's export with a symbolic batch (``_aligned``)
         self.symbolic_failure: str | None = None
         """Why the model could not be exported with a symbolic batch (then each ``m`` is exported)."""
+        self.cut_failure: str | None = None
+        """Why the micro-batch graphs are not read from the cut model (``autopar.cut_export``;
+        then from an export of the whole model with a symbolic batch)."""
 
     def __call__(self, m: int) -> Captured:
         if m not in self._graphs:
@@ -62,31 +70,78 @@ class MicrobatchCaptures:
             self._graphs[m] = cap if cap is not None else capture(self.model, micro)
         return self._graphs[m]
 
+    def _batch_shapes(self) -> dict[str, Any]:
+        """``dynamic_shapes`` making dimension 0 of every batched tensor input one symbol ``batch``."""
+        import inspect
+
+        from torch.export import Dim
+
+        batch = Dim("batch")
+        bound = inspect.signature(self.model.forward).bind(*self.args, **self.kwargs)
+
+        def spec(v: Any) -> Any:
+            return {0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None
+
+        return {k: pytree.tree_map(spec, v) for k, v in bound.arguments.items()}
+
     def _symbolic_export(self) -> Any:
         """The export with dimension 0 of every batched tensor input one symbol ``batch``."""
         if self._symbolic is None:
-            import inspect
-
-            from torch.export import Dim
-
-            batch = Dim("batch")
-            bound = inspect.signature(self.model.forward).bind(*self.args, **self.kwargs)
-
-            def spec(v: Any) -> Any:
-                return {0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 else None
-
-            shapes = {k: pytree.tree_map(spec, v) for k, v in bound.arguments.items()}
-            self._symbolic = export_program(self.model, self.args, self.kwargs, dynamic_shapes=shapes)
+            self._symbolic = export_program(
+                self.model, self.args, self.kwargs, dynamic_shapes=self._batch_shapes()
+            )
         return self._symbolic
 
-    def _specialised(self, m: int, args: tuple, kwargs: dict) -> Captured | None:
-        """The symbolic export specialised to one of ``m`` micro-batches; ``None`` (and
-        ``symbolic_failure`` set) where the model cannot be exported with a symbolic batch."""
+    def _aligned(self, batch: int) -> tuple[Any, torch.fx.GraphModule] | None:
+        """The whole batch's concrete export and its graph at ``batch`` read from the cut model
+        (module docstring: cut model); ``None`` (and ``cut_failure`` set) where it cannot be."""
+        if self.cut_failure is not None:
+            return None
+        lists = repeated_lists(self.model)
+        whole = self(1) if lists else None
+        if whole is None or whole.raw is None:
+            self.cut_failure = "no repeated layers" if not lists else "the whole batch's export was not kept"
+            return None
         try:
-            ep = self._symbolic_export()
+            if self._cut is None:
+                with cut_lists(self.model, lists):
+                    self._cut = export_program(
+                        self.model, self.args, self.kwargs, dynamic_shapes=self._batch_shapes()
+                    )
+            whole_batch = batch_size(self.args, self.kwargs)
+            assert whole_batch is not None
+            cut = self._cut.graph_module
+            at = _sizes_at(_batch_symbols(cut, batch), _batch_symbols(cut, whole_batch))
+            views = _Views()
+
+            def make_val(key: torch.Tensor, sizes: torch.Tensor, value: Callable[[Any], int]) -> Any:
+                v = views(key, sizes, value)
+                return v.requires_grad_(True) if key.requires_grad and v.is_floating_point() else v
+
+            inputs = set(self._cut.graph_signature.user_inputs)
+            gm = specialise_aligned(whole.raw.graph_module, cut, lists, inputs, at, make_val)
+        except Exception as exc:  # NotAligned, or the cut model cannot be exported
+            self.cut_failure = f"{type(exc).__name__}: {_first_line(exc)}"
+            log.info("exporting the whole model with a symbolic batch: %s", self.cut_failure)
+            return None
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                n.meta.pop("val", None)
+        gm.recompile()
+        return whole.raw.program, gm
+
+    def _specialised(self, m: int, args: tuple, kwargs: dict) -> Captured | None:
+        """The symbolic export specialised to one of ``m`` micro-batches (read from the cut model
+        where it can be, ``_aligned``); ``None`` (and ``symbolic_failure`` set) where the model
+        cannot be exported with a symbolic batch."""
+        try:
             batch = batch_size(args, kwargs)
             if batch is None:
                 raise ValueError("no tensor input with a batch dimension")
+            aligned = self._aligned(batch)
+            if aligned is not None:
+                return captured_from(self.model, aligned[0], aligned[1], args, kwargs)
+            ep = self._symbolic_export()
             gm = specialise_batch(ep.graph_module, batch)
         except Exception as exc:  # a branch on the batch size, a shape the symbol cannot take
             self.symbolic_failure = f"{type(exc).__name__}: {_first_line(exc)}"
@@ -106,35 +161,15 @@ def specialise_batch(symbolic: torch.fx.GraphModule, batch: int) -> torch.fx.Gra
     in their users' arguments, then every node's ``val`` evaluated at the batch
     (``_substitute_vals``; propagated again through the ops by fake tensors where a value is not
     one it reads)."""
-    import sympy
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(symbolic.graph, {}))
     gm = torch.fx.GraphModule(symbolic, graph)
-    symbols: dict[Any, int] = {}
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if (
-            n.op == "placeholder"
-            and isinstance(v, torch.Tensor)
-            and v.dim() > 0
-            and isinstance(v.shape[0], torch.SymInt)
-        ):
-            symbols[v.shape[0].node.expr] = batch
-    if not symbols:
-        raise ValueError("the export has no symbolic batch dimension (it was specialised)")
+    at = _sizes_at(_batch_symbols(gm, batch))
 
     def value(x: Any) -> Any:
-        if isinstance(x, torch.SymInt):
-            expr = x.node.expr
-            if isinstance(expr, int):
-                return expr
-            expr = sympy.sympify(expr.xreplace(symbols))
-            if not expr.is_number:
-                raise ValueError(f"size {x} depends on symbols other than the batch")
-            return int(expr)
-        return x
+        return at(x, False)
 
     for n in list(gm.graph.nodes):
         v = n.meta.get("val")
@@ -169,6 +204,84 @@ def specialise_batch(symbolic: torch.fx.GraphModule, batch: int) -> torch.fx.Gra
     return gm
 
 
+def _batch_symbols(gm: torch.fx.GraphModule, batch: int) -> dict[Any, int]:
+    """The batch symbol(s) of an export with a symbolic batch (dimension 0 of its user inputs),
+    each bound to ``batch``."""
+    symbols: dict[Any, int] = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if (
+            n.op == "placeholder"
+            and isinstance(v, torch.Tensor)
+            and v.dim() > 0
+            and isinstance(v.shape[0], torch.SymInt)
+        ):
+            symbols[v.shape[0].node.expr] = batch
+    if not symbols:
+        raise ValueError("the export has no symbolic batch dimension (it was specialised)")
+    return symbols
+
+
+def _sizes_at(micro: dict[Any, int], whole: dict[Any, int] | None = None) -> Callable[[Any, bool], int]:
+    """``at(x, w)``: size ``x`` (an ``int`` or a ``SymInt`` of the batch) evaluated with the
+    symbols bound as in ``micro`` (``w`` false) or ``whole``; each expression once."""
+    import sympy
+
+    cache: dict[tuple[Any, bool], int] = {}
+
+    def at(x: Any, w: bool) -> Any:
+        if not isinstance(x, torch.SymInt):
+            return x
+        expr = x.node.expr
+        if isinstance(expr, int):
+            return expr
+        key = (expr, w)
+        if key not in cache:
+            bound = sympy.sympify(expr.xreplace(whole if w and whole is not None else micro))
+            if not bound.is_number:
+                raise ValueError(f"size {x} depends on symbols other than the batch")
+            cache[key] = int(bound)
+        return cache[key]
+
+    return at
+
+
+class _Views:
+    """Concrete fake values on meta bases, one base per storage of the values they stand for, so
+    that values sharing a storage in the export share one here (``passes.annotate.is_alias``)."""
+
+    def __init__(self, mode: Any = None) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+        self.bases: dict[int, torch.Tensor] = {}
+
+    def __call__(self, key: torch.Tensor, sizes: torch.Tensor, value: Callable[[Any], int]) -> Any:
+        """The value with the storage of ``key`` and the sizes, strides and offset of ``sizes``
+        read through ``value``."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(sizes, FakeTensor) or sizes.layout is not torch.strided or sizes.is_quantized:
+            raise _NotSubstituted(f"a {sizes.layout} {type(sizes).__name__} value")
+        k = key.untyped_storage()._cdata
+        base = self.bases.get(k)
+        if base is None:
+            nbytes = value(sizes.untyped_storage().nbytes())
+            if nbytes % sizes.element_size():
+                raise _NotSubstituted("a storage of a size no element divides")
+            base = self.bases[k] = torch.empty(
+                nbytes // sizes.element_size(), dtype=sizes.dtype, device="meta"
+            )
+        if base.dtype != sizes.dtype:
+            raise _NotSubstituted("a storage read as two dtypes")
+        # A view of the base on the meta device, wrapped as the fake tensor the ops would have
+        # given (dispatching ``as_strided`` through the fake mode took as long as the ops).
+        view = base.as_strided(
+            [value(x) for x in sizes.shape], [value(x) for x in sizes.stride()], value(sizes.storage_offset())
+        )
+        return FakeTensor(self.mode, view, sizes.device)
+
+
 class _NotSubstituted(Exception):
     """A value ``_substitute_vals`` does not read (``specialise_batch`` propagates instead)."""
 
@@ -180,9 +293,7 @@ def _substitute_vals(gm: torch.fx.GraphModule, mode: Any, value: Callable[[Any],
     symbol, at a tenth of its time (0.3 s against 3 s on LLaMA-3-8B's 2 500 nodes). Values that
     share a storage in the export share one in the copy (``passes.annotate.is_alias`` reads it):
     each storage is one base tensor, every value on it a strided view of the base."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    bases: dict[int, torch.Tensor] = {}
+    views = _Views(mode)
     out: dict[torch.fx.Node, Any] = {}
 
     def concrete(v: Any) -> Any:
@@ -191,31 +302,9 @@ def _substitute_vals(gm: torch.fx.GraphModule, mode: Any, value: Callable[[Any],
         if not isinstance(v, (torch.SymInt, torch.Tensor)):
             return v
         try:
-            return _concrete(v)
+            return value(v) if isinstance(v, torch.SymInt) else views(v, v, value)
         except ValueError as e:  # a size of another symbol (an unbacked one, data-dependent)
             raise _NotSubstituted(str(e)) from None
-
-    def _concrete(v: Any) -> Any:
-        if isinstance(v, torch.SymInt):
-            return value(v)
-        if not isinstance(v, FakeTensor) or v.layout is not torch.strided or v.is_quantized:
-            raise _NotSubstituted(f"a {v.layout} {type(v).__name__} value")
-        storage = v.untyped_storage()
-        key = storage._cdata
-        base = bases.get(key)
-        if base is None:
-            nbytes = value(storage.nbytes())
-            if nbytes % v.element_size():
-                raise _NotSubstituted("a storage of a size no element divides")
-            base = bases[key] = torch.empty(nbytes // v.element_size(), dtype=v.dtype, device="meta")
-        if base.dtype != v.dtype:
-            raise _NotSubstituted("a storage read as two dtypes")
-        # A view of the base on the meta device, wrapped as the fake tensor the ops would have
-        # given (dispatching ``as_strided`` through the fake mode took as long as the ops).
-        view = base.as_strided(
-            [value(x) for x in v.shape], [value(x) for x in v.stride()], value(v.storage_offset())
-        )
-        return FakeTensor(mode, view, v.device)
 
     for n in gm.graph.nodes:
         if "val" in n.meta and n.op != "output":

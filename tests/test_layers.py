@@ -49,7 +49,7 @@ APART = {
     ("runtime", "cost"): "the runtime measures; autopar.cost fits and predicts",
 }
 """Group pairs whose arrow the levels allow but the design forbids, and why."""
-DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "causal_mask", "microbatch", "input_bounds", "reshard",
+DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical", "causal_mask", "microbatch", "cut_export", "input_bounds", "reshard",
         "planfile", "strategy_graph", "display", "summary_lines", "text_units", "cluster_profile", "mesh_groups", "schedule", "models", "reference_data",
         "grad_compression", "node_groups", "plan_schema"}  # fmt: skip
 COST = {"mesh", "config"}
