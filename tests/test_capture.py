@@ -299,6 +299,25 @@ def test_microbatch_graph_of_a_model_branching_on_the_batch_is_exported_by_itsel
     assert tuple(cap.user_input_nodes()[0].meta["val"].shape) == (2, 8)
 
 
+def graph_record(gm: torch.fx.GraphModule, ops: bool = False) -> tuple[list, list]:
+    """Every node's value (sizes, strides, offset, dtype, gradient) — and, with ``ops``, its op
+    and arguments — and which of the ops' values share a storage."""
+    rows, storages = [], {}
+    for n in gm.graph.nodes:
+        if ops:
+            rows.append((n.name, str(n.target), str(n.args), str(n.kwargs)))
+        for k, v in enumerate(torch.utils._pytree.tree_leaves(n.meta.get("val"))):
+            if isinstance(v, torch.Tensor):
+                rows.append(
+                    (n.name, k, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
+                )
+                if n.op == "call_function":
+                    storages.setdefault(v.untyped_storage()._cdata, []).append(n.name)
+            else:
+                rows.append((n.name, k, v))
+    return rows, sorted(storages.values())
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral", "t5", "vit", "cnn"])
 def test_micro_batch_values_evaluated_at_the_batch_are_the_propagated_ones(
     kind, make_gpt2, make_llama, monkeypatch
@@ -327,20 +346,7 @@ def test_micro_batch_values_evaluated_at_the_batch_are_the_propagated_ones(
     monkeypatch.setattr(mb, "_substitute_vals", refuse)
     propagated = mb.specialise_batch(ep.graph_module, 2)
 
-    def record(gm: torch.fx.GraphModule) -> tuple[list, list]:
-        rows, storages = [], {}
-        for n in gm.graph.nodes:
-            for k, v in enumerate(torch.utils._pytree.tree_leaves(n.meta.get("val"))):
-                if isinstance(v, torch.Tensor):
-                    rows.append(
-                        (n.name, k, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
-                    )
-                    if n.op == "call_function":
-                        storages.setdefault(v.untyped_storage()._cdata, []).append(n.name)
-                else:
-                    rows.append((n.name, k, v))
-        return rows, sorted(storages.values())
-
+    record = graph_record
     got, want = record(evaluated), record(propagated)
     assert any(len(r) > 3 and r[2][:1] == (2,) for r in got[0])  # a batch of 2
     assert got[0] == want[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_capture import graph_record
 from torch import nn
 
 from autopar.capture import capture, microbatch_inputs, normalize_inputs
@@ -57,24 +58,6 @@ def test_the_outermost_repeated_list_is_cut_to_two_and_restored():
     assert repeated_lists(two) == {"blocks.0.experts": 3, "blocks.1.experts": 3}
 
 
-def _record(cap) -> tuple[list, list]:
-    """Every node's op, arguments and value (sizes, strides, offset, dtype, gradient), and which
-    values share a storage."""
-    rows, storages = [], {}
-    for n in cap.gm.graph.nodes:
-        rows.append((n.name, str(n.target), str(n.args), str(n.kwargs)))
-        for k, v in enumerate(torch.utils._pytree.tree_leaves(n.meta.get("val"))):
-            if isinstance(v, torch.Tensor):
-                rows.append(
-                    (n.name, k, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
-                )
-                if n.op == "call_function":
-                    storages.setdefault(v.untyped_storage()._cdata, []).append(n.name)
-            else:
-                rows.append((n.name, k, v))
-    return rows, sorted(storages.values())
-
-
 def _llama(layers: int) -> tuple[nn.Module, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,7 +99,7 @@ def test_micro_batch_graph_from_the_cut_model_is_the_micro_batch_export(kind):
     args, kwargs = normalize_inputs(inputs)
     want = capture(model, microbatch_inputs(args, kwargs, 4))
     assert got.fingerprint == want.fingerprint
-    g, w = _record(got), _record(want)
+    g, w = graph_record(got.gm, ops=True), graph_record(want.gm, ops=True)
     assert any(len(r) == 7 and r[2][:1] == (2,) for r in g[0])  # a micro-batch of 2
     assert g == w
 
