@@ -1,54 +1,62 @@
-"""Micro-batch graphs from a model cut to two layers: the batch's symbols without exporting every
+"""Micro-batch graphs from a model cut to a few layers: the batch's symbols without exporting every
 layer twice.
 
 A micro-batch graph is the whole model's graph with every size that follows from the batch
 evaluated at the micro-batch (``autopar.microbatch``). Which sizes follow from the batch, and how,
 only an export with a symbolic batch says, and that export costs two to three times a concrete one
 (12–17 s for LLaMA-3-8B's 32 layers on this project's 2-core machine against 5–7 s), because every
-op computes its sizes as formulas in the symbol. A transformer's layers are one layer repeated, so
-the formulas of two of them are the formulas of all.
+op computes its sizes as formulas in the symbol. A transformer's layers are a few kinds of layer
+repeated, so the formulas of one layer of each kind are the formulas of all.
 
 **Repeated list.** A ``ModuleList`` or ``Sequential`` of at least three children named ``0 … n−1``,
-all of one class, whose parameters and buffers but for child 0's have the same names, shapes and
-dtypes (the blocks of a transformer; T5's first block holds the position bias the others read).
-Only the outermost are taken: the experts inside a block are cut with it.
+all of one class, whose parameters and buffers (names, shapes, dtypes) take at most n/2 forms (the
+blocks of a transformer; T5's first block holds the position bias the others read; dense and MoE
+layers). Only the outermost are taken: the experts inside a block are cut with it.
 
-**Cut model.** The model with each repeated list cut to its first two children (``cut_lists``)
-while it is exported with a symbolic batch: what two layers cost (about 1.5 s for LLaMA-3-8B).
+**Template.** What each child of a repeated list is matched with (``plan_cuts``, read from the
+whole model's concrete export): the first child from 1 on whose ops — op, argument structure and
+literals — are its own; child 0 is its own (it reads the embedding, not a layer's output), and so
+is a child like no other. LLaMA's 32 layers match children 0, 1, 1, …; Gemma 3's, whose every
+sixth layer attends globally, 0, 1, …, 5, 1, …; SmolLM3's (no rotary embedding in every fourth),
+0, 1, 2, 3, 1, 2, 3, ….
+
+**Cut model.** The model with each repeated list cut to its children up to the last template
+(``cut_lists``) while it is exported with a symbolic batch: what those layers cost (about 1.5 s
+for LLaMA-3-8B's two). A list whose cut would keep every child is not cut.
 
 **Match.** Each op of the whole model's *concrete* export is matched with an op of the cut model's
-symbolic export (``align``): the k-th op of child i of a repeated list with the k-th op of child
-min(i, 1) — child 0 may differ from the rest (T5's first block computes the position bias), and
-children 1 … n−1 all match child 1 —, and the k-th op before, between or after the lists with the
-k-th op at the same place in the cut model. Ops are placed by the module path the exporter records
-for each (``nn_module_stack``). A match must call the same op on the matching inputs with the same
-argument structure, and its sizes, strides and integer arguments evaluated at the whole batch must
-be the concrete export's: what a layer computes otherwise than the one it is matched with (a
-sliding-window layer beside full-attention ones, an op more) breaks a match, ``NotAligned`` says
-where, and the caller exports the whole model with a symbolic batch as before.
+symbolic export (``align``): the k-th op of child i of a repeated list with the k-th op of its
+template, and the k-th op before, between or after the lists with the k-th op at the same place in
+the cut model. Ops are placed by the module path the exporter records for each
+(``nn_module_stack``). A match must call the same op on the matching inputs with the same argument
+structure, and its sizes, strides and integer arguments evaluated at the whole batch must be the
+concrete export's: where a layer computes otherwise than its template, ``NotAligned`` says where,
+and the caller exports the whole model with a symbolic batch as before. A size a layer computes
+from the batch otherwise than its template yet to the same value at the whole batch (a layer that
+hard-codes the batch size its template reads) is not told apart.
 
 **Specialised graph** (``specialise_aligned``). A copy of the concrete export in which every integer
 argument and every value (sizes, strides, storage offset, storage size) that its match computes
-from the batch is evaluated at the micro-batch: node for node the graph
-``autopar.microbatch.specialise_batch`` makes from a symbolic export of the whole model (the tests
-compare both), so plans and the runtime agree on names and fingerprints whichever was used.
+from the batch is evaluated at the micro-batch: node for node the graph exporting the micro-batch
+itself gives (the tests compare both), so plans and the runtime agree on names and fingerprints.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["NotAligned", "cut_lists", "repeated_lists", "specialise_aligned"]
+__all__ = ["ListCut", "NotAligned", "cut_lists", "plan_cuts", "repeated_lists", "specialise_aligned"]
 
 _SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 CUT = 2
-"""Children a repeated list keeps in the cut model (module docstring: match)."""
+"""A repeated list has more children than this (module docstring)."""
 
 
 class NotAligned(Exception):
@@ -69,8 +77,7 @@ def repeated_lists(model: nn.Module) -> dict[str, int]:
             continue
         if len({type(k) for k in kids}) != 1:
             continue
-        second = _signature(kids[1])
-        if all(_signature(k) == second for k in kids[2:]):
+        if len({_signature(k) for k in kids}) <= len(kids) // 2:  # some layers repeat others
             found[name] = len(kids)
     return found
 
@@ -83,21 +90,100 @@ def _signature(m: nn.Module) -> tuple:
 
 
 @contextlib.contextmanager
-def cut_lists(model: nn.Module, lists: dict[str, int]) -> Iterator[None]:
-    """``model`` with each of ``lists`` holding its first two children only, restored after."""
+def cut_lists(model: nn.Module, keep: dict[str, int]) -> Iterator[None]:
+    """``model`` with each list named in ``keep`` holding only its first ``keep[name]`` children,
+    restored after."""
     saved: dict[str, Any] = {}
     try:
-        for name in lists:
+        for name, k in keep.items():
             mod = model.get_submodule(name)
             saved[name] = mod._modules
-            mod._modules = type(mod._modules)(list(mod._modules.items())[:CUT])
+            mod._modules = type(mod._modules)(list(mod._modules.items())[:k])
         yield
     finally:
         for name, kids in saved.items():
             model.get_submodule(name)._modules = kids
 
 
-def _child(path: str, lists: dict[str, int]) -> tuple[str, int] | None:
+@dataclass(frozen=True)
+class ListCut:
+    """How one repeated list is cut (module docstring: cut model, match)."""
+
+    length: int
+    """Its children in the model."""
+    template: tuple[int, ...]
+    """Child i of the model → the child of the cut model it is matched with."""
+
+    @property
+    def keep(self) -> int:
+        """The children the cut model keeps: the first ``keep``."""
+        return max(self.template) + 1
+
+    @staticmethod
+    def kept(keep: int) -> ListCut:
+        """The cut model's own list: each child its own template."""
+        return ListCut(keep, tuple(range(keep)))
+
+
+def plan_cuts(full: torch.fx.Graph, lists: dict[str, int]) -> dict[str, ListCut]:
+    """How to cut each of ``lists`` (module docstring: cut model), read from the whole model's
+    concrete export ``full``: child i is matched with the first child from 1 on whose ops (op,
+    argument structure, literals, the ops outside the lists it reads: ``_leaf``) are its own — child 0, which reads no layer's output,
+    only where none is — and the cut keeps children up to the last one matched. Where ops run
+    between the children (in the loop over them), the last child is matched with a later child
+    than any other, so that each child matched but the last is followed by such ops in the cut
+    model too. A list whose cut would keep every child is not cut."""
+    ops: dict[tuple[str, int], list[tuple]] = {}
+    between: set[str] = set()  # lists with ops between two of their children
+    last: tuple[str, int] | None = None
+    before: dict[str, set[torch.fx.Node]] = {name: set() for name in lists}  # the ops before each list
+    for n in full.nodes:
+        if n.op not in ("call_function", "get_attr"):
+            continue
+        where = _where_in(n, lists)
+        if where is not None:
+            leaves = pytree.tree_leaves((n.args, n.kwargs))
+            ops.setdefault(where, []).append(
+                (str(n.target), tuple(_leaf(x, where, lists, before[where[0]]) for x in leaves))
+            )
+            last = where
+        elif last is not None and last[1] < lists[last[0]] - 1:
+            between.add(last[0])
+        for name, ahead in before.items():
+            if (name, 0) not in ops:
+                ahead.add(n)
+    cuts: dict[str, ListCut] = {}
+    for name, length in lists.items():
+        sig = [tuple(ops.get((name, i), ())) for i in range(length)]
+        first: dict[tuple, int] = {}
+        for i in range(1, length):
+            first.setdefault(sig[i], i)
+        template = [0] + [first[sig[i]] for i in range(1, length)]
+        if name in between:  # ops between children: every child matched but the last has a next
+            later = [j for j in range(max(template[:-1]) + 1, length) if sig[j] == sig[-1]]
+            template[-1] = later[0] if later else length - 1
+        cut = ListCut(length, tuple(template))
+        if cut.keep < length:
+            cuts[name] = cut
+    return cuts
+
+
+def _leaf(x: Any, where: tuple[str, int], lists: dict[str, int], before: set[torch.fx.Node]) -> str:
+    """An argument of an op of child ``where`` as ``plan_cuts`` compares them: a literal, a
+    placeholder (each layer has its own parameters), an op of the same child or of another, an op
+    made ``before`` the list by name (a sliding-window layer reads another mask than a global
+    one), another op outside the lists (between two children)."""
+    if not isinstance(x, torch.fx.Node):
+        return repr(x)
+    if x.op == "placeholder":
+        return "placeholder"
+    other = _where_in(x, lists)
+    if other is not None:
+        return "own" if other == where else "layer"
+    return x.name if x in before else "outside"
+
+
+def _child(path: str, lists: Any) -> tuple[str, int] | None:
     """(list, child index) where module path ``path`` lies inside a child of one of ``lists``."""
     for name in lists:
         prefix = f"{name}." if name else ""
@@ -108,10 +194,21 @@ def _child(path: str, lists: dict[str, int]) -> tuple[str, int] | None:
     return None
 
 
-def _places(graph: torch.fx.Graph, lists: dict[str, int], cut: bool) -> dict[Any, list[torch.fx.Node]]:
-    """The graph's ops grouped by place, keyed by the place in the cut model they match (module
-    docstring: match); each key holds its groups' ops in order. A key with several groups (the
-    children 1 … n−1 of a list) holds them as separate lists under (key, instance)."""
+def _where_in(n: torch.fx.Node, lists: Any) -> tuple[str, int] | None:
+    """(list, child index) of the module op ``n`` was recorded in, if inside one of ``lists``."""
+    if n.op not in ("call_function", "get_attr"):
+        return None
+    for path, *_ in (n.meta.get("nn_module_stack") or {}).values():
+        where = _child(path, lists)
+        if where is not None:
+            return where
+    return None
+
+
+def _places(graph: torch.fx.Graph, cuts: dict[str, ListCut], cut: bool) -> dict[Any, list[torch.fx.Node]]:
+    """The graph's ops grouped by place: ``(key, i)`` → its ops in order, the key being the place
+    in the cut model they match (module docstring: match) — child ``template[i]`` of a list, or
+    after it (after the last child: the list's end) — and ``i`` the child of the model."""
     groups: dict[Any, list[torch.fx.Node]] = {}
     last: tuple[str, int] | None = None
     for n in graph.nodes:
@@ -119,21 +216,17 @@ def _places(graph: torch.fx.Graph, lists: dict[str, int], cut: bool) -> dict[Any
             continue
         if cut and _symbolic_only(n):
             continue
-        where = None
-        for path, *_ in (n.meta.get("nn_module_stack") or {}).values():
-            where = _child(path, lists)
-            if where is not None:
-                break
+        where = _where_in(n, cuts)
         if where is not None:
             name, i = where
-            key: Any = ("layer", name, min(i, 1))
+            key: Any = ("layer", name, cuts[name].template[i])
             last = where
         elif last is None:
             key, i = ("around", None), 0
         else:
             name, i = last
-            final = i == (CUT if cut else lists[name]) - 1
-            key = ("around", name, min(i, 1), final)
+            c = cuts[name]
+            key = ("around", name, "end" if i == c.length - 1 else c.template[i])
         groups.setdefault((key, i), []).append(n)
     return groups
 
@@ -154,7 +247,7 @@ def _symbolic_only(n: torch.fx.Node) -> bool:
 def align(
     full: torch.fx.Graph,
     cut: torch.fx.Graph,
-    lists: dict[str, int],
+    cuts: dict[str, ListCut],
     inputs: set[str],
     at: Callable[[Any, bool], int],
 ) -> tuple[dict[torch.fx.Node, torch.fx.Node], set[torch.fx.Node]]:
@@ -174,11 +267,19 @@ def align(
             if n.name not in cut_ph:
                 raise NotAligned(f"input {n.name} is not an input of the cut model")
             match[n] = cut_ph[n.name]
-    by_key = {key: ops for (key, _), ops in _places(cut, {k: CUT for k in lists}, cut=True).items()}
+    kept = {name: ListCut.kept(c.keep) for name, c in cuts.items()}
+    cut_groups = _places(cut, kept, cut=True)
+    full_groups = _places(full, cuts, cut=False)
+    by_key = {key: ops for (key, _), ops in cut_groups.items()}
     passed: dict[torch.fx.Node, torch.fx.Node] = {}  # a view passed over -> its input
-    # each op's place among the matched ops of its group, from the group's end (``_disagreement``)
+    # each op's place in its group, from the group's end, views of a whole input left out
+    # (``_disagreement``)
     places: dict[torch.fx.Node, tuple] = {}
-    for (key, i), ops in _places(full, lists, cut=False).items():
+    for groups, sizes in ((full_groups, None), (cut_groups, at)):
+        for (key, _), ops in groups.items():
+            own = [a for a in ops if not _whole_view(a, sizes)]
+            places.update((a, (key[:2], k)) for k, a in enumerate(reversed(own)))
+    for (key, i), ops in full_groups.items():
         mate = by_key.get(key, [])
         j = 0
         for a in ops:
@@ -204,9 +305,6 @@ def align(
                 )
         if any(not _whole_view(b, at) for b in mate[j:]):
             raise NotAligned(f"the cut model has {len(mate) - j} op(s) more at {_where(key, i)}")
-        kept = [a for a in ops if a not in views]
-        for k, a in enumerate(reversed(kept)):
-            places[a] = places[match[a]] = (key[:2], k)
     return match, views
 
 
@@ -221,8 +319,8 @@ def _disagreement(
     """Why op ``a`` of the concrete export cannot be op ``b`` of the cut model's (``None``: it
     can): another op, other arguments, another input, or a size argument the cut model computes
     to another value at the batch. An input is the match of ``a``'s (``passed``: through the
-    views passed over) or, from another layer (child i − 1 of a list where the cut model's op reads
-    child 0), the op at the same place from the end of its layer."""
+    views passed over) or, from another layer (child i − 1 of a list, where the cut model's op reads
+    the child before the template), the op at the same place from the end of its layer."""
     if a.target != b.target:
         return f"{a.target} against {b.target}"
     leaves, spec = pytree.tree_flatten((a.args, a.kwargs))
@@ -262,17 +360,18 @@ def _whole_view(n: torch.fx.Node, at: Callable[[Any, bool], int] | None) -> bool
 
 
 def _where(key: tuple, i: int) -> str:
+    prefix = f"{key[1]}." if key[1] else ""
     if key[0] == "layer":
-        return f"{key[1]}.{i}"
+        return f"{prefix}{i}"
     if key[1] is None:
         return "the start"
-    return f"after {key[1]}.{i}"
+    return f"after {prefix}{i}"
 
 
 def specialise_aligned(
     full: torch.fx.GraphModule,
     cut: torch.fx.GraphModule,
-    lists: dict[str, int],
+    cuts: dict[str, ListCut],
     inputs: set[str],
     at: Callable[[Any, bool], int],
     make_val: Callable[[Any, Any, Callable[[Any], int]], Any],
@@ -281,7 +380,7 @@ def specialise_aligned(
     specialised graph). ``at(size, whole)``: a symbolic size of ``cut`` evaluated at the micro-batch
     (or, ``whole``, at the export's batch); ``make_val(full_val, sizes, value)``: the value
     of one node with its sizes read through ``value`` (``autopar.microbatch``)."""
-    match, views = align(full.graph, cut.graph, lists, inputs, at)
+    match, views = align(full.graph, cut.graph, cuts, inputs, at)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(full.graph, env))

@@ -35,7 +35,7 @@ from autopar.capture import (
     microbatch_inputs,
     normalize_inputs,
 )
-from autopar.cut_export import cut_lists, repeated_lists, specialise_aligned
+from autopar.cut_export import cut_lists, plan_cuts, repeated_lists, specialise_aligned
 from autopar.graph import tensor_val
 
 __all__ = ["MicrobatchCaptures", "specialise_batch"]
@@ -102,9 +102,13 @@ class MicrobatchCaptures:
         if whole is None or whole.raw is None:
             self.cut_failure = "no repeated layers" if not lists else "the whole batch's export was not kept"
             return None
+        cuts = plan_cuts(whole.raw.graph_module.graph, lists)
+        if not cuts:
+            self.cut_failure = "no list of layers repeats its layers' ops"
+            return None
         try:
             if self._cut is None:
-                with cut_lists(self.model, lists):
+                with cut_lists(self.model, {name: c.keep for name, c in cuts.items()}):
                     self._cut = export_program(
                         self.model, self.args, self.kwargs, dynamic_shapes=self._batch_shapes()
                     )
@@ -119,7 +123,7 @@ class MicrobatchCaptures:
                 return v.requires_grad_(True) if key.requires_grad and v.is_floating_point() else v
 
             inputs = set(self._cut.graph_signature.user_inputs)
-            gm = specialise_aligned(whole.raw.graph_module, cut, lists, inputs, at, make_val)
+            gm = specialise_aligned(whole.raw.graph_module, cut, cuts, inputs, at, make_val)
         except Exception as exc:  # NotAligned, or the cut model cannot be exported
             self.cut_failure = f"{type(exc).__name__}: {_first_line(exc)}"
             log.info("exporting the whole model with a symbolic batch: %s", self.cut_failure)

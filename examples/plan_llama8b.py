@@ -15,6 +15,11 @@ meta device, one global batch of 64 × 8192 tokens.
     python examples/plan_llama8b.py            # full 8B, plus the 8-layer comparison
     python examples/plan_llama8b.py --layers 8 # one depth only
     python examples/plan_llama8b.py --search   # the 3D search, bf16 and fp32
+    python examples/plan_llama8b.py --microbatch   # one micro-batch graph, two ways
+
+* ``--microbatch``: the graph of one of 8 micro-batches read from the model cut to two layers
+  (``autopar.cut_export``) against specialising an export of all 32 layers with a symbolic batch,
+  each timed after the whole batch's capture, and whether both give the same graph (fingerprint).
 """
 
 from __future__ import annotations
@@ -128,6 +133,30 @@ def search(dtype: torch.dtype, batch: int, seq: int, cluster: autopar.Cluster) -
     print(f"    meshes solved (end times, s): {', '.join(f'{task} {t:.1f}' for t, task in events)}")
 
 
+def microbatch(layers: int, batch: int, seq: int, m: int = 8) -> None:
+    """``--microbatch`` (module docstring)."""
+    from autopar.microbatch import MicrobatchCaptures
+
+    model = llama(layers)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    t0 = time.perf_counter()
+    whole = capture(model, inputs)
+    t1 = time.perf_counter()
+    cut = MicrobatchCaptures(model, inputs, whole=whole)
+    got = cut(m)
+    t2 = time.perf_counter()
+    symbolic = MicrobatchCaptures(model, inputs, whole=whole)
+    symbolic.cut_failure = "not asked (the comparison)"
+    want = symbolic(m)
+    t3 = time.perf_counter()
+    print(
+        f"LLaMA {layers} layers, batch {batch} x {seq}, one of {m} micro-batches: capture {t1 - t0:.2f} s | "
+        f"from the cut model {t2 - t1:.2f} s ({cut.cut_failure or 'read from two layers'}) | from the whole "
+        f"model's symbolic export {t3 - t2:.2f} s | same graph: {got.fingerprint == want.fingerprint}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="*", default=[32, 8])
@@ -135,10 +164,16 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--search", action="store_true", help="the whole 3D search, in bf16 and fp32")
+    ap.add_argument(
+        "--microbatch", action="store_true", help="one micro-batch graph, from two layers and from all"
+    )
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     cluster = autopar.Cluster.preset("H100-SXM", gpus_per_node=8, nodes=args.nodes)
     print(f"cluster: {cluster.describe()}; batch {args.batch} × {args.seq} tokens")
+    if args.microbatch:
+        microbatch(args.layers[0], args.batch, args.seq)
+        return
     if args.search:
         for dtype in (torch.bfloat16, torch.float32):
             search(dtype, args.batch, args.seq, cluster)

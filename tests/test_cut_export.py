@@ -51,7 +51,7 @@ def _stack_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 def test_the_outermost_repeated_list_is_cut_to_two_and_restored():
     model = _Stack()
     assert repeated_lists(model) == {"blocks": 5}  # not each block's experts: they are cut with it
-    with cut_lists(model, {"blocks": 5}):
+    with cut_lists(model, {"blocks": 2}):
         assert len(model.blocks) == 2 and len(list(model.blocks.parameters())) == 2 * 10
     assert len(model.blocks) == 5 and [n for n, _ in model.blocks.named_children()] == list("01234")
     two = _Stack(layers=2)  # two blocks are not cut; the experts in each are
@@ -104,14 +104,84 @@ def test_micro_batch_graph_from_the_cut_model_is_the_micro_batch_export(kind):
     assert g == w
 
 
-def test_layers_unlike_the_second_fall_back_to_the_symbolic_export():
-    """From the third block on, an op more: no match, said where, and the graph still the micro-
-    batch's (from the whole model's symbolic export)."""
+class _Odd(nn.Module):
+    """``_Stack``'s blocks with, from block 2 on, every other block doubling its output (two kinds
+    of layer after the first two), and ``between`` an op after every block but the last."""
+
+    def __init__(self, between: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_Block(i, odd_from=0 if i >= 2 and i % 2 else None) for i in range(7))
+        self.head = nn.Linear(16, 3)
+        self.between = between
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h)
+            if self.between and i < len(self.blocks) - 1:
+                h = h.roll(1, 0)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("between", [False, True])
+def test_layers_of_several_kinds_each_match_the_first_of_theirs(between):
+    """Blocks 0, 1, 2 (plain), 3 (doubling), 4, 5, … alternating: each is matched with the first
+    block from 1 on whose ops are its own — with ops between the blocks, the last with a later one,
+    so that every block matched is followed by them in the cut model — and the graph is the micro-
+    batch's export, without the whole model's symbolic export."""
+    from autopar.cut_export import plan_cuts
+
     torch.manual_seed(0)
-    model, inputs = _Stack(odd_from=2), _stack_inputs()
+    model, inputs = _Odd(between), _stack_inputs()
+    whole = capture(model, inputs)
+    cut = plan_cuts(whole.raw.graph_module.graph, repeated_lists(model))["blocks"]
+    assert cut.template == ((0, 1, 1, 3, 1, 3, 4) if between else (0, 1, 1, 3, 1, 3, 1))
+    graphs = MicrobatchCaptures(model, inputs, whole=whole)
+    got = graphs(2)
+    assert graphs.cut_failure is None and graphs._symbolic is None
+    want = capture(model, microbatch_inputs(*normalize_inputs(inputs), 2))
+    assert graph_record(got.gm, ops=True) == graph_record(want.gm, ops=True)
+
+
+class _ScaledBetween(_Stack):
+    """After each block, a scale of its own: the blocks alike, what runs between them not."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h) * (1.0 + i / 10)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+class _ScaledBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class _Scaled(_Stack):
+    """Each block scaling its output by a constant of its own: no two blocks alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock(i) for i in range(5))
+        for i, b in enumerate(self.blocks):
+            b.scale = 1.0 + i / 10
+
+
+@pytest.mark.parametrize("kind", ["unlike", "between"])
+def test_layers_unlike_each_other_or_their_template_fall_back_to_the_symbolic_export(kind):
+    """No two blocks alike: not cut, said so; blocks alike but what runs between them not: no
+    match, said where. Either way the graph is still the micro-batch's (from the whole model's
+    symbolic export)."""
+    torch.manual_seed(0)
+    model, inputs = (_Scaled() if kind == "unlike" else _ScaledBetween()), _stack_inputs()
     graphs = MicrobatchCaptures(model, inputs, whole=capture(model, inputs))
     got = graphs(2)
-    assert graphs.cut_failure is not None and "blocks.2" in graphs.cut_failure, graphs.cut_failure
+    if kind == "unlike":
+        assert graphs.cut_failure == "no list of layers repeats its layers' ops"
+    else:
+        assert graphs.cut_failure.startswith("NotAligned") and "after blocks.2" in graphs.cut_failure
     assert graphs.symbolic_failure is None and graphs._symbolic is not None
     want = capture(model, microbatch_inputs(*normalize_inputs(inputs), 2))
     assert got.fingerprint == want.fingerprint
