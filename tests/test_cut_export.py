@@ -89,7 +89,7 @@ def test_micro_batch_graph_from_the_cut_model_is_the_micro_batch_export(kind):
     if kind == "stack":
         model, inputs = _Stack(), _stack_inputs()
     else:
-        model, inputs = (_llama if kind == "llama" else _t5)(4)
+        model, inputs = _llama(3) if kind == "llama" else _t5(4)
     whole = capture(model, inputs)
     assert whole.raw is not None
     graphs = MicrobatchCaptures(model, inputs, whole=whole)
