@@ -152,7 +152,7 @@ def microbatch(layers: int, batch: int, seq: int, m: int = 8) -> None:
     t3 = time.perf_counter()
     print(
         f"LLaMA {layers} layers, batch {batch} x {seq}, one of {m} micro-batches: capture {t1 - t0:.2f} s | "
-        f"from the cut model {t2 - t1:.2f} s ({cut.cut_failure or 'read from two layers'}) | from the whole "
+        f"from the cut model {t2 - t1:.2f} s ({cut.cut_failure or 'cut model used'}) | from the whole "
         f"model's symbolic export {t3 - t2:.2f} s | same graph: {got.fingerprint == want.fingerprint}"
     )
 
