@@ -9,7 +9,7 @@ than this machine's memory can be planned.
 
 **Micro-batches** (``autopar.microbatch``): a pipelined plan or gradient accumulation runs the
 graph of one micro-batch, specialised from one export with a symbolic batch (of the model cut to
-two of its repeated layers where it has them, ``autopar.cut_export``: ``capture`` then keeps the
+one of each kind of its repeated layers where it has them, ``autopar.cut_export``: ``capture`` then keeps the
 export as the exporter gave it, ``Captured.raw``).
 
 ``Captured`` keeps what later stages need: the graph, which placeholder is which parameter /

@@ -384,20 +384,14 @@ def specialise_aligned(
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(full.graph, env))
-    copy_of = {n: env[n] for n in full.graph.nodes if n in env}
     for n, c in match.items():
-        new = copy_of[n]
+        new = env[n]
         if n.op == "call_function" and n not in views:
             new.args = _args(new.args, c.args, at)
             new.kwargs = _args(new.kwargs, c.kwargs, at)
-    vals: dict[torch.fx.Node, Any] = {}
-    for n in full.graph.nodes:
-        if "val" not in n.meta or n.op == "output":
-            continue
-        c = match.get(n)
-        vals[copy_of[n]] = _value(n, c, at, make_val)
-    for new, v in vals.items():
-        new.meta["val"] = v
+    for n in full.graph.nodes:  # the copy's meta is its own dict: the original keeps its values
+        if "val" in n.meta and n.op != "output":
+            env[n].meta["val"] = _value(n, match.get(n), at, make_val)
     return torch.fx.GraphModule(full, graph)
 
 

@@ -6,7 +6,7 @@ that graph for any ``m``: the model is exported once with its batch dimension sy
 micro-batch's graph is that export *specialised* — the batch symbol replaced by its value in every
 size argument and in every node's ``val`` — which takes a fraction of an export (0.6 s against
 5–7 s for LLaMA-3-8B's whole-batch capture). A model with repeated layers is exported with a
-symbolic batch cut to two of them, and its micro-batch graphs are the whole batch's concrete export
+symbolic batch cut to one layer of each kind, and its micro-batch graphs are the whole batch's concrete export
 with the sizes read from that (``autopar.cut_export``: 2.6 s against 10–17 s for LLaMA-3-8B's
 32 layers); where its layers differ, the whole model is exported with a symbolic batch. A model
 that cannot be exported with a symbolic batch (its code branches on the batch size) is exported

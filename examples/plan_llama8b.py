@@ -17,7 +17,7 @@ meta device, one global batch of 64 × 8192 tokens.
     python examples/plan_llama8b.py --search   # the 3D search, bf16 and fp32
     python examples/plan_llama8b.py --microbatch   # one micro-batch graph, two ways
 
-* ``--microbatch``: the graph of one of 8 micro-batches read from the model cut to two layers
+* ``--microbatch``: the graph of one of 8 micro-batches read from the model cut to one layer of each kind
   (``autopar.cut_export``) against specialising an export of all 32 layers with a symbolic batch,
   each timed after the whole batch's capture, and whether both give the same graph (fingerprint).
 """
@@ -165,7 +165,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--search", action="store_true", help="the whole 3D search, in bf16 and fp32")
     ap.add_argument(
-        "--microbatch", action="store_true", help="one micro-batch graph, from two layers and from all"
+        "--microbatch",
+        action="store_true",
+        help="one micro-batch graph, from the cut model and from all layers",
     )
     args = ap.parse_args()
     warnings.simplefilter("ignore")

@@ -1,4 +1,4 @@
-"""Micro-batch graphs read from a model cut to two layers (``autopar.cut_export``): the same graph,
+"""Micro-batch graphs read from a model cut to one layer of each kind (``autopar.cut_export``): the same graph,
 node for node, as exporting the micro-batch itself, and the whole model's symbolic export never
 made; a model whose layers differ falls back to it and still gets that graph."""
 
