@@ -219,15 +219,12 @@ class PlanConfig:
             fail(f"memory_reserve is a fraction of the device's memory in [0, 1), got {r!r}")
         if self.mesh_shape is not None:
             shape = tuple(self.mesh_shape)
-            if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+            if not shape or not all(_whole(n, 1) for n in shape):
                 fail(f"mesh_shape must be a tuple of positive integers, got {self.mesh_shape!r}")
             object.__setattr__(self, "mesh_shape", shape)
         if self.meshes is not None:
             shapes = tuple(tuple(m) for m in self.meshes)
-            if not shapes or any(
-                not m or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in m)
-                for m in shapes
-            ):
+            if not shapes or any(not m or not all(_whole(n, 1) for n in m) for m in shapes):
                 fail(
                     f"meshes must be a non-empty tuple of meshes (tuples of positive integers), got {self.meshes!r}"
                 )
@@ -272,16 +269,14 @@ class PlanConfig:
             fail(
                 f"screen_gap must lie in [relative_gap, 1) = [{self.relative_gap}, 1), got {self.screen_gap!r}"
             )
-        if self.pp not in ("auto", "search") and (
-            not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1
-        ):
+        if self.pp not in ("auto", "search") and not _whole(self.pp, 1):
             fail(f"pp must be a positive integer, 'auto' or 'search', got {self.pp!r}")
         if self.recompute not in ("none", "selective", "full", "ops", "auto"):
             fail(f"recompute must be 'none', 'selective', 'full', 'ops' or 'auto', got {self.recompute!r}")
         layers = self.recompute_layers
         if layers is not None:
             ordinals = layers if isinstance(layers, tuple) else (layers,)
-            if not ordinals or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in ordinals):
+            if not ordinals or not all(_whole(k, 0) for k in ordinals):
                 fail(
                     f"recompute_layers must be a positive number of layers or a tuple of layer ordinals "
                     f"(0 is the first repeated layer), got {layers!r}"
@@ -295,15 +290,13 @@ class PlanConfig:
                     f"recompute_layers={layers!r} names layers to recompute, but recompute='none': give "
                     f"recompute='selective', 'full', 'ops' or 'auto'"
                 )
-        f = self.activations_in_flight
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-            fail(f"activations_in_flight must be a positive number of micro-batches, got {f!r}")
-        f = self.microbatches_per_sync
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-            fail(f"microbatches_per_sync must be a positive number of micro-batches, got {f!r}")
+        for what in ("activations_in_flight", "microbatches_per_sync"):
+            f = getattr(self, what)
+            if not _whole(f, 1):
+                fail(f"{what} must be a positive number of micro-batches, got {f!r}")
         for what in ("microbatches", "virtual"):
             v = getattr(self, what)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and not _whole(v, 1):
                 fail(f"{what} must be a positive integer or None (searched), got {v!r}")
         if self.schedule is not None:
             from autopar.schedule import SCHEDULES
@@ -331,7 +324,7 @@ class PlanConfig:
                 f"got {self.float32_matmul_precision!r}"
             )
         a = self.offload_activations
-        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 0):
+        if a is not None and not _whole(a, 0):
             fail(
                 f"offload_activations is a number of repeated layers (≥ 0) or None (the search decides), got {a!r}"
             )
@@ -349,13 +342,13 @@ class PlanConfig:
                 f"reduction), got {self.compression!r}"
             )
         r = self.compression_rank
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        if not _whole(r, 1):
             fail(
                 f"compression_rank must be a whole number ≥ 1 (PowerSGD sends (m + n) · rank values for "
                 f"an m × n gradient), got {r!r}"
             )
         w = self.compression_warmup
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        if not _whole(w, 0):
             fail(f"compression_warmup must be a whole number of steps ≥ 0, got {w!r}")
         d = self.compression_density
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
@@ -379,7 +372,7 @@ class PlanConfig:
             split[name] = tuple(axes)
         object.__setattr__(self, "state_split", split)
         cut = dict(self.stage_of or {})
-        if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in cut.values()):
+        if not all(_whole(k, 0) for k in cut.values()):
             fail("stage_of maps captured node names to stage numbers ≥ 0 (a plan's PipelinePlan.stage_of)")
         object.__setattr__(self, "stage_of", cut)
         if cut and (not isinstance(self.pp, int) or self.microbatches is None):
@@ -444,6 +437,11 @@ class PlanConfig:
         merged = dict(self.fixed)
         merged.update({k: ((v,) if isinstance(v, str) else tuple(v)) for k, v in fixed.items()})
         return self.replace(fixed=merged)
+
+
+def _whole(v: object, least: int) -> bool:
+    """Whether ``v`` is a whole number (an ``int``, not a ``bool``) of at least ``least``."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def stage_plan_budget(device_budget: float, pp: int) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["FP8_MAX", "METHODS", "GradCompression", "powersgd_matrix", "topk_count"]
@@ -89,13 +89,8 @@ class GradCompression:
         }[self.method]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "rank": self.rank,
-            "min_compression_rate": self.min_compression_rate,
-            "warmup_steps": self.warmup_steps,
-            "density": self.density,
-        }
+        """Every field by its name (the plan file's ``compression``)."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GradCompression:

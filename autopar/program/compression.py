@@ -163,10 +163,14 @@ class _ErrorFeedback(torch.nn.Module):
         self.e: torch.Tensor | None
         self.register_buffer("e", None, persistent=False)
 
-    def _error(self, x: torch.Tensor) -> torch.Tensor:
+    def _begin(self, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """One more call on ``x``: the group's size, this rank in it, and the error kept for a
+        buffer of ``x``'s size (zeros where there is none yet)."""
+        self.calls += 1
+        size, me = _group_size_rank(self.group_name)
         if self.e is None or self.e.numel() != x.numel():
             self.e = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
-        return self.e
+        return size, me, self.e
 
 
 def _dequantized(rows: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -185,9 +189,7 @@ class Fp8Reduce(_ErrorFeedback):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from autopar.grad_compression import FP8_MAX
 
-        self.calls += 1
-        size, me = _group_size_rank(self.group_name)
-        e = self._error(x)
+        size, me, e = self._begin(x)
         numel = x.numel()
         chunk = -(-numel // size)
         m = torch.zeros(size * chunk, dtype=torch.float32, device=x.device)
@@ -226,9 +228,7 @@ class TopKReduce(_ErrorFeedback):
         return f"k={self.k}, group={self.group_name}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        size, _ = _group_size_rank(self.group_name)
-        e = self._error(x)
+        size, _, e = self._begin(x)
         m = x.reshape(-1).float() + e
         k = min(self.k, m.numel())
         idx = m.abs().topk(k, sorted=False).indices
