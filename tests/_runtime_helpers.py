@@ -136,7 +136,6 @@ def sharded_specs(model: nn.Module, inputs: Any, world: int) -> dict[str, tuple[
 
 
 MODES_2 = ("auto", "megatron", "dp", "sp", "zero2", "zero3")
-MODES_4 = ("auto", "megatron", "tp2dp2", "dp", "sp", "zero2", "zero3")
 
 
 def make_plan(mode: str, model: nn.Module, inputs: Any, world: int):

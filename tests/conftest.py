@@ -137,6 +137,15 @@ def gpt2_plan(a100x8: autopar.Cluster) -> autopar.Plan:
     return autopar.plan(gpt2(), lm_batch(8, 32, 256), a100x8, mesh_shape=(8,))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``--dist loadscope``, modules are handed to the workers in the order collected
+    (``pytest_collection_modifyitems``), not re-sorted by how many tests each has: pytest-xdist's
+    default would start the modules of many short tests first and leave those of a few long spawned
+    tests (tens of seconds each) for the end, one running alone while the other worker idles."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules that spawn processes (a test marked ``distributed``) run first, each kept whole.
 

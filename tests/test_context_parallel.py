@@ -364,6 +364,17 @@ def reference(kind: str, rows: int, optimizer: str) -> tuple[list[float], dict[s
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+TRAINED_FORMS = {
+    "all_gather": ("gpt2", "llama"),
+    "a2a": ("llama", "gpt"),
+    "p2p": H.MODELS,
+    "striped": ("gpt2", "llama"),
+}
+"""The models each form of attention trains on 2 processes: the ring (``p2p``, the most
+machinery) on all three; the gather and the all-to-all on LLaMA (grouped key-value heads) and one
+other each, the striped ring on GPT-2 and LLaMA (planned on all three)."""
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"{w} processes")
@@ -375,8 +386,8 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
     if world == 2:
         plans = {
             f"{k} cp=2 {c}": (k, ROWS, cp_plan(k, 2, comm=c))
-            for k in H.MODELS
             for c in ("all_gather", "a2a", "p2p")
+            for k in TRAINED_FORMS[c]
         }
         model, inputs = build("llama")
         plans["llama cp=2 p2p full recompute"] = (
@@ -389,7 +400,8 @@ def test_context_parallel_trains_like_one_process(world: int) -> None:
         for k in H.MODELS:
             striped = striped_plan(k)
             assert all("S(2)x8" in n.inputs[0] for n in attention_nodes(striped)), k
-            plans[f"{k} cp=2 striped"] = (k, ROWS, striped)
+            if k in TRAINED_FORMS["striped"]:
+                plans[f"{k} cp=2 striped"] = (k, ROWS, striped)
         dp = autopar.layouts.megatron(*build("llama", 2), autopar.Cluster.local(2), tp=1)
         assert tuple(dp.mesh_shape) == (2, 1)
         plans["llama dp=2 tp=1"] = ("llama", 2, dp)

@@ -7,6 +7,13 @@ parallelism over all devices, tp = 2 × dp = 2 on 4 devices, pure data paralleli
 sequence parallelism, and ZeRO stages 2 and 3 (parameters stored sharded, gathered for use). Each
 runs with AdamW and with SGD; tolerances are explained in ``_runtime_helpers``. One spawn per
 world size (a module fixture) builds every model's layouts one after another in one process group.
+
+On 2 processes every model runs every layout. On 4, every model runs the auto plan and the 2-D
+mesh, and each 1-D layout runs on one or two models (``MODES_4``): tensor and sequence parallelism
+over 4 on LLaMA, whose 2 key-value heads are then fewer than the devices; ZeRO-2 on GPT-2 (a
+tied embedding) and ZeRO-3 on GPT-2 and our GPT; data parallelism on our GPT. Every layout on
+every model again would repeat the 2-process run with larger groups, at two thirds of this
+module's time.
 """
 
 from __future__ import annotations
@@ -22,7 +29,16 @@ from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar. no sharding rule")
 
-MODES = {2: H.MODES_2, 4: H.MODES_4}
+MODES_4 = {
+    "gpt2": ("auto", "tp2dp2", "zero2", "zero3"),
+    "llama": ("auto", "megatron", "tp2dp2", "sp"),
+    "gpt": ("auto", "tp2dp2", "dp", "zero3"),
+}
+"""The layouts each model runs on 4 processes (module docstring)."""
+
+
+def modes(world: int, kind: str) -> tuple[str, ...]:
+    return H.MODES_2 if world == 2 else MODES_4[kind]
 
 
 def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -94,7 +110,7 @@ def runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, dict[str, Any]]
     plans_by_kind = {}
     for kind in H.MODELS:
         model, inputs = H.build(kind)
-        plans_by_kind[kind] = {mode: H.make_plan(mode, model, inputs, world) for mode in MODES[world]}
+        plans_by_kind[kind] = {mode: H.make_plan(mode, model, inputs, world) for mode in modes(world, kind)}
     return world, plans_by_kind, spawn(kinds_worker, world, plans_by_kind, timeout=540)
 
 
@@ -123,22 +139,24 @@ def test_training_matches_one_process(kind: str, runs: Any) -> None:
     assert all(r["captured"] for r in res.values()), {m: r["captured"] for m, r in res.items()}
     assert math.prod(res["auto"]["mesh"]) == world
     assert "lm_head.weight" in res["auto"]["adamw"][1]  # tied to the embedding in GPT-2 and our GPT
-    # ZeRO-3 gathers a parameter again in backward where the op that used it saved it (a matmul);
-    # an embedding lookup saves only the ids. ZeRO-2 keeps what it gathered.
-    users = _gathered_param_users(plans["zero3"])
-    zero3 = sum(res["zero3"]["counts"].values(), Counter())
-    if users - {"embedding"}:
-        assert zero3["all_gather/bwd"] > 0 and res["zero3"]["regathers"] > 0, (
-            f"ZeRO-3 must gather parameter shards again in backward (gathered for {users}): {dict(zero3)}"
-        )
-    else:
-        assert res["zero3"]["regathers"] == 0, users
-    # The ZeRO-3 prefetch runs on gloo: a layer's gathers in flight together, none of them on the
-    # functional op's coalesced path, which corrupts gloo's heap so (passes.gather_buffers).
-    assert res["zero3"]["in_flight"] >= 2, res["zero3"]["in_flight"]
     assert all(r["coalesced"] == 0 for r in res.values()), {m: r["coalesced"] for m, r in res.items()}
-    assert _gathered_param_users(plans["zero2"]), "the ZeRO-2 plan gathers no parameter"
-    assert res["zero2"]["regathers"] == 0, "ZeRO-2 keeps the gathered parameters for backward"
+    if "zero3" in plans:
+        # ZeRO-3 gathers a parameter again in backward where the op that used it saved it (a
+        # matmul); an embedding lookup saves only the ids.
+        users = _gathered_param_users(plans["zero3"])
+        zero3 = sum(res["zero3"]["counts"].values(), Counter())
+        if users - {"embedding"}:
+            assert zero3["all_gather/bwd"] > 0 and res["zero3"]["regathers"] > 0, (
+                f"ZeRO-3 must gather parameter shards again in backward (gathered for {users}): {dict(zero3)}"
+            )
+        else:
+            assert res["zero3"]["regathers"] == 0, users
+        # The ZeRO-3 prefetch runs on gloo: a layer's gathers in flight together, none of them on
+        # the functional op's coalesced path, which corrupts gloo's heap so (passes.gather_buffers).
+        assert res["zero3"]["in_flight"] >= 2, res["zero3"]["in_flight"]
+    if "zero2" in plans:  # ZeRO-2 keeps what it gathered
+        assert _gathered_param_users(plans["zero2"]), "the ZeRO-2 plan gathers no parameter"
+        assert res["zero2"]["regathers"] == 0, "ZeRO-2 keeps the gathered parameters for backward"
 
 
 def _gathered_param_users(plan: Any) -> set[str]:
