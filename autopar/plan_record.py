@@ -292,12 +292,16 @@ def _split_gain(s: Strategy, options: Sequence[Strategy], mesh: tuple[int, ...])
 
     out = []
     for a, n in enumerate(mesh):
-        alike = [t for t in options if pattern(t, a) == pattern(s, a)]
-        split = [t.compute_time for t in alike if t.split and t.split[a]]
-        whole = [t.compute_time for t in alike if not (t.split and t.split[a])]
         if n <= 1:
             out.append(0.0)
-        elif not split or not whole or min(whole) <= 0:
+            continue
+        mine = pattern(s, a)
+        split: list[float] = []
+        whole: list[float] = []
+        for t in options:
+            if pattern(t, a) == mine:
+                (split if t.split and t.split[a] else whole).append(t.compute_time)
+        if not split or not whole or min(whole) <= 0:
             out.append(-1.0)
         else:
             out.append(max(0.0, 1 - min(split) / min(whole)))
