@@ -137,22 +137,23 @@ def gpt2_plan(a100x8: autopar.Cluster) -> autopar.Plan:
     return autopar.plan(gpt2(), lm_batch(8, 32, 256), a100x8, mesh_shape=(8,))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Under ``--dist loadscope``, modules are handed to the workers in the order collected
-    (``pytest_collection_modifyitems``), not re-sorted by how many tests each has: pytest-xdist's
-    default would start the modules of many short tests first and leave those of a few long spawned
-    tests (tens of seconds each) for the end, one running alone while the other worker idles."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
+SPAWNED = "spawned"
+"""The ``xdist_group`` of every module that spawns processes (``pytest_collection_modifyitems``)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules that spawn processes (a test marked ``distributed``) run first, each kept whole.
-
-    With the README's ``-n 2 --dist loadscope`` (pytest-xdist: a module's tests, and so its
-    module-scoped spawn fixtures, stay on one worker) the long multi-process modules then start
-    at once, and the short single-process ones fill the workers' tails instead of one long module
-    running alone at the end. Serially the order changes nothing a test depends on.
+    """Each test module is one ``xdist_group`` (its module-scoped fixtures built once), except that
+    the modules that spawn processes (a test marked ``distributed``) are one group together, so
+    the README's ``-n 2 --dist loadgroup`` runs them one after another on one worker while the
+    other runs the single-process modules. Two spawned runs side by side put 4 to 8 busy
+    processes on 2 cores, and a rank's every collective then waits for its peers to be scheduled
+    again: the suite took 1728 s so (spawned modules started together on both workers) and
+    1486-1555 s where xdist's order mixed them with single-process ones. The spawned modules come
+    first in the collection; serially the order changes nothing a test depends on.
     """
-    heavy = {item.module.__name__ for item in items if item.get_closest_marker("distributed") is not None}
-    items.sort(key=lambda item: item.module.__name__ not in heavy)  # stable: each module stays in order
+    spawned = {item.module.__name__ for item in items if item.get_closest_marker("distributed") is not None}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(SPAWNED if name in spawned else name))
+    items.sort(key=lambda item: item.module.__name__ not in spawned)  # stable: each module stays in order
