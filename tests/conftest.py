@@ -137,23 +137,9 @@ def gpt2_plan(a100x8: autopar.Cluster) -> autopar.Plan:
     return autopar.plan(gpt2(), lm_batch(8, 32, 256), a100x8, mesh_shape=(8,))
 
 
-SPAWNED = "spawned"
-"""The ``xdist_group`` of every module that spawns processes (``pytest_collection_modifyitems``)."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test module is one ``xdist_group`` (its module-scoped fixtures built once), except that
-    the modules that spawn processes (a test marked ``distributed``) are one group together, so
-    the README's ``-n 2 --dist loadgroup`` runs them one after another on one worker while the
-    other runs the single-process modules. Two spawned runs side by side put 4 to 8 busy
-    processes on 2 cores, and a rank's every collective then waits for its peers to be scheduled
-    again: the suite took 1728 s so (spawned modules started together on both workers) and
-    1486-1555 s where xdist's order mixed them with single-process ones. The spawned modules come
-    first in the collection; serially the order changes nothing a test depends on.
-    """
-    spawned = {item.module.__name__ for item in items if item.get_closest_marker("distributed") is not None}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(SPAWNED if name in spawned else name))
-    items.sort(key=lambda item: item.module.__name__ not in spawned)  # stable: each module stays in order
+# Test order under the README's ``-n 2 --dist loadscope``: pytest-xdist hands whole modules to the
+# two workers, those with the most tests first (its default reorder), which mixes the modules that
+# spawn processes with single-process ones. Measured on this 2-core machine (stop 55): that order
+# ran the suite in 1486-1555 s; the spawning modules first on both workers in 1728 s, and all of
+# them on one worker (``--dist loadgroup``) in over 1700 s. Two spawned runs side by side put 4 to
+# 8 busy processes on 2 cores, and each collective of a rank waits for its peers to be scheduled.

@@ -136,7 +136,7 @@ def test_full_recomputation_keeps_no_dropout_mask():
     element of both residual-branch dropouts of every layer) below the old rule, which kept them."""
     from autopar.graph import op_name
     from autopar.models import GPT, GPTConfig
-    from autopar.passes import strategies
+    from autopar.passes import strategy_cost
 
     layers, hidden, seq, batch = 4, 256, 256, 8
     with torch.device("meta"):
@@ -152,10 +152,14 @@ def test_full_recomputation_keeps_no_dropout_mask():
         ).predicted.memory_per_device
 
     full, none = plan("full"), plan("none")
-    rule = strategies.recomputed
-    with pytest.MonkeyPatch.context() as mp:  # the old rule: random ops never recomputed
+    rule = strategy_cost.recomputed
+    with (
+        pytest.MonkeyPatch.context() as mp
+    ):  # the old rule, where strategies are priced: random ops never recomputed
         mp.setattr(
-            strategies, "recomputed", lambda n, m, layers=None: op_name(n) != "dropout" and rule(n, m, layers)
+            strategy_cost,
+            "recomputed",
+            lambda n, m, layers=None: op_name(n) != "dropout" and rule(n, m, layers),
         )
         kept = plan("full")
     assert full < kept < none
