@@ -140,6 +140,6 @@ def gpt2_plan(a100x8: autopar.Cluster) -> autopar.Plan:
 # Test order under the README's ``-n 2 --dist loadscope``: pytest-xdist hands whole modules to the
 # two workers, those with the most tests first (its default reorder), which mixes the modules that
 # spawn processes with single-process ones. Measured on this 2-core machine (stop 55): that order
-# ran the suite in 1486-1555 s; the spawning modules first on both workers in 1728 s, and all of
+# ran the suite in 1486-1566 s; the spawning modules first on both workers in 1728 s, and all of
 # them on one worker (``--dist loadgroup``) in over 1700 s. Two spawned runs side by side put 4 to
 # 8 busy processes on 2 cores, and each collective of a rank waits for its peers to be scheduled.

@@ -12,8 +12,7 @@ On 2 processes every model runs every layout. On 4, every model runs the auto pl
 mesh, and each 1-D layout runs on one or two models (``MODES_4``): tensor and sequence parallelism
 over 4 on LLaMA, whose 2 key-value heads are then fewer than the devices; ZeRO-2 on GPT-2 (a
 tied embedding) and ZeRO-3 on GPT-2 and our GPT; data parallelism on our GPT. Every layout on
-every model again would repeat the 2-process run with larger groups, at two thirds of this
-module's time.
+every model again would repeat the 2-process run with larger groups (21 layouts instead of 12).
 """
 
 from __future__ import annotations
