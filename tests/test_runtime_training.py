@@ -8,11 +8,12 @@ sequence parallelism, and ZeRO stages 2 and 3 (parameters stored sharded, gather
 runs with AdamW and with SGD; tolerances are explained in ``_runtime_helpers``. One spawn per
 world size (a module fixture) builds every model's layouts one after another in one process group.
 
-On 2 processes every model runs every layout. On 4, every model runs the auto plan and the 2-D
-mesh, and each 1-D layout runs on one or two models (``MODES_4``): tensor and sequence parallelism
-over 4 on LLaMA, whose 2 key-value heads are then fewer than the devices; ZeRO-2 on GPT-2 (a
-tied embedding) and ZeRO-3 on GPT-2 and our GPT; data parallelism on our GPT. Every layout on
-every model again would repeat the 2-process run with larger groups (21 layouts instead of 12).
+Each model runs each layout once, on 2 processes or on 4 (``MODES``). On 4: every model's auto
+plan and 2-D mesh; tensor and sequence parallelism over 4 on LLaMA, whose 2 key-value heads are
+then fewer than the devices; ZeRO-2 on GPT-2 (a tied embedding), ZeRO-3 on GPT-2 and our GPT, data
+parallelism on our GPT. Each model's other layouts run on 2, and GPT-2's auto plan. Every layout on
+every model on both world sizes would be 39 layouts instead of 22, and each costs every rank a
+trace of its step program (most of the suite's time).
 """
 
 from __future__ import annotations
@@ -28,16 +29,24 @@ from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:autopar. no sharding rule")
 
-MODES_4 = {
-    "gpt2": ("auto", "tp2dp2", "zero2", "zero3"),
-    "llama": ("auto", "megatron", "tp2dp2", "sp"),
-    "gpt": ("auto", "tp2dp2", "dp", "zero3"),
+MODES = {
+    2: {
+        "gpt2": ("auto", "megatron", "dp", "sp"),
+        "llama": ("dp", "zero2", "zero3"),
+        "gpt": ("megatron", "sp", "zero2"),
+    },
+    4: {
+        "gpt2": ("auto", "tp2dp2", "zero2", "zero3"),
+        "llama": ("auto", "megatron", "tp2dp2", "sp"),
+        "gpt": ("auto", "tp2dp2", "dp", "zero3"),
+    },
 }
-"""The layouts each model runs on 4 processes (module docstring)."""
+"""The layouts each model runs on 2 and on 4 processes (module docstring): together, every
+layout of ``_runtime_helpers.MODES_2`` and ``tp2dp2`` once on every model."""
 
 
 def modes(world: int, kind: str) -> tuple[str, ...]:
-    return H.MODES_2 if world == 2 else MODES_4[kind]
+    return MODES[world][kind]
 
 
 def train_worker(rank: int, world: int, kind: str, plans: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -136,8 +145,9 @@ def test_training_matches_one_process(kind: str, runs: Any) -> None:
 
     res = results[0]
     assert all(r["captured"] for r in res.values()), {m: r["captured"] for m, r in res.items()}
-    assert math.prod(res["auto"]["mesh"]) == world
-    assert "lm_head.weight" in res["auto"]["adamw"][1]  # tied to the embedding in GPT-2 and our GPT
+    if "auto" in res:
+        assert math.prod(res["auto"]["mesh"]) == world
+        assert "lm_head.weight" in res["auto"]["adamw"][1]  # tied to the embedding in GPT-2 and our GPT
     assert all(r["coalesced"] == 0 for r in res.values()), {m: r["coalesced"] for m, r in res.items()}
     if "zero3" in plans:
         # ZeRO-3 gathers a parameter again in backward where the op that used it saved it (a
