@@ -344,10 +344,15 @@ def train_worker(rank: int, world: int, plans: dict[str, Any]) -> dict[str, Any]
     H.quiet()
     out: dict[str, Any] = {}
     cluster = autopar.Cluster.local(world)
+    built: dict[tuple[str, int], tuple[Any, Any, dict[str, torch.Tensor], Any]] = {}
     for label, (kind, rows, plan) in plans.items():
-        model, inputs = build(kind, rows)
-        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        pm = autopar.parallelize(model, cluster, inputs, plan=plan)
+        if (kind, rows) not in built:  # each model captured once, its layouts built from that
+            model, inputs = build(kind, rows)
+            initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            built[(kind, rows)] = (model, inputs, initial, autopar.capture(model, inputs))
+        model, inputs, initial, cap = built[(kind, rows)]
+        piped = plan.pipeline is not None and plan.pipeline.pp > 1  # captured on one micro-batch
+        pm = autopar.parallelize(model, cluster, inputs, plan=plan, captured=None if piped else cap)
         res = {}
         for optimizer in ("adamw", "sgd"):
             pm.load_full_state_dict(initial)
