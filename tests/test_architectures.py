@@ -195,25 +195,41 @@ def test_plans_every_parameter(name: str) -> None:
     assert plan.predicted.step_time > 0 and plan.predicted.memory_per_device > 0
 
 
+def _plans(
+    names: list[str], world: int, data_parallel: bool = False
+) -> dict[str, dict[str, autopar.Plan | None]]:
+    """Each model's two plans, made here once rather than on every rank: the Megatron layout, and
+    the auto plan (``None``: ``parallelize`` plans on rank 0 and broadcasts; ``data_parallel``: the
+    plan on a mesh of ``world`` devices, one axis). The segmentation and multi-label models' auto
+    plan is the FSDP layout: the batch split, and the losses with it."""
+    cluster = autopar.Cluster.local(world)
+    plans: dict[str, dict[str, autopar.Plan | None]] = {}
+    for name in names:
+        model, batch = build(name)
+        if name in ("segnet", "multilabel"):
+            auto = autopar.layouts.fsdp(model, batch, cluster)
+        else:
+            auto = autopar.plan(model, batch, cluster, mesh_shape=(world,)) if data_parallel else None
+        plans[name] = {"auto": auto, "megatron": autopar.layouts.megatron(model, batch, cluster, tp=world)}
+    return plans
+
+
 def _worker(
-    rank: int, world: int, names: list[str], data_parallel: bool = False
+    rank: int, world: int, plans: dict[str, dict[str, autopar.Plan | None]]
 ) -> dict[str, dict[str, list[float]]]:
-    """Each model trained under the auto plan (``data_parallel``: on a mesh of ``world`` devices,
-    one axis) and the Megatron layout."""
+    """Each model captured once and trained under each of its plans from the same initial weights
+    and buffers."""
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     out: dict[str, dict[str, list[float]]] = {}
     cluster = autopar.Cluster.local(world)
-    for name in names:
+    for name, layouts in plans.items():
+        model, batch = build(name)
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        cap = autopar.capture(model, batch)
         out[name] = {}
-        for layout in ("auto", "megatron"):
-            model, batch = build(name)
-            if layout == "megatron":
-                plan = autopar.layouts.megatron(model, batch, cluster, tp=world)
-            elif name in ("segnet", "multilabel"):  # the batch split (FSDP), and the losses with it
-                plan = autopar.layouts.fsdp(model, batch, cluster)
-            else:
-                plan = autopar.plan(model, batch, cluster, mesh_shape=(world,)) if data_parallel else None
-            pm = autopar.parallelize(model, cluster, batch, plan=plan)
+        for layout, plan in layouts.items():
+            pm = autopar.parallelize(model, cluster, batch, plan=plan, captured=cap)
+            pm.load_full_state_dict(initial)
             out[name][layout] = _train(pm, batch)
             out[name][f"{layout} captured"] = pm.step is not None
     return out
@@ -227,7 +243,7 @@ def test_train_like_one_process_beyond_gpt_and_llama() -> None:
     cross-entropy's mean split with the batch) train on 2 processes under the auto plan and the
     Megatron layout with the losses of one process (SGD: exact gradients)."""
     names = ["mixtral", "t5", "vit", "cnn", "segnet", "multilabel"]
-    results = spawn(_worker, 2, names, timeout=540)[0]
+    results = spawn(_worker, 2, _plans(names, 2), timeout=540)[0]
     # Every one of these models runs its whole step (forward and backward) as one captured program;
     # none falls back to the forward program under autograd.
     fallbacks = [
@@ -322,4 +338,4 @@ def test_newer_architectures_train_like_one_process() -> None:
     (the batch split through the newly ruled ops) and under the Megatron layout: the losses of one
     process (SGD)."""
     names = [n for n in NEWER if _available(n)]
-    _assert_one_process_losses(spawn(_worker, 2, names, True, timeout=540)[0], names)
+    _assert_one_process_losses(spawn(_worker, 2, _plans(names, 2, True), timeout=540)[0], names)
