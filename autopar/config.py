@@ -117,6 +117,10 @@ class PlanConfig:
     the 3D search also tries 1 on accumulated candidates near its fastest, ``autopar.refine``)."""
     time_limit: float = 60.0
     """Seconds CP-SAT may search one mesh before returning its best plan."""
+    work_limit: float | None = None
+    """CP-SAT's deterministic work limit per mesh (``SolverConfig.work_limit``: the same on every
+    machine); ``None``: ``time_limit`` only. The 3D search's per-activation second look sets it
+    (``autopar.refine.PER_ACTIVATION_WORK``)."""
     relative_gap: float = 0.005
     """Each mesh's plan is proven within this fraction of its optimum, and a mesh must beat the
     best one solved before or beside it by more than this (``autopar.solver``'s ``SolverConfig``
@@ -252,6 +256,15 @@ class PlanConfig:
             and self.time_limit > 0
         ):
             fail(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
+        if self.work_limit is not None and not (
+            isinstance(self.work_limit, (int, float))
+            and not isinstance(self.work_limit, bool)
+            and math.isfinite(self.work_limit)
+            and self.work_limit > 0
+        ):
+            fail(
+                f"work_limit must be a positive number of CP-SAT's work units or None, got {self.work_limit!r}"
+            )
         if not (
             isinstance(self.relative_gap, (int, float))
             and not isinstance(self.relative_gap, bool)

@@ -3,14 +3,14 @@ planned once more with a choice the search itself leaves out, its candidates joi
 so a second look wins only where it plays faster.
 
 * **fewer layers** — a candidate recomputing in every repeated layer, again with the mode in the
-  fewest layers its memory allows (``planner.fewer_layers_count``; ``PlanConfig.recompute_layers``).
+  fewest layers its memory allows (``second_look.fewer_layers_count``; ``PlanConfig.recompute_layers``).
 * **ZeRO stage 1** — an accumulated candidate (several micro-batches per gradient
   synchronization), again with stage 1 offered beside 2 and 3 (``passes.zero_stages``):
   Megatron-LM's distributed optimizer, a reduce-scatter and a gather once a step from the
   accumulated gradient where stage 2 reduce-scatters every micro-batch.
 * **per activation** — under ``recompute="auto"``, where memory shaped the fastest candidate (it
-  recomputes, or its memory reaches ``planner.MEMORY_BOUND`` of its budget): its ``(pp, m)`` with
-  ``recompute="ops"`` on the meshes it can change (``planner.bound_meshes``), the solver choosing
+  recomputes, or its memory reaches ``second_look.MEMORY_BOUND`` of its budget): its ``(pp, m)`` with
+  ``recompute="ops"`` on the meshes it can change (``second_look.bound_meshes``), the solver choosing
   which activations to recompute, node by node (``passes.recompute_ops``).
 * **gradient compression** — under ``allow_compression``, the fastest candidate with each method.
 * **offload** — where the search decides offload (``PlanConfig.offload_optimizer`` or
@@ -19,8 +19,8 @@ so a second look wins only where it plays faster.
   with no recomputation, once with the optimizer state on the host and once with the saved
   activations of every repeated layer but the last on the host (``autopar.cost.offload``), on the
   meshes memory bound where that ``(pp, m)`` was solved keeping every activation
-  (``planner.bound_meshes``; offload only frees memory), a mesh whose activation copies alone
-  outlast the best step pruned before it is formulated (``planner.activation_copy_floor``), and
+  (``second_look.bound_meshes``; offload only frees memory), a mesh whose activation copies alone
+  outlast the best step pruned before it is formulated (``second_look.activation_copy_floor``), and
   the optimizer kind's compute path held to the best step less the host's step, which follows
   the last backward (``host_step_floor``: an even share of the parameters). The
   bytes freed may hold the activations instead, trading the recomputed forward for the host's
@@ -38,7 +38,8 @@ from autopar.cost.offload import offload_step_time
 from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
-from autopar.planner import InfeasibleError, bound_meshes, fewer_layers_count, memory_bound, plan_captured
+from autopar.planner import InfeasibleError, plan_captured
+from autopar.second_look import PER_ACTIVATION_WORK, bound_meshes, fewer_layers_count, memory_bound
 from autopar.simulate import offload_figures, optimizer_settings
 from autopar.solver import NotBetter
 
@@ -77,7 +78,7 @@ kept only where it plays faster."""
 def fewer_layers(search: PipelineSearch) -> None:
     """Under ``recompute="auto"``, where the fastest candidate recomputes in every repeated layer:
     its ``(pp, m)`` planned again with the mode in the fewest layers its memory allows
-    (``planner.fewer_layers_count``), kept where faster. Only the fastest: an estimate and one
+    (``second_look.fewer_layers_count``), kept where faster. Only the fastest: an estimate and one
     solve more for each candidate doubled Table 1 row 7's planning."""
     config = search.config
     if config.recompute != "auto" or config.recompute_layers is not None or not search.scored:
@@ -126,7 +127,7 @@ def fewer_layers(search: PipelineSearch) -> None:
 def _kept(search: PipelineSearch, pp: int, m: int) -> Plan | None:
     """The fastest scored plan of ``pp`` stages and ``m`` micro-batches that keeps every
     activation on the device (no recomputation, no offload), where the search solved one: its
-    meshes' memory says which meshes memory bound (``planner.bound_meshes``)."""
+    meshes' memory says which meshes memory bound (``second_look.bound_meshes``)."""
     same = []
     for c in search.scored:
         pipe = c.plan.pipeline
@@ -155,7 +156,7 @@ def host_step_floor(plan: Plan, cluster: Cluster) -> float:
 
 def per_activation(search: PipelineSearch) -> None:
     """Under ``recompute="auto"``, where memory shaped the fastest candidate
-    (``planner.memory_bound``): its ``(pp, m)`` planned again with ``recompute="ops"``; the
+    (``second_look.memory_bound``): its ``(pp, m)`` planned again with ``recompute="ops"``; the
     candidates join the others (module docstring)."""
     config = search.config
     if config.recompute != "auto" or "per_activation" in config.disable or not search.scored:
@@ -180,7 +181,9 @@ def per_activation(search: PipelineSearch) -> None:
         spmd = plan_captured(
             cap,
             sub,
-            stage.replace(recompute="ops", recompute_layers=None, meshes=meshes),
+            stage.replace(
+                recompute="ops", recompute_layers=None, meshes=meshes, work_limit=PER_ACTIVATION_WORK
+            ),
             score=score,
             fewer_layers=False,
             path_cutoff=search.best() * pp / m,
@@ -342,7 +345,7 @@ def offloaded(search: PipelineSearch) -> None:
     assert sub is not None
     layers = len(repeated_layers(cap.gm.graph))
     # offload only frees memory (at a cost in time): a mesh whose plan kept every activation
-    # clear of the budget keeps that plan (``planner.bound_meshes``)
+    # clear of the budget keeps that plan (``second_look.bound_meshes``)
     budget = stage.device_budget
     kept_plan = _kept(search, pp, m)
     meshes = bound_meshes(kept_plan, budget) if kept_plan is not None else None

@@ -113,6 +113,11 @@ class SolverConfig:
 
     time_limit: float = 60.0
     """Seconds CP-SAT may search before returning its best plan."""
+    work_limit: float | None = None
+    """CP-SAT's deterministic time limit (``max_deterministic_time``): work units counted the same
+    on every machine, so a solve it stops ends at the same point from run to run; ``None``: only
+    ``time_limit`` bounds the search. Stopped there with no plan beating a cutoff, the solve ends
+    ``NotBetter`` (the caller wanted only a better plan)."""
     num_workers: int = 1
     """CP-SAT workers; 1 with ``linearization_level=2`` proves optimality fastest on 2 cores."""
     linearization_level: int = 2
@@ -260,6 +265,8 @@ def solve(
     proto.objective.coeffs.extend(obj_coeffs)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = config.time_limit
+    if config.work_limit is not None:
+        solver.parameters.max_deterministic_time = config.work_limit
     solver.parameters.num_workers = config.num_workers
     solver.parameters.linearization_level = config.linearization_level
     solver.parameters.random_seed = config.random_seed
@@ -308,6 +315,17 @@ def solve(
         raise NotBetter(beaten[0].objective, path_cutoff)
     if status == cp_model.INFEASIBLE and (cutoff is not None or path_cutoff is not None):
         raise NotBetter(cutoff.objective if cutoff is not None else math.inf, path_cutoff)
+    if (
+        status == cp_model.UNKNOWN
+        and config.work_limit is not None
+        and (cutoff is not None or path_cutoff is not None)
+    ):
+        # stopped by its work limit before finding a plan that meets the cutoffs
+        raise NotBetter(
+            cutoff.objective if cutoff is not None else math.inf,
+            path_cutoff,
+            f"no plan beating the cutoffs found within {config.work_limit:g} units of CP-SAT's work",
+        )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise _infeasible(graph, memory_budget)
     values = solver.response_proto.solution

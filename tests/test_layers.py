@@ -55,6 +55,7 @@ DATA = {"placement", "graph", "ir", "cluster", "devices", "capture", "canonical"
 COST = {"mesh", "config"}
 PLANNER = {
     "planner",
+    "second_look",
     "mesh_pool",
     "plan_record",
     "pipelined",

@@ -195,14 +195,15 @@ def test_offloaded_activations_leave_the_device_and_cost_the_host_link():
 
 
 def test_the_host_link_bounds_an_activation_offloading_plan_before_it_is_solved():
-    """``planner.activation_copy_floor``: every node at its smallest offloaded strategy, out and
+    """``second_look.activation_copy_floor``: every node at its smallest offloaded strategy, out and
     back over the host link; no plan copies less, and a mesh whose floor exceeds the path cutoff
     (a better plan's step) is pruned before it is formulated, saying why."""
     import dataclasses
 
     from autopar.capture import capture
     from autopar.config import PlanConfig
-    from autopar.planner import activation_copy_floor, plan_captured
+    from autopar.planner import plan_captured
+    from autopar.second_look import activation_copy_floor
     from autopar.solver import NotBetter
 
     model, inputs = _gpt(32)

@@ -235,10 +235,10 @@ def test_a_chain_of_unsaved_values_is_recomputed_but_never_through_a_fused_kerne
 
 def test_the_second_look_solves_only_the_meshes_memory_bound():
     """Recomputing relaxes the memory constraint only: a plan keeping every activation is looked at
-    again on the meshes that did not fit or reached 90 % of the budget (``planner.bound_meshes``),
+    again on the meshes that did not fit or reached 90 % of the budget (``second_look.bound_meshes``),
     not on those solved clear of it or cut off by time; a recomputing plan, on every mesh. And
     ``PlanConfig.meshes`` restricts a solve to the meshes it names."""
-    from autopar.planner import bound_meshes
+    from autopar.second_look import bound_meshes
 
     plan = _plans("llama")["none"]
     plan.info["meshes_tried"] = [

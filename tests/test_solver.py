@@ -123,6 +123,27 @@ def test_the_solver_meets_brute_force_and_its_cutoffs_refuse_exactly_what_they_s
     assert again.objective == pytest.approx(best, abs=1e-9)
 
 
+def test_a_solve_stopped_by_its_work_limit_before_any_plan_meets_the_cutoffs_is_not_better():
+    """``SolverConfig.work_limit`` (CP-SAT's deterministic time, the same on every machine): a
+    solve it stops before a plan beating the cutoffs is found ends ``NotBetter`` and says so; the
+    same solve with no limit finds the plan, so the limit, not the cutoff, ended it. A solve the
+    limit does not reach is unchanged."""
+    rng = random.Random(7)
+    graph = _random_graph(rng, 40, extra_edges=60, weights=4)
+    budget = 0.6 * sum(max(d.memory) for d in graph.decisions)
+    free = solve(graph, memory_budget=budget)
+    cut = Cutoff(free.objective * 1.01)
+    assert solve(graph, memory_budget=budget, cutoff=cut).objective == pytest.approx(free.objective, rel=0.01)
+    with pytest.raises(NotBetter, match=r"found within 1e-09 units of CP-SAT's work"):
+        solve(graph, memory_budget=budget, config=SolverConfig(work_limit=1e-9), cutoff=cut)
+    roomy = solve(graph, memory_budget=budget, config=SolverConfig(work_limit=100.0), cutoff=cut)
+    assert roomy.objective == free.objective and roomy.choice == free.choice
+    with pytest.raises(
+        ValueError, match=r"work_limit must be a positive number of CP-SAT's work units or None, got 0"
+    ):
+        autopar.PlanConfig(work_limit=0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_cutoff_is_beaten_only_by_more_than_the_relative_gap(seed):
     """Under ``relative_gap`` g a candidate whose optimum lies within g under the cutoff cannot
