@@ -119,8 +119,8 @@ class PlanConfig:
     """Seconds CP-SAT may search one mesh before returning its best plan."""
     work_limit: float | None = None
     """CP-SAT's deterministic work limit per mesh (``SolverConfig.work_limit``: the same on every
-    machine); ``None``: ``time_limit`` only. The 3D search's per-activation second look sets it
-    (``autopar.refine.PER_ACTIVATION_WORK``)."""
+    machine); ``None``: ``time_limit`` only. The per-activation second looks cap it at
+    ``autopar.second_look.PER_ACTIVATION_WORK``."""
     relative_gap: float = 0.005
     """Each mesh's plan is proven within this fraction of its optimum, and a mesh must beat the
     best one solved before or beside it by more than this (``autopar.solver``'s ``SolverConfig``

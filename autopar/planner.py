@@ -61,10 +61,10 @@ from autopar.passes.strategies import (
 from autopar.plan_record import build_plan
 from autopar.planfile import Plan
 from autopar.second_look import (
-    _fewer_layers,
     activation_copy_floor,
     bound_meshes,
     fewer_layers_count,
+    in_fewer_layers,
     memory_bound,
     per_activation,
 )
@@ -413,7 +413,7 @@ def plan_recomputing(
 ) -> Plan:
     """``recompute="auto"`` where keeping every activation gave no plan: the lightest of ``modes``
     that fits, in its fewest layers where ``kept`` (the least memory plans keeping every
-    activation reach, ``InfeasibleError.smallest``) allows the estimate (``_fewer_layers``).
+    activation reach, ``InfeasibleError.smallest``) allows the estimate (``second_look.in_fewer_layers``).
     ``pruned``: why the plan keeping every activation was cut off (``NotBetter``), raised again
     where no mode beats the cutoff either. ``fewer_layers=False``: every layer, ``kept`` recorded
     as ``plan.info["kept_memory"]`` for a later ``fewer_layers_count``. ``options``:
@@ -440,7 +440,7 @@ def plan_recomputing(
             for c in getattr(score, "played", {}).get(id(p), ()):
                 c.plan.info["kept_memory"] = kept
             if fewer_layers:
-                p = _fewer_layers(p, config.replace(recompute=mode), cluster, cap, attempt, score)
+                p = in_fewer_layers(p, config.replace(recompute=mode), cluster, cap, attempt, score)
         return p
     assert pruned is not None
     raise pruned

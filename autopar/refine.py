@@ -39,7 +39,7 @@ from autopar.passes.strategies import repeated_layers
 from autopar.pipelined import Player, Scored, stage_cluster
 from autopar.planfile import Plan
 from autopar.planner import InfeasibleError, plan_captured
-from autopar.second_look import PER_ACTIVATION_WORK, bound_meshes, fewer_layers_count, memory_bound
+from autopar.second_look import bound_meshes, fewer_layers_count, look_work, memory_bound
 from autopar.simulate import offload_figures, optimizer_settings
 from autopar.solver import NotBetter
 
@@ -181,9 +181,7 @@ def per_activation(search: PipelineSearch) -> None:
         spmd = plan_captured(
             cap,
             sub,
-            stage.replace(
-                recompute="ops", recompute_layers=None, meshes=meshes, work_limit=PER_ACTIVATION_WORK
-            ),
+            stage.replace(recompute="ops", recompute_layers=None, meshes=meshes, work_limit=look_work(stage)),
             score=score,
             fewer_layers=False,
             path_cutoff=search.best() * pp / m,

@@ -35,6 +35,8 @@ __all__ = [
     "activation_copy_floor",
     "bound_meshes",
     "fewer_layers_count",
+    "in_fewer_layers",
+    "look_work",
     "memory_bound",
     "per_activation",
 ]
@@ -52,6 +54,12 @@ the best step found, and proving that one cannot is what takes long: on Megatron
 1 with 4 micro-batches one mesh took 11.7 units (24 s on this 2-core machine) to end with no
 better plan, while every solve that found a plan, there and on LLaMA-3-8B on 64 H100, finished
 within 3.2. A solve stopped at the limit with a plan keeps it."""
+
+
+def look_work(config: PlanConfig) -> float:
+    """The work limit of a per-activation second look under ``config``: ``PER_ACTIVATION_WORK``,
+    or the caller's own ``work_limit`` where that is tighter."""
+    return PER_ACTIVATION_WORK if config.work_limit is None else min(config.work_limit, PER_ACTIVATION_WORK)
 
 
 def activation_copy_floor(gm: torch.fx.GraphModule, cluster: Cluster) -> float:
@@ -118,7 +126,7 @@ def per_activation(
         return plan
     return _second_look(
         plan,
-        config.replace(recompute="ops", recompute_layers=None, meshes=meshes, work_limit=PER_ACTIVATION_WORK),
+        config.replace(recompute="ops", recompute_layers=None, meshes=meshes, work_limit=look_work(config)),
         attempt,
         score,
         "per_activation_tried",
@@ -167,7 +175,7 @@ def fewer_layers_count(plan: Plan, cap: Captured, budget: float) -> int | None:
     return k if 1 <= k < total else None
 
 
-def _fewer_layers(
+def in_fewer_layers(
     plan: Plan,
     config: PlanConfig,
     cluster: Cluster,

@@ -142,6 +142,12 @@ def test_a_solve_stopped_by_its_work_limit_before_any_plan_meets_the_cutoffs_is_
         ValueError, match=r"work_limit must be a positive number of CP-SAT's work units or None, got 0"
     ):
         autopar.PlanConfig(work_limit=0)
+    # The per-activation second looks cap a caller's limit, never loosen it.
+    from autopar.second_look import PER_ACTIVATION_WORK, look_work
+
+    assert look_work(autopar.PlanConfig()) == PER_ACTIVATION_WORK
+    assert look_work(autopar.PlanConfig(work_limit=1.0)) == 1.0
+    assert look_work(autopar.PlanConfig(work_limit=100.0)) == PER_ACTIVATION_WORK
 
 
 @pytest.mark.parametrize("seed", range(4))
